@@ -1,0 +1,105 @@
+"""EssLatentCache: the ESS latent cache behind the reference model's latent-cache interface
+(see ess.reference.dense_cache): the Total Memory Pool on the host, the Sparse Memory Pool on the device, the LRU
+policy with warm-up, FlashTrans for misses (H2D) and for the step's own rows (D2H backup).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ess import flashtrans
+from ess.config import EssConfig
+from ess.host_pool import PAGE_TOKENS, TotalMemoryPool
+from ess.policy import lru_update
+from ess.reference.dense_cache import DecodeRows
+from ess.sparse_pool import SparseMemoryPool
+
+
+class EssLatentCache:
+    def __init__(
+        self,
+        cfg: EssConfig,
+        num_layers: int,
+        context_lens: list[int],
+        max_len: int,
+        device: torch.device | str,
+        backend: str = "auto",
+    ):
+        B = len(context_lens)
+        self.cfg = cfg
+        self.backend = backend
+        self.capacity = cfg.capacity(max_len)
+        per_request = -(-max_len // PAGE_TOKENS) * PAGE_TOKENS
+        host_tokens = cfg.host_pool_tokens(num_layers) or B * per_request
+        self.host = TotalMemoryPool(num_layers, host_tokens, B, max_len, device)
+        reqs = []
+        for _ in range(B):
+            r = self.host.alloc_request()
+            self.host.reserve(r, max_len)  # the whole request up front: no allocation inside decode steps
+            reqs.append(r)
+        self.req = torch.tensor(reqs, dtype=torch.int64, device=device)
+        self.sparse = SparseMemoryPool(num_layers, B, self.capacity, max_len, device)
+        self.num_layers = num_layers
+        self.warm: list[torch.Tensor | None] = [None] * num_layers  # per layer [B, W, K]
+        self.misses: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.set_sizes: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    # -- the latent-cache interface -------------------------------------------------------------------------
+    def prefill(self, layer: int, b: int, rows: torch.Tensor, warm_sets: torch.Tensor | None) -> None:
+        self.host.write(layer, int(self.req[b]), torch.arange(rows.shape[0], device=self.req.device), rows)
+        if warm_sets is not None and self.cfg.warmup_windows > 0:
+            if self.warm[layer] is None:
+                W, K = warm_sets.shape
+                self.warm[layer] = torch.full((len(self.req), W, K), -1, dtype=torch.int32, device=self.req.device)
+            self.warm[layer][b] = warm_sets
+
+    def start_decode(self) -> None:
+        """LRU-Warmup: replay the last W prefill top-k sets, then fetch the resulting resident rows in one gather."""
+        for layer in range(self.num_layers):
+            if self.warm[layer] is not None:
+                self.warmup_layer(layer, self.warm[layer])
+
+    def warmup_layer(self, layer: int, sets: torch.Tensor) -> None:
+        """sets [B, W', K], oldest first; the last min(W', warmup_windows) windows are used, stamped w - W."""
+        W = min(self.cfg.warmup_windows, sets.shape[1])
+        sp, st, ps = self.sparse.layer_state(layer)
+        none = torch.full_like(self.req, -1)
+        for w in range(W):
+            lru_update(sp, st, ps, self.req, sets[:, sets.shape[1] - W + w], none, w - W)
+        C = self.capacity
+        pos = sp[self.req, :C].long()
+        slots = self.req.unsqueeze(1) * C + torch.arange(C, device=pos.device)
+        slots = torch.where(pos >= 0, slots, torch.full_like(slots, -1))
+        flashtrans.gather(
+            self.host.data[layer], self.host.rows(self.req, pos).flatten(), self.sparse.data[layer], slots.flatten(), self.backend
+        )
+
+    def decode(self, layer: int, step: int, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> DecodeRows:
+        sp, st, ps = self.sparse.layer_state(layer)
+        r = lru_update(sp, st, ps, self.req, topk, pos, step)
+        host, gpu = self.host.data[layer], self.sparse.data[layer]
+        flashtrans.gather(host, self.host.rows(self.req, r.miss_pos).flatten(), gpu, r.miss_slot.flatten(), self.backend)
+        own_slot = torch.where(r.own_slot >= 0, r.own_slot, torch.full_like(r.own_slot, self.sparse.sink_slot))
+        gpu.index_copy_(0, own_slot, own_rows)
+        own_host = self.host.rows(self.req, pos.unsqueeze(1)).squeeze(1)
+        flashtrans.scatter(gpu, r.own_slot, host, own_host, self.backend)
+        self.misses[layer].append(r.n_miss)
+        self.set_sizes[layer].append(r.n_set)
+        return DecodeRows(rows=gpu[r.attn_slot.clamp(min=0)], valid=topk >= 0, hit=r.hit)
+
+    def device_bytes(self) -> int:
+        return self.sparse.device_bytes()
+
+    # -- statistics and lifecycle ---------------------------------------------------------------------------
+    def miss_counts(self) -> torch.Tensor:
+        """[B, steps, layers] int32 misses of every decode step so far."""
+        return torch.stack([torch.stack(m) for m in self.misses], dim=2).permute(1, 0, 2).cpu()
+
+    def set_size_counts(self) -> torch.Tensor:
+        """[B, steps, layers] int32 |S| of every decode step so far."""
+        return torch.stack([torch.stack(m) for m in self.set_sizes], dim=2).permute(1, 0, 2).cpu()
+
+    def release(self, b: int) -> None:
+        r = int(self.req[b])
+        self.sparse.reset(r)
+        self.host.release(r)

@@ -1,0 +1,157 @@
+"""The `ess` command. Every command that reports numbers takes --json and then prints one JSON document on stdout;
+tables go to stdout without --json, progress to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+err = Console(stderr=True)
+
+
+class _Progress:
+    """A rich progress bar on stderr, one task per phase name."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        if self.enabled:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.stop()
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if phase not in self.tasks:
+            self.tasks[phase] = self.bar.add_task(phase, total=total)
+        self.bar.update(self.tasks[phase], completed=done)
+
+
+def _emit(args, doc: dict, table: Table | None) -> None:
+    if args.json:
+        print(json.dumps(doc))
+    elif table is not None:
+        Console().print(table)
+
+
+def cmd_demo(args) -> int:
+    from ess.demo import DemoOptions, run_demo
+
+    opt = DemoOptions(
+        config=args.config,
+        layers=args.layers,
+        topk=args.topk,
+        batch=args.batch,
+        context=args.context,
+        steps=args.steps,
+        seed=args.seed,
+        device=args.device,
+        ess=args.ess,
+        buffer_tokens=args.buffer_tokens,
+        sparse_ratio=args.sparse_ratio,
+        warmup=not args.no_warmup,
+        device_mem_gib=args.device_mem_gib,
+    )
+    with _Progress(not args.quiet) as progress:
+        report = run_demo(opt, progress)
+    table = Table(title=f"ess demo ({report['config']['name']} model, {report['device']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("batch", "context", "decode_steps", "prefill_s", "decode_s", "tokens_per_s", "latent_cache_bytes",
+                "index_k_cache_bytes", "tokens_sha256"):
+        table.add_row(key, str(report[key]))
+    if "ess" in report:
+        e = report["ess"]
+        for key in ("buffer_tokens", "sparse_ratio", "warmup", "tokens_per_s", "total_misses"):
+            table.add_row(f"ess {key}", str(e[key]))
+        table.add_row("gpu latent bytes (baseline / ess)", f"{e['gpu_latent_bytes']['baseline']} / {e['gpu_latent_bytes']['ess']}")
+        for row in e["per_layer"]:
+            table.add_row(f"layer {row['layer']} hit rate / misses", f"{row['hit_rate']} / {row['mean_misses_per_request_step']}")
+        table.add_row("tokens identical (ess vs baseline)", str(report["tokens_identical"]))
+    if "max_batch" in report:
+        table.add_row(f"max batch in {report['device_mem_gib']} GiB", str(report["max_batch"]))
+    _emit(args, report, table)
+    return 0
+
+
+def cmd_cache_replay(args) -> int:
+    from ess.replay import replay_misses
+    from ess.trace import load_trace
+
+    trace = load_trace(args.trace)
+    with _Progress(not args.quiet) as progress:
+        misses = replay_misses(
+            trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("layers", d, t)
+        )
+    doc = {"trace": args.trace, "buffer": args.buffer, "warmup": args.warmup, "shape": list(misses.shape),
+           "misses": misses.tolist()}
+    table = Table(title=f"misses per layer ({args.trace}, buffer {args.buffer})")
+    table.add_column("layer")
+    table.add_column("mean misses per request-step", justify="right")
+    for li in range(misses.shape[2]):
+        table.add_row(str(li), f"{misses[:, :, li].mean():.2f}" if misses.size else "-")
+    _emit(args, doc, table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ess", description="ESS: offloaded sparse KV cache for DeepSeek-V3.2 decode")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="prefill and greedy-decode the reference mini model, with or without ESS")
+    d.add_argument("--config", default="mini", choices=["mini", "full"], help="model configuration (full needs a GPU)")
+    d.add_argument("--layers", type=int, help="override the number of layers")
+    d.add_argument("--topk", type=int, help="override the indexer's top-k")
+    d.add_argument("--batch", type=int, default=4)
+    d.add_argument("--context", type=int, default=2048, help="prompt length in tokens")
+    d.add_argument("--steps", type=int, default=32, help="decode steps")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    d.add_argument("--ess", action="store_true", help="also decode with ESS and compare with the baseline")
+    g = d.add_mutually_exclusive_group()
+    g.add_argument("--buffer-tokens", type=int, help="ESS GPU slots per request and layer")
+    g.add_argument("--sparse-ratio", type=float, help="ESS GPU share of the cache (default 0.2)")
+    d.add_argument("--no-warmup", action="store_true", help="start decode with an empty GPU buffer")
+    d.add_argument("--device-mem-gib", type=float, help="report the largest batch whose caches fit this budget")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("cache", help="ESS cache tools")
+    csub = c.add_subparsers(dest="cache_command", required=True)
+    r = csub.add_parser("replay", help="replay a trace file through the ESS cache policy and count misses")
+    r.add_argument("trace", help="trace .npz (format: ess-design.md section 6)")
+    r.add_argument("--buffer", type=int, required=True, help="GPU slots per (request, layer)")
+    r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
+    r.add_argument("--warmup-windows", type=int, default=32)
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(func=cmd_cache_replay)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"ess: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

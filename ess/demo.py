@@ -1,0 +1,140 @@
+"""`ess demo`: prefill a batch of long prompts on the mini model and greedy-decode, with or without ESS."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ess import memory
+from ess.cache import EssLatentCache
+from ess.config import GIB, EssConfig
+from ess.reference.config import get_config
+from ess.reference.dense_cache import DenseLatentCache
+from ess.reference.model import GenerateResult, MiniModel, random_prompts
+
+
+@dataclasses.dataclass
+class DemoOptions:
+    config: str = "mini"
+    layers: int | None = None
+    topk: int | None = None
+    batch: int = 4
+    context: int = 2048
+    steps: int = 32
+    seed: int = 0
+    device: str = "auto"
+    ess: bool = False
+    buffer_tokens: int | None = None
+    sparse_ratio: float | None = None
+    warmup: bool = True
+    device_mem_gib: float | None = None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def check_fits(cfg, device: torch.device) -> None:
+    need = cfg.weight_bytes()
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[0]
+    else:
+        import os
+
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > 0.8 * have:
+        raise ValueError(
+            f"--config {cfg.name}: {cfg.num_layers} layers need {need / GIB:.1f} GiB of float32 weights, "
+            f"{have / GIB:.1f} GiB free on {device}; use fewer --layers"
+        )
+
+
+def _run(model: MiniModel, prompts, steps: int, make_cache, progress, label: str) -> tuple[GenerateResult, object]:
+    tagged = (lambda phase, done, total: progress(f"{label} {phase}", done, total)) if progress else None
+    return model.generate(prompts, steps, make_cache, progress=tagged)
+
+
+def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    overrides = {k: v for k, v in (("num_layers", opt.layers), ("index_topk", opt.topk)) if v is not None}
+    cfg = get_config(opt.config, **overrides)
+    if opt.batch < 1 or opt.context < 1 or opt.steps < 0:
+        raise ValueError("--batch and --context must be positive and --steps non-negative")
+    device = resolve_device(opt.device)
+    check_fits(cfg, device)
+    model = MiniModel(cfg, seed=opt.seed, device=device)
+    prompts = random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
+    tokens = opt.context + opt.steps
+
+    base, base_cache = _run(
+        model, prompts, opt.steps, lambda ctx, max_len: DenseLatentCache(cfg.num_layers, len(ctx), max_len, device), progress, "baseline"
+    )
+    report = {
+        "config": dataclasses.asdict(cfg),
+        "device": str(device),
+        "seed": opt.seed,
+        "batch": opt.batch,
+        "context": opt.context,
+        "decode_steps": opt.steps,
+        "prefill_s": round(base.prefill_s, 4),
+        "decode_s": round(base.decode_s, 4),
+        "tokens_per_s": round(opt.batch * opt.steps / base.decode_s, 2) if opt.steps else 0.0,
+        "latent_cache_bytes": opt.batch * cfg.latent_bytes(tokens),
+        "index_k_cache_bytes": opt.batch * cfg.index_k_bytes(tokens),
+        "tokens_sha256": base.tokens_sha256,
+    }
+    budget = int(opt.device_mem_gib * GIB) if opt.device_mem_gib is not None else None
+    if budget is not None:
+        report["device_mem_gib"] = opt.device_mem_gib
+        report["max_batch"] = {"baseline": memory.max_batch(budget, memory.device_cache_bytes(cfg, tokens))}
+    if not opt.ess:
+        return report
+
+    if opt.buffer_tokens is None and opt.sparse_ratio is None:
+        opt = dataclasses.replace(opt, sparse_ratio=0.2)
+    ess_cfg = EssConfig(
+        topk=cfg.index_topk,
+        buffer_tokens=opt.buffer_tokens,
+        sparse_ratio=opt.sparse_ratio,
+        warmup_windows=32 if opt.warmup else 0,
+    )
+    res, cache = _run(
+        model,
+        prompts,
+        opt.steps,
+        lambda ctx, max_len: EssLatentCache(ess_cfg, cfg.num_layers, ctx, max_len, device),
+        progress,
+        "ess",
+    )
+    misses = cache.miss_counts().double()  # [B, steps, layers]
+    sets = cache.set_size_counts().double()
+    per_layer = [
+        {
+            "layer": li,
+            "mean_misses_per_request_step": round(float(misses[:, :, li].mean()), 3) if opt.steps else 0.0,
+            "hit_rate": round(1.0 - float(misses[:, :, li].sum() / sets[:, :, li].sum().clamp(min=1)), 4),
+        }
+        for li in range(cfg.num_layers)
+    ]
+    C = cache.capacity
+    report["ess"] = {
+        "buffer_tokens": C,
+        "sparse_ratio": round(C / tokens, 4),
+        "warmup": opt.warmup,
+        "decode_s": round(res.decode_s, 4),
+        "tokens_per_s": round(opt.batch * opt.steps / res.decode_s, 2) if opt.steps else 0.0,
+        "tokens_sha256": res.tokens_sha256,
+        "total_misses": int(misses.sum()),
+        "per_layer": per_layer,
+        "gpu_latent_bytes": {"baseline": base_cache.device_bytes(), "ess": cache.device_bytes()},
+        "host_latent_bytes": cache.host.data.numel(),
+    }
+    report["tokens_identical"] = bool(torch.equal(res.tokens, base.tokens))
+    if budget is not None:
+        report["max_batch"]["ess"] = memory.max_batch(budget, memory.device_cache_bytes(cfg, tokens, C))
+    return report

@@ -1,0 +1,122 @@
+"""The ESS cache policy: exact LRU per (request, layer), vectorised on the device.
+
+Semantics (ess-design.md section 2): at a step with stamp t, S = the step's top-k positions without the step's own
+position p, -1 ignored, duplicates once. misses = S minus the positions resident before the step. Room for the
+misses and for p is made by evicting resident positions not in S, in the order (stamp ascending, position ascending),
+after empty slots. Then every member of S, and p, gets stamp t. Warm-up windows are the same update with no own
+position and stamps w - W.
+
+`lru_update` runs with fixed shapes and no host synchronisation: batch rows without a set are -1 throughout, and
+every write that a row does not need lands in the sink column of the tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+STAMP_BIAS = 1 << 20  # stamps are >= -STAMP_BIAS (warm-up uses -W .. -1)
+_NONE = torch.iinfo(torch.int64).max
+
+
+@dataclasses.dataclass
+class PolicyResult:
+    attn_slot: torch.Tensor  # [B, K] int64: pool slot of each top-k entry after the update, -1 for -1 entries
+    hit: torch.Tensor  # [B, K] bool: entry's row is on the GPU before any fetch (resident, or the own token)
+    miss_pos: torch.Tensor  # [B, K] int64: positions to fetch (each once), -1 padded
+    miss_slot: torch.Tensor  # [B, K] int64: pool slot each miss goes to, -1 padded
+    own_slot: torch.Tensor  # [B] int64: pool slot of the own token, -1 if none
+    n_miss: torch.Tensor  # [B] int32
+    n_set: torch.Tensor  # [B] int32: |S|, the distinct positions asked for besides the own one
+
+
+def lru_update(
+    slot_pos: torch.Tensor,
+    slot_stamp: torch.Tensor,
+    pos_slot: torch.Tensor,
+    req: torch.Tensor,
+    sets: torch.Tensor,
+    own_pos: torch.Tensor,
+    stamp: torch.Tensor | int,
+) -> PolicyResult:
+    """One LRU step for a batch on one layer's tables (see sparse_pool.SparseMemoryPool), in place.
+
+    req [B] request indices (distinct), sets [B, K] top-k positions (-1 padded), own_pos [B] the step's own position
+    (-1: none, as in warm-up), stamp the step's stamp. Requires capacity C >= K + 1.
+    """
+    B, K = sets.shape
+    C = slot_pos.shape[1] - 1
+    P = pos_slot.shape[1] - 1
+    if C < K + 1:
+        raise ValueError(f"ESS buffer of {C} slots is below top-k + 1 = {K + 1}")
+    dev = sets.device
+    req = req.long()
+    r2 = req.unsqueeze(1)
+    s = sets.long()
+    own = own_pos.long()
+    has_own = own >= 0
+    stamp = torch.as_tensor(stamp, dtype=slot_stamp.dtype, device=dev)
+
+    # Per entry, in the caller's order, as things stand before the update.
+    entry = s >= 0
+    is_own = entry & (s == own.unsqueeze(1))
+    pre_slot = pos_slot[r2, torch.where(entry, s, P)]
+    hit = entry & ((pre_slot >= 0) | is_own)
+
+    # S: distinct positions other than the own one, sorted ascending (misses are filled in this order).
+    srt, _ = torch.sort(torch.where(entry & ~is_own, s, _NONE), dim=1)
+    first = torch.ones_like(entry)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    uniq = (srt != _NONE) & first
+    srt = torch.where(uniq, srt, P)
+    uslot = pos_slot[r2, srt].long()
+    uhit = uniq & (uslot >= 0)
+    umiss = uniq & (uslot < 0)
+    n_miss = umiss.sum(1)
+
+    own_pre = pos_slot[req, torch.where(has_own, own, P)].long()
+    own_resident = has_own & (own_pre >= 0)  # only when a position is processed twice (e.g. a replayed step)
+    need_own = has_own & ~own_resident
+
+    # Victims: empty slots first, then (stamp, position) ascending; members of S and a resident own are protected.
+    sp = slot_pos[req, :C].long()
+    st = slot_stamp[req, :C].long()
+    protected = torch.zeros(B, C + 1, dtype=torch.bool, device=dev)
+    protected.scatter_(1, torch.where(uhit, uslot, C), True)
+    protected.scatter_(1, torch.where(own_resident, own_pre, C).unsqueeze(1), True)
+    slot_ids = torch.arange(C, device=dev).expand(B, C)
+    key = torch.where(sp >= 0, (1 << 61) | ((st + STAMP_BIAS) << 32) | sp, slot_ids)
+    key = key | (protected[:, :C].long() << 62)
+    victims = torch.argsort(key, dim=1)[:, : K + 1]  # enough: misses + own <= K + 1 <= C
+    take = torch.arange(K + 1, device=dev).unsqueeze(0) < (n_miss + need_own).unsqueeze(1)
+    old = sp.gather(1, victims)
+    evict = take & (old >= 0)
+
+    miss_rank = (torch.cumsum(umiss, 1) - 1).clamp(min=0)
+    miss_local = torch.where(umiss, victims.gather(1, miss_rank), C)
+    own_local = torch.where(
+        own_resident, own_pre, torch.where(need_own, victims.gather(1, n_miss.unsqueeze(1)).squeeze(1), C)
+    )
+
+    # Apply: evict (those positions are neither in S nor own), insert, stamp.
+    pos_slot[r2, torch.where(evict, old, P)] = -1
+    pos_slot[r2, torch.where(umiss, srt, P)] = miss_local.to(pos_slot.dtype)
+    pos_slot[req, torch.where(has_own, own, P)] = own_local.to(pos_slot.dtype)
+    slot_pos[r2, miss_local] = srt.to(slot_pos.dtype)
+    slot_pos[req, own_local] = own.to(slot_pos.dtype)
+    slot_stamp[r2, torch.where(uhit, uslot, miss_local)] = stamp
+    slot_stamp[req, own_local] = stamp
+
+    base = req * C
+    post = pos_slot[r2, torch.where(entry, s, P)].long()
+    none = torch.full_like(s, -1)
+    return PolicyResult(
+        attn_slot=torch.where(entry, base.unsqueeze(1) + post, none),
+        hit=hit,
+        miss_pos=torch.where(umiss, srt, none),
+        miss_slot=torch.where(umiss, base.unsqueeze(1) + miss_local, none),
+        own_slot=torch.where(has_own, base + own_local, torch.full_like(own, -1)),
+        n_miss=n_miss.to(torch.int32),
+        n_set=uniq.sum(1).to(torch.int32),
+    )

@@ -1,0 +1,209 @@
+"""Reference DeepSeek-V3.2 attention for decode (DSA: Lightning Indexer + sparse MLA), plain PyTorch.
+
+The steps are separate functions so that the overlap engine can reorder them:
+    q_lora_of            shared low-rank query (q_a_proj + norm), used by both branches
+    pre_attn             PreAttn: q_b_proj, w_kc absorption, RoPE  (independent of the indexer)
+    index_query / index_key_rows / index_scores / select_topk      the Indexer and top-k
+    kv_latent_rows       the step's own 656-byte latent row (kv_a_proj + norm + RoPE, quantised)
+    sparse_attention     MLA over the selected latent rows, returning the log-sum-exp for split/merge
+    merge_attention      log-sum-exp merge of two partial attentions (Attn0 + Attn1)
+    attn_output          w_vc and o_proj
+Everything computes in float32 for clarity and CPU determinism; the caches hold the real FP8 formats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from ess import layout
+from ess.reference.config import ModelConfig
+
+
+@dataclasses.dataclass
+class AttentionWeights:
+    q_a: torch.Tensor  # [q_lora, hidden]
+    q_a_norm: torch.Tensor  # [q_lora]
+    q_b: torch.Tensor  # [H * (nope + rope), q_lora]
+    kv_a: torch.Tensor  # [kv_lora + rope, hidden]
+    kv_a_norm: torch.Tensor  # [kv_lora]
+    w_kc: torch.Tensor  # [H, nope, kv_lora]
+    w_vc: torch.Tensor  # [H, kv_lora, v]
+    o_proj: torch.Tensor  # [hidden, H * v]
+    idx_wq_b: torch.Tensor  # [index_heads * index_dim, q_lora]
+    idx_wk: torch.Tensor  # [index_dim, hidden]
+    idx_k_norm: torch.Tensor  # [index_dim]
+    idx_weights_proj: torch.Tensor  # [index_heads, hidden]
+
+    @staticmethod
+    def random(cfg: ModelConfig, gen: torch.Generator, device: torch.device | str = "cpu") -> "AttentionWeights":
+        def lin(out_f: int, in_f: int) -> torch.Tensor:
+            return torch.randn(out_f, in_f, generator=gen) * in_f**-0.5
+
+        H, dn, dr, dv, r = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        w = AttentionWeights(
+            q_a=lin(cfg.q_lora_rank, cfg.hidden),
+            q_a_norm=torch.ones(cfg.q_lora_rank),
+            q_b=lin(H * (dn + dr), cfg.q_lora_rank),
+            kv_a=lin(r + dr, cfg.hidden),
+            kv_a_norm=torch.ones(r),
+            w_kc=torch.randn(H, dn, r, generator=gen) * dn**-0.5,
+            w_vc=torch.randn(H, r, dv, generator=gen) * r**-0.5,
+            o_proj=lin(cfg.hidden, H * dv),
+            idx_wq_b=lin(cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank),
+            idx_wk=lin(cfg.index_head_dim, cfg.hidden),
+            idx_k_norm=torch.ones(cfg.index_head_dim),
+            idx_weights_proj=lin(cfg.index_heads, cfg.hidden),
+        )
+        return AttentionWeights(**{f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)})
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x [..., D] at integer positions pos (broadcast over x's leading dims but the last)."""
+    d = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., D/2]
+    cos, sin = ang.cos(), ang.sin()
+    if interleaved:  # pairs (x[2i], x[2i+1]): DeepSeek MLA's layout (is_neox_style=False)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]  # halves: the V3.2 indexer's layout
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+@functools.lru_cache(maxsize=4)
+def _hadamard_cpu(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h * d**-0.5
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """The indexer's rotate_activation: a normalised Walsh-Hadamard transform of the last dimension."""
+    return x @ _hadamard_cpu(x.shape[-1]).to(x.device)
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """Per-row (last dim) ue8m0 FP8 quantisation and back, as the indexer's act_quant does to its queries."""
+    return layout.dequantize_index_k(layout.quantize_index_k(x))
+
+
+def q_lora_of(w: AttentionWeights, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x @ w.q_a.T, w.q_a_norm)
+
+
+def pre_attn(w: AttentionWeights, cfg: ModelConfig, q_lora: torch.Tensor, pos: torch.Tensor):
+    """PreAttn: q_b_proj, the absorbed w_kc bmm and RoPE. Returns (q_nope_absorbed [N,H,512], q_pe [N,H,64])."""
+    q = (q_lora @ w.q_b.T).view(-1, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    q_nope_abs = torch.einsum("nhd,hdr->nhr", q_nope, w.w_kc)
+    return q_nope_abs, rope(q_pe, pos.unsqueeze(-1), cfg.rope_theta, interleaved=True)
+
+
+def kv_latent_rows(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The 656-byte latent rows [N, 656] of tokens x [N, hidden] at positions pos [N]."""
+    kv = x @ w.kv_a.T
+    c_kv, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    return layout.quantize_latent(rms_norm(c_kv, w.kv_a_norm), rope(k_pe, pos, cfg.rope_theta, interleaved=True))
+
+
+def index_key_rows(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The 132-byte index-K rows [N, 132]."""
+    k = torch.nn.functional.layer_norm(x @ w.idx_wk.T, (cfg.index_head_dim,), w.idx_k_norm)
+    k_pe, k_nope = k.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
+    k = torch.cat([rope(k_pe, pos, cfg.rope_theta, interleaved=False), k_nope], dim=-1)
+    return layout.quantize_index_k(hadamard(k))
+
+
+def index_query(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, q_lora: torch.Tensor, pos: torch.Tensor):
+    """Indexer queries [N, Hi, 128] (through FP8, as the real kernel sees them) and head weights [N, Hi]."""
+    q = (q_lora @ w.idx_wq_b.T).view(-1, cfg.index_heads, cfg.index_head_dim)
+    q_pe, q_nope = q.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
+    q = torch.cat([rope(q_pe, pos.unsqueeze(-1), cfg.rope_theta, interleaved=False), q_nope], dim=-1)
+    q = fp8_round_trip(hadamard(q))
+    weights = (x @ w.idx_weights_proj.T) * (cfg.index_heads**-0.5 * cfg.index_head_dim**-0.5)
+    return q, weights
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
+    """score[n, t] = sum_h weights[n, h] * ReLU(q[n, h] . k[n, t]) over index-K rows k_rows [N, T, 132]."""
+    k = layout.dequantize_index_k(k_rows)
+    return (torch.relu(torch.einsum("nhd,ntd->nht", q, k)) * weights.unsqueeze(-1)).sum(1)
+
+
+def _shared_key_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """index_scores for queries that all see the same dequantised keys k [T, 128] (one request's prefill)."""
+    return (torch.relu(torch.einsum("nhd,td->nht", q, k)) * weights.unsqueeze(-1)).sum(1)
+
+
+def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k token positions [N, k] int32 among positions <= pos [N]; ties go to the lower position; -1 padded."""
+    t = torch.arange(scores.shape[1], device=scores.device)
+    masked = torch.where(t <= pos.unsqueeze(-1), scores, torch.full_like(scores, -math.inf))
+    if masked.shape[1] < k:
+        masked = torch.nn.functional.pad(masked, (0, k - masked.shape[1]), value=-math.inf)
+    vals, idx = torch.sort(masked, dim=1, descending=True, stable=True)
+    vals, idx = vals[:, :k], idx[:, :k]
+    return torch.where(vals > -math.inf, idx, torch.full_like(idx, -1)).to(torch.int32)
+
+
+def sparse_attention(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float):
+    """MLA over latent rows [N, K, 656] where valid [N, K]. Returns (o_latent [N, H, 512], lse [N, H]).
+
+    An empty row set gives o = 0 and lse = -inf, so that partial results merge exactly.
+    """
+    c_kv, k_pe = layout.dequantize_latent(rows)  # [N, K, 512], [N, K, 64]
+    s = (torch.einsum("nhr,nkr->nhk", q_nope_abs, c_kv) + torch.einsum("nhr,nkr->nhk", q_pe, k_pe)) * scale
+    s = s.masked_fill(~valid.unsqueeze(1), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)  # [N, H]
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    return torch.einsum("nhk,nkr->nhr", p, c_kv), lse
+
+
+def merge_attention(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor):
+    """Exact log-sum-exp merge of two partial attentions over disjoint row sets."""
+    lse = torch.logaddexp(lse0, lse1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    w0 = torch.exp(lse0 - safe).unsqueeze(-1)
+    w1 = torch.exp(lse1 - safe).unsqueeze(-1)
+    return o0 * w0 + o1 * w1, lse
+
+
+def attn_output(w: AttentionWeights, o_latent: torch.Tensor) -> torch.Tensor:
+    """w_vc then o_proj: [N, H, 512] -> [N, hidden]."""
+    return torch.einsum("nhr,hrv->nhv", o_latent, w.w_vc).flatten(1) @ w.o_proj.T
+
+
+def prefill_topk(q: torch.Tensor, weights: torch.Tensor, k_rows: torch.Tensor, k: int, chunk: int = 256) -> torch.Tensor:
+    """Causal top-k sets [L, k] of every prefill query of one request (queries q [L, Hi, 128], keys k_rows [L, 132])."""
+    L = q.shape[0]
+    keys = layout.dequantize_index_k(k_rows)
+    out = []
+    for s in range(0, L, chunk):
+        e = min(L, s + chunk)
+        scores = _shared_key_scores(q[s:e], weights[s:e], keys)
+        out.append(select_topk(scores, torch.arange(s, e, device=q.device), k))
+    return torch.cat(out)
+
+
+def prefill_attention(q_nope_abs, q_pe, rows: torch.Tensor, topk: torch.Tensor, scale: float, chunk: int = 256):
+    """Sparse MLA of every prefill query over its own top-k set, from the request's rows [L, 656]."""
+    L = rows.shape[0]
+    c_kv, k_pe = layout.dequantize_latent(rows)
+    out = []
+    for s in range(0, L, chunk):
+        e = min(L, s + chunk)
+        sel = torch.zeros(e - s, L + 1, dtype=torch.bool, device=rows.device)
+        sel.scatter_(1, torch.where(topk[s:e] >= 0, topk[s:e].long(), L), True)
+        scores = (torch.einsum("lhr,tr->lht", q_nope_abs[s:e], c_kv) + torch.einsum("lhr,tr->lht", q_pe[s:e], k_pe)) * scale
+        p = torch.softmax(scores.masked_fill(~sel[:, :L].unsqueeze(1), -math.inf), dim=-1)
+        out.append(torch.einsum("lht,tr->lhr", p, c_kv))
+    return torch.cat(out)

@@ -1,0 +1,56 @@
+"""Sparse Memory Pool: per layer, GPU slots holding a subset of the latent rows, and the LRU tables that index them.
+
+Request r owns slots [r * C, (r + 1) * C) of every layer. Per (request, layer):
+    slot_pos   [C + 1] int32   position held by each slot, -1 if empty
+    slot_stamp [C + 1] int32   last-use stamp of each slot
+    pos_slot   [P + 1] int32   slot holding each position, -1 if not resident
+The extra last column of each table is a sink that absorbs the padded entries of fixed-shape updates, so the
+policy never branches on the host. The data tensor likewise has one sink row at its end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ess import layout
+
+
+class SparseMemoryPool:
+    def __init__(
+        self,
+        num_layers: int,
+        max_requests: int,
+        capacity: int,
+        max_positions: int,
+        device: torch.device | str,
+        with_rows: bool = True,
+    ):
+        """with_rows=False keeps the LRU tables only (trace replay and profiling need no row bytes)."""
+        self.capacity = capacity
+        self.max_positions = max_positions
+        self.sink_slot = max_requests * capacity
+        rows = self.sink_slot + 1 if with_rows else 0
+        self.data = torch.zeros(num_layers, rows, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
+        self.slot_pos = torch.full((num_layers, max_requests, capacity + 1), -1, dtype=torch.int32, device=device)
+        self.slot_stamp = torch.zeros((num_layers, max_requests, capacity + 1), dtype=torch.int32, device=device)
+        self.pos_slot = torch.full((num_layers, max_requests, max_positions + 1), -1, dtype=torch.int32, device=device)
+
+    def reset(self, req: int) -> None:
+        """Forget request req's resident rows (on release or abort)."""
+        self.slot_pos[:, req] = -1
+        self.slot_stamp[:, req] = 0
+        self.pos_slot[:, req] = -1
+
+    def layer_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.slot_pos[layer], self.slot_stamp[layer], self.pos_slot[layer]
+
+    def resident(self, layer: int, req: int) -> set[int]:
+        """Positions resident for (layer, request): a test and debugging helper (syncs with the host)."""
+        p = self.slot_pos[layer, req, : self.capacity]
+        return set(p[p >= 0].tolist())
+
+    def table_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.slot_pos, self.slot_stamp, self.pos_slot))
+
+    def device_bytes(self) -> int:
+        return self.data.numel() + self.table_bytes()

@@ -1,0 +1,87 @@
+"""Trace files (ess-design.md section 6): top-k positions per request, decode step and layer, as .npz.
+
+    topk          int32 [R, steps, layers, K]   decode top-k, -1 padded
+    prefill_topk  int32 [R, W, layers, K]       the last W prefill query positions, oldest first (optional)
+    context_len   int64 [R]                     prompt lengths; decode step t processes position context_len + t
+    meta          JSON string                   source, model, notes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zipfile
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace file that is missing a field, has the wrong shapes or dtypes, or holds impossible positions."""
+
+
+@dataclasses.dataclass
+class Trace:
+    topk: np.ndarray
+    context_len: np.ndarray
+    prefill_topk: np.ndarray | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return self.topk.shape
+
+    def validate(self, where: str = "trace") -> "Trace":
+        t = self.topk
+        if t.ndim != 4:
+            raise TraceError(f"{where}: 'topk' must be [requests, steps, layers, K], got shape {t.shape}")
+        if t.dtype != np.int32:
+            raise TraceError(f"{where}: 'topk' must be int32, got {t.dtype}")
+        R, steps, layers, K = t.shape
+        c = self.context_len
+        if c.shape != (R,) or c.dtype != np.int64:
+            raise TraceError(f"{where}: 'context_len' must be int64 [{R}], got {c.dtype} {c.shape}")
+        if (c < 1).any():
+            raise TraceError(f"{where}: 'context_len' must be >= 1")
+        if (t < -1).any():
+            raise TraceError(f"{where}: 'topk' holds entries below -1")
+        limit = c[:, None, None, None] + np.arange(steps)[None, :, None, None]  # causal: position <= own position
+        if (t > limit).any():
+            raise TraceError(f"{where}: 'topk' selects a future position (beyond context_len + step)")
+        p = self.prefill_topk
+        if p is not None:
+            if p.ndim != 4 or p.shape[0] != R or p.shape[2:] != (layers, K) or p.dtype != np.int32:
+                raise TraceError(
+                    f"{where}: 'prefill_topk' must be int32 [{R}, W, {layers}, {K}], got {p.dtype} {p.shape}"
+                )
+            if (p < -1).any() or (p >= c[:, None, None, None]).any():
+                raise TraceError(f"{where}: 'prefill_topk' holds positions outside the prompt")
+        return self
+
+
+def save_trace(path, trace: Trace) -> None:
+    trace.validate(str(path))
+    arrays = {"topk": trace.topk, "context_len": trace.context_len, "meta": np.array(json.dumps(trace.meta))}
+    if trace.prefill_topk is not None:
+        arrays["prefill_topk"] = trace.prefill_topk
+    np.savez_compressed(path, **arrays)
+
+
+def load_trace(path) -> Trace:
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            files = set(z.files)
+            for key in ("topk", "context_len"):
+                if key not in files:
+                    raise TraceError(f"{path}: missing field '{key}' (has {sorted(files)})")
+            meta = json.loads(str(z["meta"])) if "meta" in files else {}
+            trace = Trace(
+                topk=z["topk"],
+                context_len=z["context_len"],
+                prefill_topk=z["prefill_topk"] if "prefill_topk" in files else None,
+                meta=meta,
+            )
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        if isinstance(e, TraceError):
+            raise
+        raise TraceError(f"{path}: not a readable trace file ({e})") from e
+    return trace.validate(str(path))

@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+from ess import flashtrans
+
+
+def _case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    host = torch.randint(0, 256, (300, 656), dtype=torch.uint8, generator=g)
+    rows = torch.randperm(299, generator=g)[:64]
+    slots = torch.randperm(127, generator=g)[:64]
+    rows[::7] = -1  # padded pairs on either side are skipped
+    slots[3::11] = -1
+    return host, rows, slots
+
+
+def test_gather_then_scatter_round_trip_is_exact():
+    host, rows, slots = _case()
+    gpu = torch.zeros(128, 656, dtype=torch.uint8)  # last row: sink
+    flashtrans.gather(host, rows, gpu, slots, backend="torch")
+    ok = (rows >= 0) & (slots >= 0)
+    assert torch.equal(gpu[slots[ok]], host[rows[ok]])
+    back = torch.zeros_like(host)
+    flashtrans.scatter(gpu, slots, back, rows, backend="torch")
+    assert torch.equal(back[rows[ok]], host[rows[ok]])
+    untouched = torch.ones(300, dtype=torch.bool)
+    untouched[rows[ok]] = False
+    untouched[-1] = False  # sink
+    assert int(back[untouched].sum()) == 0
+
+
+def test_triton_kernel_equals_torch_byte_for_byte_in_interpreter():
+    host, rows, slots = _case(1)
+    a = torch.randint(0, 256, (128, 656), dtype=torch.uint8)
+    b = a.clone()
+    flashtrans.gather(host, rows, a, slots, backend="torch")
+    flashtrans.gather(host, rows, b, slots, backend="interpret")
+    assert torch.equal(a[:-1], b[:-1])  # all but the torch path's sink row
+    ha, hb = host.clone(), host.clone()
+    flashtrans.scatter(a, slots, ha, rows, backend="torch")
+    flashtrans.scatter(b, slots, hb, rows, backend="interpret")
+    assert torch.equal(ha[:-1], hb[:-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_uva_equals_torch_on_cuda():
+    host, rows, slots = _case(2)
+    host = host.pin_memory()
+    ref = torch.zeros(128, 656, dtype=torch.uint8)
+    flashtrans.gather(host, rows, ref, slots, backend="torch")
+    gpu = torch.zeros(128, 656, dtype=torch.uint8, device="cuda")
+    flashtrans.gather(host, rows.cuda(), gpu, slots.cuda(), backend="triton")
+    assert torch.equal(gpu.cpu()[:-1], ref[:-1])
+    back = torch.zeros_like(host).pin_memory()
+    flashtrans.scatter(gpu, slots.cuda(), back, rows.cuda(), backend="triton")
+    torch.cuda.synchronize()
+    ok = (rows >= 0) & (slots >= 0)
+    assert torch.equal(back[rows[ok]], host[rows[ok]])
+
+
+def test_bad_rows_are_rejected():
+    with pytest.raises(ValueError, match="uint8"):
+        flashtrans.copy_rows(torch.zeros(4, 656), torch.zeros(1, dtype=torch.long), torch.zeros(4, 656), torch.zeros(1, dtype=torch.long), "interpret")
+    with pytest.raises(ValueError, match="one length"):
+        flashtrans.copy_rows(torch.zeros(4, 656, dtype=torch.uint8), torch.zeros(2, dtype=torch.long), torch.zeros(4, 656, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))

@@ -1,0 +1,86 @@
+import random
+
+import pytest
+import torch
+
+from ess.policy import lru_update
+from ess.sparse_pool import SparseMemoryPool
+from lru_oracle import OracleLRU
+
+
+def run_both(steps_sets, ctx, capacity, warm_sets=(), max_pos=None):
+    """Run the vectorised policy (all requests batched) and one oracle per request; compare every step."""
+    R = len(ctx)
+    K = len(steps_sets[0][0])
+    max_pos = max_pos or max(ctx) + len(steps_sets) + 1
+    pool = SparseMemoryPool(1, R, capacity, max_pos, "cpu", with_rows=False)
+    sp, st, ps = pool.layer_state(0)
+    req = torch.arange(R)
+    oracles = [OracleLRU(capacity) for _ in range(R)]
+    W = len(warm_sets)
+    for w, sets in enumerate(warm_sets):
+        r = lru_update(sp, st, ps, req, torch.tensor(sets, dtype=torch.int32), torch.full((R,), -1), w - W)
+        for i in range(R):
+            assert int(r.n_miss[i]) == oracles[i].step(sets[i], -1, w - W)
+            assert pool.resident(0, i) == set(oracles[i].stamp)
+    for t, sets in enumerate(steps_sets):
+        own = torch.tensor([c + t for c in ctx])
+        r = lru_update(sp, st, ps, req, torch.tensor(sets, dtype=torch.int32), own, t)
+        for i in range(R):
+            assert int(r.n_miss[i]) == oracles[i].step(sets[i], int(own[i]), t), (t, i)
+            assert pool.resident(0, i) == set(oracles[i].stamp), (t, i)
+            # Tables agree with each other, and every top-k entry maps to the slot holding its position.
+            for slot in range(capacity):
+                p = int(sp[i, slot])
+                if p >= 0:
+                    assert int(ps[i, p]) == slot and int(st[i, slot]) == oracles[i].stamp[p]
+            for k, p in enumerate(sets[i]):
+                a = int(r.attn_slot[i, k])
+                assert (a == -1) if p < 0 else int(sp[i, a - i * capacity]) == p
+    return pool
+
+
+def random_sets(rng, R, steps, K, ctx, locality):
+    out = []
+    for t in range(steps):
+        row = []
+        for i in range(R):
+            hi = ctx[i] + t
+            pool = list(range(max(0, hi - locality), hi + 1))
+            sel = rng.sample(pool, min(K, len(pool)))
+            row.append(sel + [-1] * (K - len(sel)))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traces_match_oracle(seed):
+    rng = random.Random(seed)
+    R, K = 3, 8
+    ctx = [rng.randint(10, 60) for _ in range(R)]
+    sets = random_sets(rng, R, 25, K, ctx, locality=rng.choice([12, 30, 80]))
+    warm = random_sets(rng, R, 4, K, [c - 5 for c in ctx], locality=20) if seed % 2 else ()
+    run_both(sets, ctx, capacity=rng.choice([K + 1, K + 4, 20]), warm_sets=warm)
+
+
+def test_adversarial_traces_match_oracle():
+    K, ctx = 6, [40, 50]
+    all_new = [[[t * 6 + j for j in range(6)], [t * 6 + j + 1 for j in range(6)]] for t in range(6)]
+    repeated = [[[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]] * 5
+    dups_and_pad = [[[3, 3, 3, -1, -1, 5], [-1, -1, -1, -1, -1, -1]], [[5, 5, 2, 2, -1, 3], [0, 0, 0, 0, 0, 0]]] * 3
+    with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(4)]
+    for trace in (all_new, repeated, dups_and_pad, with_own):
+        run_both(trace, ctx, capacity=K + 1)  # capacity exactly K + 1
+        run_both(trace, ctx, capacity=K + 3)
+
+
+def test_ties_break_by_position():
+    # All residents share one stamp (warm-up window); eviction must then take the lowest positions first.
+    K, C = 4, 5
+    run_both([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], [30], capacity=C, warm_sets=[[[0, 5, 3, 4]]])
+
+
+def test_capacity_below_topk_plus_one_is_refused():
+    pool = SparseMemoryPool(1, 1, 4, 10, "cpu", with_rows=False)
+    with pytest.raises(ValueError, match="top-k \\+ 1"):
+        lru_update(*pool.layer_state(0), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([5]), 0)

@@ -1,0 +1,104 @@
+import math
+
+import pytest
+import torch
+
+from ess import layout
+from ess.reference import attention as A
+from ess.reference.config import FULL, get_config
+from helpers import TINY, dense, tiny_model, tiny_prompts
+
+
+def test_full_config_is_deepseek_v32():
+    assert (FULL.num_layers, FULL.num_heads, FULL.index_heads, FULL.index_topk) == (61, 128, 64, 2048)
+    assert FULL.latent_bytes(1) == 61 * 656 and FULL.index_k_bytes(1) == 61 * 132
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        get_config("mini", kv_lora_rank=256)
+    with pytest.raises(ValueError, match="--config"):
+        get_config("huge")
+
+
+def brute_topk(scores, pos, k):
+    out = []
+    for row, p in zip(scores.tolist(), pos.tolist()):
+        cand = sorted(((-row[t], t) for t in range(min(p + 1, len(row)))))[:k]
+        sel = [t for _, t in cand]
+        out.append(sel + [-1] * (k - len(sel)))
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def test_topk_equals_brute_force_with_ties_and_short_contexts():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (8, 40), generator=g).float()  # many ties
+    pos = torch.tensor([0, 3, 9, 15, 20, 30, 39, 39])
+    assert torch.equal(A.select_topk(scores, pos, 12), brute_topk(scores, pos, 12))
+
+
+def test_index_scores_formula():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 128, generator=g)
+    w = torch.randn(2, 3, generator=g)
+    k_rows = layout.quantize_index_k(torch.randn(2, 5, 128, generator=g))
+    k = layout.dequantize_index_k(k_rows)
+    expect = torch.zeros(2, 5)
+    for n in range(2):
+        for t in range(5):
+            expect[n, t] = sum(w[n, h] * max(0.0, float(q[n, h] @ k[n, t])) for h in range(3))
+    torch.testing.assert_close(A.index_scores(q, w, k_rows), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_attention_equals_dense_softmax_over_selected_rows():
+    g = torch.Generator().manual_seed(3)
+    N, H, K = 2, 3, 6
+    rows = layout.quantize_latent(torch.randn(N, K, 512, generator=g), torch.randn(N, K, 64, generator=g))
+    valid = torch.tensor([[1, 1, 0, 1, 0, 1], [0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    qn, qp = torch.randn(N, H, 512, generator=g), torch.randn(N, H, 64, generator=g)
+    o, lse = A.sparse_attention(qn, qp, rows, valid, 0.1)
+    c, r = layout.dequantize_latent(rows)
+    for n in range(N):
+        sel = valid[n].nonzero().flatten()
+        s = (qn[n] @ c[n, sel].T + qp[n] @ r[n, sel].T) * 0.1
+        torch.testing.assert_close(o[n], torch.softmax(s, -1) @ c[n, sel], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[n], torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+    # A row outside the selection does not matter.
+    rows2 = rows.clone()
+    rows2[0, 2] = 7
+    assert torch.equal(A.sparse_attention(qn, qp, rows2, valid, 0.1)[0], o)
+
+
+def test_merge_of_empty_part_is_exact():
+    o = torch.randn(2, 3, 512)
+    lse = torch.randn(2, 3)
+    empty_o, empty_lse = torch.zeros_like(o), torch.full_like(lse, -math.inf)
+    m, l = A.merge_attention(o, lse, empty_o, empty_lse)
+    assert torch.equal(m, o) and torch.equal(l, lse)
+
+
+def test_decode_never_selects_future_positions_and_is_deterministic():
+    prompts = tiny_prompts()
+    r1, _ = tiny_model().generate(prompts, 5, dense())
+    r2, _ = tiny_model().generate(prompts, 5, dense())
+    assert torch.equal(r1.tokens, r2.tokens) and r1.tokens_sha256 == r2.tokens_sha256
+    assert r1.tokens.shape == (3, 6)
+    own = r1.context_len[:, None, None, None] + torch.arange(5)[None, :, None, None]
+    t = r1.decode_topk
+    assert t.shape == (3, 5, TINY.num_layers, TINY.index_topk)
+    assert torch.all(t <= own) and torch.all(t >= -1)
+    # Distinct entries, the own position usually among them.
+    for row in t.reshape(-1, TINY.index_topk).tolist():
+        v = [x for x in row if x >= 0]
+        assert len(v) == len(set(v))
+    # Warm-up sets are prefill positions only.
+    assert torch.all(r1.prefill_topk < r1.context_len[:, None, None, None])
+
+
+def test_prefill_topk_is_causal():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(50, 2, 128, generator=g)
+    w = torch.rand(50, 2, generator=g)
+    k_rows = layout.quantize_index_k(torch.randn(50, 128, generator=g))
+    topk = A.prefill_topk(q, w, k_rows, 8, chunk=16)
+    assert torch.all(topk <= torch.arange(50).unsqueeze(1))
+    assert torch.all(topk[0, 1:] == -1) and topk[0, 0] == 0
+    scores = A.index_scores(q, w, k_rows.unsqueeze(0).expand(50, -1, -1))
+    assert torch.equal(topk, brute_topk(scores, torch.arange(50), 8))
