@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 err = Console(stderr=True)
+out = Console(width=None if sys.stdout.isatty() else 200)  # tables are not cut when piped
 
 
 class _Progress:
@@ -45,7 +46,7 @@ def _emit(args, doc: dict, table: Table | None) -> None:
     if args.json:
         print(json.dumps(doc))
     elif table is not None:
-        Console().print(table)
+        out.print(table)
 
 
 def cmd_demo(args) -> int:
@@ -108,6 +109,82 @@ def cmd_cache_replay(args) -> int:
     return 0
 
 
+def _sim_table(rows: list[dict], title: str) -> Table:
+    cols = ["context", "mtp", "accept_ratio", "batch_size", "sparse_ratio", "throughput", "otps", "step_ms",
+            "exposed_transfer_ms", "gain_vs_baseline", "error_vs_paper", "fits_memory"]
+    table = Table(title=title)
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in rows:
+        table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in cols))
+    return table
+
+
+def _profile_arg(args):
+    from ess.sim.profile import load_profile
+
+    return load_profile(args.profile) if getattr(args, "profile", None) else None
+
+
+def cmd_sim_run(args) -> int:
+    from ess.sim.engine import simulate
+
+    row = simulate(model=args.model, hardware=args.hardware, context=args.context, mtp=args.mtp, accept=args.accept,
+                   batch=args.batch_size, sparse_ratio=args.sparse_ratio, tbo=args.tbo, overlap=args.overlap, ep=args.ep,
+                   profile=_profile_arg(args))
+    _emit(args, row, _sim_table([row], f"ess sim run ({args.model} on {args.hardware})"))
+    return 0
+
+
+def cmd_sim_paper(args) -> int:
+    from ess.sim.engine import dsv3_check, paper_table
+
+    rows = paper_table()
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    out.print(_sim_table(rows, "ESS paper evaluation, simulated (H200, EP 32; ESS rows: per-layer plan)"))
+    check = dsv3_check()
+    out.print(f"DeepSeek-V3 check (H800, EP 144, KV 4989, batch {check['batch_size']}): {check['throughput']} "
+                    f"tok/s per node vs published 14800 ({check['error_vs_published']:+.1%})")
+    return 0
+
+
+def cmd_sim_sweep(args) -> int:
+    from ess.sim.engine import plot_sweep, sweep
+
+    batches = list(range(args.batch_min, args.batch_max + 1, args.batch_step))
+    result = sweep(batches, args.context, args.mtp, args.accept, args.model, args.hardware, args.tbo, args.ep, _profile_arg(args))
+    if args.plot:
+        plot_sweep(result, args.plot, f"{args.model} on {args.hardware}, context {args.context}, MTP {args.mtp} "
+                   f"(accept {args.accept}), EP {args.ep}, TBO {'on' if args.tbo else 'off'}")
+    rows = result["baseline"] + result["hisparse"] + result["ess"]
+    _emit(args, result, _sim_table(rows, f"sweep (memory wall at batch {result['memory_wall_batch']})"))
+    return 0
+
+
+def cmd_sim_calibrate(args) -> int:
+    from ess.sim.engine import fit_calibration
+
+    fit = fit_calibration(args.hardware)
+    _emit(args, fit, None)
+    if not args.json:
+        print(json.dumps(fit, indent=2))
+    return 0
+
+
+def _add_sim_args(p, batch: bool = True) -> None:
+    p.add_argument("--model", default="dsv32", choices=["dsv32", "dsv3"])
+    p.add_argument("--hardware", default="H200", help="H20, H20-141G, H800, H100, H200, B200 (ess/sim/data/hardware.json)")
+    p.add_argument("--context", type=int, default=32768, help="KV length per request")
+    p.add_argument("--mtp", type=int, default=2, help="MTP draft tokens per step")
+    p.add_argument("--accept", type=float, default=1.7, help="mean tokens accepted per step (1 .. mtp + 1)")
+    p.add_argument("--ep", type=int, default=32, help="expert-parallel GPUs")
+    p.add_argument("--tbo", action=argparse.BooleanOptionalAction, default=True, help="Two-Batch Overlap")
+    p.add_argument("--profile", help="miss profile JSON from `ess profile` (default: the synthetic one)")
+    p.add_argument("--json", action="store_true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ess", description="ESS: offloaded sparse KV cache for DeepSeek-V3.2 decode")
     sub = p.add_subparsers(dest="command", required=True)
@@ -141,6 +218,29 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_cache_replay)
+
+    s = sub.add_parser("sim", help="decode simulator: baseline, HiSparse-style and ESS on a GPU cluster")
+    ssub = s.add_subparsers(dest="sim_command", required=True)
+    run = ssub.add_parser("run", help="one configuration")
+    _add_sim_args(run)
+    run.add_argument("--batch-size", type=int, required=True, help="requests per GPU")
+    run.add_argument("--sparse-ratio", type=float, help="ESS GPU share of the latent cache (omit: baseline)")
+    run.add_argument("--overlap", default="plan", choices=["none", "da", "dba", "plan"])
+    run.set_defaults(func=cmd_sim_run)
+    paper = ssub.add_parser("paper", help="the ESS paper's evaluation table, predicted")
+    paper.add_argument("--json", action="store_true")
+    paper.set_defaults(func=cmd_sim_paper)
+    sw = ssub.add_parser("sweep", help="throughput and OTPS against batch size, with a plot")
+    _add_sim_args(sw)
+    sw.add_argument("--batch-min", type=int, default=8)
+    sw.add_argument("--batch-max", type=int, default=192)
+    sw.add_argument("--batch-step", type=int, default=8)
+    sw.add_argument("--plot", help="PNG path")
+    sw.set_defaults(func=cmd_sim_sweep)
+    cal = ssub.add_parser("calibrate", help="refit the efficiency constants on the paper's baseline rows")
+    cal.add_argument("--hardware", default="H200")
+    cal.add_argument("--json", action="store_true")
+    cal.set_defaults(func=cmd_sim_calibrate)
     return p
 
 
