@@ -12,6 +12,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 err = Console(stderr=True)
+
+
+def say(text: str) -> None:
+    """One unwrapped line on stderr."""
+    print(text, file=sys.stderr)
+
 out = Console(width=None if sys.stdout.isatty() else 200)  # tables are not cut when piped
 
 
@@ -173,7 +179,90 @@ def cmd_sim_calibrate(args) -> int:
     return 0
 
 
-def _add_sim_args(p, batch: bool = True) -> None:
+def cmd_trace_record(args) -> int:
+    from ess.demo import DemoOptions, record_trace
+    from ess.trace import save_trace
+
+    opt = DemoOptions(config=args.config, layers=args.layers, topk=args.topk, batch=args.batch, context=args.context,
+                      steps=args.steps, seed=args.seed, device=args.device)
+    with _Progress(not args.quiet) as progress:
+        trace = record_trace(opt, progress)
+    save_trace(args.out, trace)
+    say(f"wrote {args.out}: topk {list(trace.topk.shape)}")
+    return 0
+
+
+def cmd_trace_synth(args) -> int:
+    from ess.synth import SynthOptions, synth_trace
+    from ess.trace import save_trace
+
+    opt = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk, context=args.context,
+                       sinks=args.sinks, window=args.window, churn_min=args.churn_min, churn_max=args.churn_max,
+                       drift_min=args.drift_min, drift_max=args.drift_max, pool=args.pool, fresh=args.fresh, seed=args.seed)
+    trace = synth_trace(opt)
+    save_trace(args.out, trace)
+    say(f"wrote {args.out}: SYNTHETIC trace, topk {list(trace.topk.shape)} (not a measurement)")
+    return 0
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def cmd_profile(args) -> int:
+    from ess.profiling import plot_profile, profile_traces
+    from ess.trace import load_trace
+
+    traces = [(path, load_trace(path)) for path in args.traces]
+    ratios = None if args.buffer_tokens else args.ratios
+    with _Progress(not args.quiet) as progress:
+        prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t))
+    if args.plot:
+        for path in plot_profile(prof, args.plot):
+            say(f"wrote {path}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(prof, f)
+    table = Table(title=f"miss profile of {args.traces[0]} (mean misses per request-step)")
+    table.add_column("layer")
+    for r in prof["ratios"]:
+        table.add_column(f"ratio {r:.2f}", justify="right")
+    table.add_column("similarity", justify="right")
+    for li in range(prof["num_layers"]):
+        table.add_row(str(li), *(f"{m[li]:.1f}" for m in prof["mean_misses"]), f"{prof['similarity'][li]:.3f}")
+    _emit(args, prof, table)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from ess.plan import make_plan
+    from ess.sim.profile import load_profile
+
+    plan = make_plan(load_profile(args.profile), args.hardware, args.context, args.batch_size, args.mtp, args.accept,
+                     args.sparse_ratio, args.model, args.ep, args.tbo)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(plan, f)
+    table = Table(title=f"layer plan: {plan['counts']} (ratio {plan['sparse_ratio']:.3f}); predicted {plan['predicted']}")
+    for c in ("layer", "mode", "mean misses", "exposed us"):
+        table.add_column(c, justify="right")
+    for i, m in enumerate(plan["modes"]):
+        table.add_row(str(i), m, str(plan["mean_misses"][i]), str(plan["exposed_transfer_us"][i]))
+    _emit(args, plan, table)
+    return 0
+
+
+def _add_sim_args(p, profile: bool = True) -> None:
     p.add_argument("--model", default="dsv32", choices=["dsv32", "dsv3"])
     p.add_argument("--hardware", default="H200", help="H20, H20-141G, H800, H100, H200, B200 (ess/sim/data/hardware.json)")
     p.add_argument("--context", type=int, default=32768, help="KV length per request")
@@ -181,7 +270,8 @@ def _add_sim_args(p, batch: bool = True) -> None:
     p.add_argument("--accept", type=float, default=1.7, help="mean tokens accepted per step (1 .. mtp + 1)")
     p.add_argument("--ep", type=int, default=32, help="expert-parallel GPUs")
     p.add_argument("--tbo", action=argparse.BooleanOptionalAction, default=True, help="Two-Batch Overlap")
-    p.add_argument("--profile", help="miss profile JSON from `ess profile` (default: the synthetic one)")
+    if profile:
+        p.add_argument("--profile", help="miss profile JSON from `ess profile` (default: the synthetic one)")
     p.add_argument("--json", action="store_true")
 
 
@@ -237,6 +327,57 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batch-step", type=int, default=8)
     sw.add_argument("--plot", help="PNG path")
     sw.set_defaults(func=cmd_sim_sweep)
+    tr = sub.add_parser("trace", help="record or synthesise top-k trace files")
+    tsub = tr.add_subparsers(dest="trace_command", required=True)
+    rec = tsub.add_parser("record", help="run the reference model and write its trace")
+    rec.add_argument("--out", required=True)
+    rec.add_argument("--config", default="mini", choices=["mini", "full"])
+    rec.add_argument("--layers", type=int)
+    rec.add_argument("--topk", type=int)
+    rec.add_argument("--batch", type=int, default=2)
+    rec.add_argument("--context", type=int, default=2048)
+    rec.add_argument("--steps", type=int, default=32)
+    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    rec.add_argument("--quiet", action="store_true")
+    rec.set_defaults(func=cmd_trace_record)
+    syn = tsub.add_parser(
+        "synth",
+        help="a seeded SYNTHETIC trace (not a measurement) with attention sinks, a local window, drifting per-layer "
+        "hot sets and pooled random churn",
+        description="Writes a SYNTHETIC trace: it is not a measurement. Each top-k set = sinks + local window + a "
+        "per-layer hot set that drifts at a per-layer rate + per-layer churn drawn from a working-set pool (a share "
+        "'fresh' from anywhere). Defaults give, at ratio 0.2 and 32K, layer means of tens to hundreds of misses per "
+        "request-step. See ess/synth.py.",
+    )
+    syn.add_argument("--out", required=True)
+    from ess.synth import SynthOptions
+
+    d = SynthOptions()
+    for name in ("requests", "steps", "layers", "topk", "context", "sinks", "window", "churn_min", "churn_max", "pool", "seed"):
+        syn.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("drift_min", "drift_max", "fresh"):
+        syn.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    syn.set_defaults(func=cmd_trace_synth)
+
+    pr = sub.add_parser("profile", help="miss profile of traces through the ESS cache policy, with plots")
+    pr.add_argument("traces", nargs="+", help="trace files; several of different context lengths add misses vs context")
+    pr.add_argument("--ratios", type=_floats, default=[0.1, 0.2, 0.3, 0.5], help="Sparse Memory Ratios, comma-separated")
+    pr.add_argument("--buffer-tokens", type=_ints, help="GPU slots instead of ratios, comma-separated")
+    pr.add_argument("--plot", help="directory for PNG plots")
+    pr.add_argument("--out", help="write the profile JSON here too")
+    pr.add_argument("--json", action="store_true")
+    pr.add_argument("--quiet", action="store_true")
+    pr.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="per-layer overlap plan (none / da / dba) from a miss profile and the cost model")
+    pl.add_argument("--profile", required=True)
+    _add_sim_args(pl, profile=False)
+    pl.add_argument("--batch-size", type=int, required=True)
+    pl.add_argument("--sparse-ratio", type=float, help="default: the largest that fits the batch")
+    pl.add_argument("--out", help="write the plan JSON here too")
+    pl.set_defaults(func=cmd_plan)
+
     cal = ssub.add_parser("calibrate", help="refit the efficiency constants on the paper's baseline rows")
     cal.add_argument("--hardware", default="H200")
     cal.add_argument("--json", action="store_true")

@@ -138,3 +138,21 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
     if budget is not None:
         report["max_batch"]["ess"] = memory.max_batch(budget, memory.device_cache_bytes(cfg, tokens, C))
     return report
+
+
+def record_trace(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None):
+    """Run the reference model (baseline cache) and return its trace: decode top-k per step and layer and the last
+    32 prefill top-k sets (ess.trace format)."""
+    from ess.trace import Trace
+
+    overrides = {k: v for k, v in (("num_layers", opt.layers), ("index_topk", opt.topk)) if v is not None}
+    cfg = get_config(opt.config, **overrides)
+    device = resolve_device(opt.device)
+    check_fits(cfg, device)
+    model = MiniModel(cfg, seed=opt.seed, device=device)
+    prompts = random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
+    res, _ = _run(model, prompts, opt.steps,
+                  lambda ctx, max_len: DenseLatentCache(cfg.num_layers, len(ctx), max_len, device), progress, "record")
+    meta = {"source": f"reference {cfg.name} model, random weights (ess trace record)", "model": dataclasses.asdict(cfg),
+            "seed": opt.seed}
+    return Trace(res.decode_topk.numpy(), res.context_len.numpy(), res.prefill_topk.numpy(), meta)

@@ -88,7 +88,8 @@ def lru_update(
     slot_ids = torch.arange(C, device=dev).expand(B, C)
     key = torch.where(sp >= 0, (1 << 61) | ((st + STAMP_BIAS) << 32) | sp, slot_ids)
     key = key | (protected[:, :C].long() << 62)
-    victims = torch.argsort(key, dim=1)[:, : K + 1]  # enough: misses + own <= K + 1 <= C
+    # The K + 1 smallest keys, in order (keys are distinct): enough, as misses + own <= K + 1 <= C.
+    victims = torch.topk(key, K + 1, dim=1, largest=False, sorted=True).indices
     take = torch.arange(K + 1, device=dev).unsqueeze(0) < (n_miss + need_own).unsqueeze(1)
     old = sp.gather(1, victims)
     evict = take & (old >= 0)

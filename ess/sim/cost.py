@@ -43,7 +43,7 @@ class Calibration:
     d2h_gbps: float = 43.0  # FlashTrans D2H on PCIe 5 (ESS paper)
     copy_latency_us: float = 5.0  # assumed: one FlashTrans launch
     split_attention_us: float = 8.0  # assumed: the second attention launch and the merge of DA / DBA
-    split_indexer_us: float = 8.0  # assumed: the extra indexer launch of DBA
+    split_indexer_us: float = 30.0  # assumed: DBA runs top-k, the LRU update and a FlashTrans launch twice
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,18 @@ def n_dsa_layers(spec: ModelSpec, mtp: int) -> int:
     return spec.layers + (1 if mtp else 0)
 
 
+def layer_misses(spec: ModelSpec, mtp: int, profile: dict | None, ratio: float) -> list[float]:
+    """Per-layer misses for the verify layers and, with MTP, the MTP layer; a profile of the model's own layer
+    count stands for the MTP layer with the mean of its layers."""
+    n = n_dsa_layers(spec, mtp)
+    misses = misses_at(profile or synthetic_profile(n), ratio)
+    if len(misses) == spec.layers and n == spec.layers + 1:
+        misses = misses + [sum(misses) / len(misses)]
+    if len(misses) != n:
+        raise ValueError(f"miss profile has {len(misses)} layers; {spec.name} needs {spec.layers} (+1 with MTP)")
+    return misses
+
+
 def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float]) -> list[str]:
     """Per layer, the overlap mode with the least exposed transfer plus added compute under the cost model
     (ties go to the simpler mode: none, then da, then dba)."""
@@ -80,11 +92,7 @@ def simulate(
             raise ValueError(f"--sparse-ratio must be in (0, 1], got {sparse_ratio}")
         if spec.index_topk is None:
             raise ValueError(f"--model {model}: ESS needs DeepSeek Sparse Attention (top-k), which this model lacks")
-        prof = profile or synthetic_profile(n_dsa_layers(spec, mtp))
-        misses = misses_at(prof, sparse_ratio)
-        if len(misses) < n_dsa_layers(spec, mtp):
-            raise ValueError(f"miss profile has {len(misses)} layers, the model needs {n_dsa_layers(spec, mtp)}")
-        misses = misses[: n_dsa_layers(spec, mtp)]
+        misses = layer_misses(spec, mtp, profile, sparse_ratio)
         modes = plan_modes(spec, hw, cal, dep, batch, context, mtp, misses) if overlap == "plan" else [overlap] * len(misses)
         ess = EssSetting(sparse_ratio, misses, modes)
     r = cost.step_time(spec, hw, cal, dep, batch, context, mtp, ess)

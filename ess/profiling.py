@@ -1,0 +1,179 @@
+"""`ess profile`: miss profiles of traces through the real cache policy (ess.replay), with plots.
+
+The profile JSON extends the simulator's format (ess.sim.profile): per-layer mean misses per request-step at each
+ratio from the first trace (with warm-up where the trace has prefill sets, as ESS runs), plus intra-layer
+similarity, misses against decode step with and without warm-up, and misses against context over all traces.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from ess.replay import replay_misses
+from ess.sim.profile import FORMAT
+from ess.trace import Trace
+
+
+def similarity(trace: Trace) -> np.ndarray:
+    """Per layer, the mean over requests and steps t >= 1 of |T_t & T_{t-1}| / |T_t| (-1 entries ignored)."""
+    t = trace.topk.astype(np.int64)  # [R, steps, layers, K]
+    R, S, Lyr, K = t.shape
+    if S < 2:
+        return np.zeros(Lyr)
+    cur, prev = t[:, 1:], t[:, :-1]
+    span = int(max(t.max(), 0)) + 2
+    row = np.arange(R * (S - 1) * Lyr, dtype=np.int64).reshape(R, S - 1, Lyr, 1)
+    key_cur = np.where(cur >= 0, row * span + cur, -1)
+    key_prev = np.where(prev >= 0, row * span + prev, -2)
+    inter = (np.isin(key_cur, key_prev) & (cur >= 0)).sum(-1)
+    size = np.maximum((cur >= 0).sum(-1), 1)
+    return (inter / size).mean(axis=(0, 1))
+
+
+def buffer_for_ratio(trace: Trace, ratio: float) -> int:
+    """Slots for a ratio: the ratio of the mean context, never below top-k + 1."""
+    K = trace.topk.shape[3]
+    return max(K + 1, math.ceil(ratio * float(trace.context_len.mean())))
+
+
+def profile_traces(
+    traces: list[tuple[str, Trace]],
+    ratios: list[float] | None = None,
+    buffer_tokens: list[int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    if (ratios is None) == (buffer_tokens is None):
+        raise ValueError("give --ratios or --buffer-tokens")
+    first_name, first = traces[0]
+    R, steps, layers, K = first.topk.shape
+    for name, tr in traces[1:]:
+        if tr.topk.shape[2:] != (layers, K):
+            raise ValueError(f"{name}: {tr.topk.shape[2]} layers and top-k {tr.topk.shape[3]}, the first trace has {layers} and {K}")
+    ctx0 = float(first.context_len.mean())
+    if buffer_tokens is not None:
+        if min(buffer_tokens) < K + 1:
+            raise ValueError(f"--buffer-tokens: each must be at least top-k + 1 = {K + 1}")
+        pairs = sorted((b / ctx0, b) for b in buffer_tokens)
+    else:
+        if any(not 0 < r <= 1 for r in ratios):
+            raise ValueError("--ratios must lie in (0, 1]")
+        pairs = sorted((r, buffer_for_ratio(first, r)) for r in ratios)
+    warm = first.prefill_topk is not None
+    total = len(traces) * len(pairs) + 2
+    done = 0
+
+    def tick():
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    mean_misses = []
+    for _, buf in pairs:
+        mean_misses.append(replay_misses(first, buf, warmup=warm).mean(axis=(0, 1)))
+        tick()
+    by_context = [{"trace": first_name, "context": ctx0, "mean_misses": [float(m.mean()) for m in mean_misses]}]
+    for name, tr in traces[1:]:
+        c = float(tr.context_len.mean())
+        row = []
+        for r, _ in pairs:
+            row.append(float(replay_misses(tr, max(K + 1, math.ceil(r * c)), warmup=tr.prefill_topk is not None).mean()))
+            tick()
+        by_context.append({"trace": name, "context": c, "mean_misses": row})
+    # Misses against decode step at the ratio nearest 0.2, with and without warm-up.
+    r_step, b_step = min(pairs, key=lambda p: abs(p[0] - 0.2))
+    cold = replay_misses(first, b_step, warmup=False).mean(axis=(0, 2))
+    tick()
+    warm_curve = replay_misses(first, b_step, warmup=True).mean(axis=(0, 2)) if warm else None
+    tick()
+    return {
+        "format": FORMAT,
+        "source": first.meta.get("source", first_name),
+        "traces": [n for n, _ in traces],
+        "num_layers": layers,
+        "topk": K,
+        "requests": R,
+        "steps": steps,
+        "context_len": ctx0,
+        "ratios": [round(r, 6) for r, _ in pairs],
+        "buffer_tokens": [b for _, b in pairs],
+        "mean_misses": [[round(float(x), 4) for x in m] for m in mean_misses],
+        "similarity": [round(float(x), 5) for x in similarity(first)],
+        "misses_by_step": {
+            "ratio": round(r_step, 6),
+            "buffer_tokens": b_step,
+            "cold": [round(float(x), 3) for x in cold],
+            "warmup": None if warm_curve is None else [round(float(x), 3) for x in warm_curve],
+        },
+        "by_context": sorted(by_context, key=lambda d: d["context"]),
+    }
+
+
+def plot_profile(p: dict, out_dir: str) -> list[str]:
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    layers = np.arange(p["num_layers"])
+
+    def save(fig, name):
+        path = os.path.join(out_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    for r, b, m in zip(p["ratios"], p["buffer_tokens"], p["mean_misses"]):
+        ax.plot(layers, m, marker=".", label=f"ratio {r:.2f} ({b} slots)")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("mean misses per request-step")
+    ax.set_yscale("log")
+    ax.set_title(f"Misses per layer (top-k {p['topk']}, context {p['context_len']:.0f}; {p['source']})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    save(fig, "misses_per_layer.png")
+
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    ax.bar(layers, p["similarity"], color="C2")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("|T_t & T_t-1| / |T_t|")
+    ax.set_title("Intra-layer similarity of consecutive top-k sets", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    save(fig, "similarity.png")
+
+    s = p["misses_by_step"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.plot(s["cold"], "C3-", label="no warm-up")
+    if s["warmup"] is not None:
+        ax.plot(s["warmup"], "C0-", label="LRU-Warmup (W = 32)")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("mean misses per request-layer")
+    ax.set_title(f"Misses against decode step (ratio {s['ratio']:.2f})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, "misses_by_step.png")
+
+    if len(p["by_context"]) > 1:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        ctx = [d["context"] for d in p["by_context"]]
+        for i, r in enumerate(p["ratios"]):
+            ax.plot(ctx, [d["mean_misses"][i] for d in p["by_context"]], marker="o", label=f"ratio {r:.2f}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("mean misses per request-step")
+        ax.set_title("Misses against context length", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "misses_vs_context.png")
+    return paths
