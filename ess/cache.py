@@ -10,9 +10,10 @@ import torch
 from ess import flashtrans
 from ess.config import EssConfig
 from ess.host_pool import PAGE_TOKENS, TotalMemoryPool
-from ess.policy import lru_update
+from ess.policy import PolicyResult, lru_update
 from ess.reference.dense_cache import DecodeRows
 from ess.sparse_pool import SparseMemoryPool
+from ess.streams import Streams
 
 
 class EssLatentCache:
@@ -40,6 +41,8 @@ class EssLatentCache:
         self.req = torch.tensor(reqs, dtype=torch.int64, device=device)
         self.sparse = SparseMemoryPool(num_layers, B, self.capacity, max_len, device)
         self.num_layers = num_layers
+        self.streams = Streams(device)
+        self.stamp = torch.zeros((), dtype=torch.int32, device=device)
         self.warm: list[torch.Tensor | None] = [None] * num_layers  # per layer [B, W, K]
         self.misses: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.set_sizes: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
@@ -74,18 +77,61 @@ class EssLatentCache:
             self.host.data[layer], self.host.rows(self.req, pos).flatten(), self.sparse.data[layer], slots.flatten(), self.backend
         )
 
-    def decode(self, layer: int, step: int, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> DecodeRows:
+    # -- decode phases (ess.overlap orders them per mode; `decode` is the serial order) ----------------------
+    def set_step(self, step: int) -> None:
+        """The stamp of the coming decode step, kept on the device so a captured CUDA graph reads it."""
+        self.stamp.fill_(step)
+
+    def update(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice = slice(None)) -> PolicyResult:
+        """The LRU policy for the batch rows in `part` (device only)."""
         sp, st, ps = self.sparse.layer_state(layer)
-        r = lru_update(sp, st, ps, self.req, topk, pos, step)
-        host, gpu = self.host.data[layer], self.sparse.data[layer]
-        flashtrans.gather(host, self.host.rows(self.req, r.miss_pos).flatten(), gpu, r.miss_slot.flatten(), self.backend)
+        return lru_update(sp, st, ps, self.req[part], topk, pos, self.stamp)
+
+    def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None)) -> None:
+        """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots."""
+        rows = self.host.rows(self.req[part], r.miss_pos).flatten()
+        slots = r.miss_slot.flatten()
+        self.streams.keep(r.miss_pos, r.miss_slot)  # made on the compute stream, read here on either
+        flashtrans.gather(self.host.data[layer], rows, self.sparse.data[layer], slots, self.backend)
+
+    def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
+        """Write the step's own rows into their GPU slots (compute stream)."""
         own_slot = torch.where(r.own_slot >= 0, r.own_slot, torch.full_like(r.own_slot, self.sparse.sink_slot))
-        gpu.index_copy_(0, own_slot, own_rows)
-        own_host = self.host.rows(self.req, pos.unsqueeze(1)).squeeze(1)
-        flashtrans.scatter(gpu, r.own_slot, host, own_host, self.backend)
+        self.sparse.data[layer].index_copy_(0, own_slot, own_rows)
+
+    def backup_own(self, layer: int, r: PolicyResult, pos: torch.Tensor):
+        """D2H of the step's own rows to the host pool, on the copy stream after store_own. Returns its event: the
+        compute stream waits on it before the layer ends (so a later step cannot evict the slot mid-copy, and a
+        captured graph joins its copy stream)."""
+        written = self.streams.recorded()
+        host_rows = self.host.rows(self.req, pos.unsqueeze(1)).squeeze(1)
+        self.streams.keep(host_rows, r.own_slot)
+        with self.streams.on_copy():
+            self.streams.wait(written)
+            flashtrans.scatter(self.sparse.data[layer], r.own_slot, self.host.data[layer], host_rows, self.backend)
+            return self.streams.recorded()
+
+    def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:
+        """The selected rows [B, K, 656] from the GPU pool (rows of -1 entries are garbage, masked by valid)."""
+        return self.sparse.data[layer][r.attn_slot.clamp(min=0)]
+
+    def record(self, layer: int, r: PolicyResult) -> None:
         self.misses[layer].append(r.n_miss)
         self.set_sizes[layer].append(r.n_set)
-        return DecodeRows(rows=gpu[r.attn_slot.clamp(min=0)], valid=topk >= 0, hit=r.hit)
+
+    def decode(self, layer: int, step: int | None, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> DecodeRows:
+        """Serial order (mode NONE): policy, H2D, wait, own row, then the rows for one attention call.
+        step None: the stamp was set beforehand (set_step), as in a captured CUDA graph."""
+        if step is not None:
+            self.set_step(step)
+        r = self.update(layer, topk, pos)
+        self.fetch(layer, r)
+        self.store_own(layer, r, own_rows)
+        backed_up = self.backup_own(layer, r, pos)
+        self.record(layer, r)
+        rows = self.rows(layer, r)
+        self.streams.wait(backed_up)
+        return DecodeRows(rows=rows, valid=topk >= 0, hit=r.hit)
 
     def device_bytes(self) -> int:
         return self.sparse.device_bytes()

@@ -72,6 +72,8 @@ def cmd_demo(args) -> int:
         sparse_ratio=args.sparse_ratio,
         warmup=not args.no_warmup,
         device_mem_gib=args.device_mem_gib,
+        overlap=args.overlap,
+        layer_plan=args.layer_plan,
     )
     with _Progress(not args.quiet) as progress:
         report = run_demo(opt, progress)
@@ -83,7 +85,7 @@ def cmd_demo(args) -> int:
         table.add_row(key, str(report[key]))
     if "ess" in report:
         e = report["ess"]
-        for key in ("buffer_tokens", "sparse_ratio", "warmup", "tokens_per_s", "total_misses"):
+        for key in ("buffer_tokens", "sparse_ratio", "warmup", "overlap", "layer_modes", "tokens_per_s", "total_misses"):
             table.add_row(f"ess {key}", str(e[key]))
         table.add_row("gpu latent bytes (baseline / ess)", f"{e['gpu_latent_bytes']['baseline']} / {e['gpu_latent_bytes']['ess']}")
         for row in e["per_layer"]:
@@ -294,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sparse-ratio", type=float, help="ESS GPU share of the cache (default 0.2)")
     d.add_argument("--no-warmup", action="store_true", help="start decode with an empty GPU buffer")
     d.add_argument("--device-mem-gib", type=float, help="report the largest batch whose caches fit this budget")
+    d.add_argument("--overlap", default="none", choices=["none", "da", "dba", "plan"],
+                   help="ESS overlap mode for every layer, or plan: per layer from --layer-plan")
+    d.add_argument("--layer-plan", help="layer plan JSON (format ess-layer-plan/1) with one mode per layer")
     d.add_argument("--json", action="store_true")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)

@@ -30,6 +30,8 @@ class DemoOptions:
     sparse_ratio: float | None = None
     warmup: bool = True
     device_mem_gib: float | None = None
+    overlap: str = "none"  # none | da | dba | plan (plan: per layer, from layer_plan)
+    layer_plan: str | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -55,9 +57,24 @@ def check_fits(cfg, device: torch.device) -> None:
         )
 
 
-def _run(model: MiniModel, prompts, steps: int, make_cache, progress, label: str) -> tuple[GenerateResult, object]:
+def _run(model: MiniModel, prompts, steps: int, make_cache, progress, label: str, modes=None) -> tuple[GenerateResult, object]:
     tagged = (lambda phase, done, total: progress(f"{label} {phase}", done, total)) if progress else None
-    return model.generate(prompts, steps, make_cache, progress=tagged)
+    return model.generate(prompts, steps, make_cache, progress=tagged, modes=modes)
+
+
+def layer_modes(opt: DemoOptions, num_layers: int) -> list[str]:
+    """One overlap mode per layer: the same for all, or a plan file's (`ess plan`, or written by hand)."""
+    from ess.plan import load_plan
+
+    if opt.overlap == "plan":
+        if not opt.layer_plan:
+            raise ValueError("--overlap plan needs --layer-plan PLAN.json (from `ess plan`, one mode per layer)")
+        return load_plan(opt.layer_plan, num_layers)
+    if opt.layer_plan:
+        raise ValueError("--layer-plan is read only with --overlap plan")
+    if opt.overlap not in ("none", "da", "dba"):
+        raise ValueError(f"--overlap must be none, da, dba or plan, got {opt.overlap!r}")
+    return [opt.overlap] * num_layers
 
 
 def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -67,6 +84,7 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
         raise ValueError("--batch and --context must be positive and --steps non-negative")
     device = resolve_device(opt.device)
     check_fits(cfg, device)
+    modes = layer_modes(opt, cfg.num_layers) if opt.ess else None
     model = MiniModel(cfg, seed=opt.seed, device=device)
     prompts = random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
     tokens = opt.context + opt.steps
@@ -110,6 +128,7 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
         lambda ctx, max_len: EssLatentCache(ess_cfg, cfg.num_layers, ctx, max_len, device),
         progress,
         "ess",
+        modes,
     )
     misses = cache.miss_counts().double()  # [B, steps, layers]
     sets = cache.set_size_counts().double()
@@ -126,6 +145,8 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
         "buffer_tokens": C,
         "sparse_ratio": round(C / tokens, 4),
         "warmup": opt.warmup,
+        "overlap": opt.overlap,
+        "layer_modes": modes,
         "decode_s": round(res.decode_s, 4),
         "tokens_per_s": round(opt.batch * opt.steps / res.decode_s, 2) if opt.steps else 0.0,
         "tokens_sha256": res.tokens_sha256,

@@ -71,21 +71,23 @@ def make_plan(profile: dict, hardware: str, context: int, batch: int, mtp: int =
     }
 
 
-def validate_plan(plan: dict, num_layers: int | None = None, where: str = "plan") -> list[str]:
+def validate_plan(plan: dict, num_layers: int | None = None, where: str = "plan", mtp_layer: bool = False) -> list[str]:
+    """The plan's modes; with num_layers, the plan must cover exactly those layers (one more entry allowed, for the
+    MTP layer, where mtp_layer)."""
     if not isinstance(plan, dict) or plan.get("format") != FORMAT:
         raise PlanError(f"{where}: not an ESS layer plan (expected format {FORMAT!r})")
     modes = plan.get("modes")
     if not isinstance(modes, list) or any(m not in MODES for m in modes) or len(modes) != plan.get("num_layers"):
         raise PlanError(f"{where}: 'modes' must list num_layers entries of {MODES}")
-    if num_layers is not None and len(modes) not in (num_layers, num_layers + 1):
+    if num_layers is not None and len(modes) not in ((num_layers, num_layers + 1) if mtp_layer else (num_layers,)):
         raise PlanError(f"{where}: plan for {len(modes)} layers, the model has {num_layers}")
     return modes
 
 
-def load_plan(path, num_layers: int | None = None) -> list[str]:
+def load_plan(path, num_layers: int | None = None, mtp_layer: bool = False) -> list[str]:
     try:
         with open(path) as f:
             plan = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"{path}: not a readable layer plan ({e})") from e
-    return validate_plan(plan, num_layers, str(path))
+    return validate_plan(plan, num_layers, str(path), mtp_layer)

@@ -81,7 +81,9 @@ def test_plan_cli_and_bad_files(tmp_path, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["num_layers"] == 62 and len(plan["exposed_transfer_us"]) == 62
     assert plan["predicted"]["exposed_transfer_ms"] <= plan["predicted"]["serial_swap_in_exposed_ms"]
-    assert load_plan(out, 61) == plan["modes"]
+    assert load_plan(out, 61, mtp_layer=True) == plan["modes"]
+    with pytest.raises(PlanError, match="plan for 62 layers, the model has 61"):
+        load_plan(out, 61)
     with pytest.raises(PlanError, match="plan for 62 layers, the model has 4"):
         load_plan(out, 4)
     bad = tmp_path / "bad.json"

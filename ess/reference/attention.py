@@ -78,17 +78,18 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, interleaved: bool) ->
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-@functools.lru_cache(maxsize=4)
-def _hadamard_cpu(d: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
+    """Cached per device: a host-to-device copy inside a decode step could not be captured in a CUDA graph."""
     h = torch.ones(1, 1)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h * d**-0.5
+    return (h * d**-0.5).to(device)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """The indexer's rotate_activation: a normalised Walsh-Hadamard transform of the last dimension."""
-    return x @ _hadamard_cpu(x.shape[-1]).to(x.device)
+    return x @ _hadamard_matrix(x.shape[-1], x.device)
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -158,9 +159,12 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor
 def sparse_attention(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float):
     """MLA over latent rows [N, K, 656] where valid [N, K]. Returns (o_latent [N, H, 512], lse [N, H]).
 
-    An empty row set gives o = 0 and lse = -inf, so that partial results merge exactly.
+    An empty row set gives o = 0 and lse = -inf, so that partial results merge exactly. Rows outside `valid` are
+    zeroed first: in split attention they may be slots whose fetch is still in flight (any bytes, NaN included).
     """
     c_kv, k_pe = layout.dequantize_latent(rows)  # [N, K, 512], [N, K, 64]
+    c_kv = c_kv.masked_fill(~valid.unsqueeze(-1), 0.0)
+    k_pe = k_pe.masked_fill(~valid.unsqueeze(-1), 0.0)
     s = (torch.einsum("nhr,nkr->nhk", q_nope_abs, c_kv) + torch.einsum("nhr,nkr->nhk", q_pe, k_pe)) * scale
     s = s.masked_fill(~valid.unsqueeze(1), -math.inf)
     lse = torch.logsumexp(s, dim=-1)  # [N, H]

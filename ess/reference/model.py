@@ -98,31 +98,40 @@ class MiniModel:
             x = x + self._mlp(lw, x)
         return int(self._logits(x[-1:]).argmax(-1))
 
-    def decode_step(self, step: int, tokens: torch.Tensor, pos: torch.Tensor, cache, index_k: torch.Tensor, attend=None):
+    def decode_step(self, step: int, tokens: torch.Tensor, pos: torch.Tensor, cache, index_k: torch.Tensor, attend=None,
+                    modes: list[str] | None = None):
         """One greedy decode step for the batch: tokens [B] at positions pos [B]. Returns (next tokens, top-k [B, layers, K]).
 
-        `attend(layer, q_nope_abs, q_pe, decode_rows)` computes the attention from the cache's rows; the default is one
-        sparse_attention call over all selected rows.
+        With an ESS cache and `modes` (one overlap mode per layer), each layer runs ess.overlap's schedule. Otherwise
+        the cache's serial `decode` serves the rows and `attend(layer, q_nope_abs, q_pe, decode_rows)` computes the
+        attention (default: one sparse_attention call over all selected rows).
         """
+        from ess.overlap import ess_layer_attention  # the reference does not depend on ESS otherwise
+
         cfg = self.cfg
         batch = torch.arange(tokens.shape[0], device=self.device)
         x = self.embed[tokens]
         topks = []
+        if modes is not None:
+            cache.set_step(step)
         for li, lw in enumerate(self.layers):
             w = lw.attn
             h = A.rms_norm(x, lw.attn_norm)
             q_lora = A.q_lora_of(w, h)
             index_k[li, batch, pos] = A.index_key_rows(w, cfg, h, pos)
-            q_idx, weights = A.index_query(w, cfg, h, q_lora, pos)
-            topk = A.select_topk(A.index_scores(q_idx, weights, index_k[li]), pos, cfg.index_topk)
-            topks.append(topk)
-            own_rows = A.kv_latent_rows(w, cfg, h, pos)
-            q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
-            dr = cache.decode(li, step, topk, pos, own_rows)
-            if attend is None:
-                o, _ = A.sparse_attention(q_nope_abs, q_pe, dr.rows, dr.valid, cfg.softmax_scale)
+            if modes is not None:
+                o, topk = ess_layer_attention(modes[li], w, cfg, h, q_lora, pos, index_k[li], cache, li)
             else:
-                o = attend(li, q_nope_abs, q_pe, dr)
+                q_idx, weights = A.index_query(w, cfg, h, q_lora, pos)
+                topk = A.select_topk(A.index_scores(q_idx, weights, index_k[li]), pos, cfg.index_topk)
+                own_rows = A.kv_latent_rows(w, cfg, h, pos)
+                q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
+                dr = cache.decode(li, step, topk, pos, own_rows)
+                if attend is None:
+                    o, _ = A.sparse_attention(q_nope_abs, q_pe, dr.rows, dr.valid, cfg.softmax_scale)
+                else:
+                    o = attend(li, q_nope_abs, q_pe, dr)
+            topks.append(topk)
             x = x + A.attn_output(w, o)
             x = x + self._mlp(lw, x)
         return self._logits(x).argmax(-1), torch.stack(topks, dim=1)
@@ -135,6 +144,7 @@ class MiniModel:
         make_cache: Callable[[list[int], int], object],
         progress: Callable[[str, int, int], None] | None = None,
         attend=None,
+        modes: list[str] | None = None,
     ) -> tuple[GenerateResult, object]:
         """Prefill every prompt, then greedy-decode `steps` steps for the whole batch.
 
@@ -165,7 +175,7 @@ class MiniModel:
         out = [tokens]
         topks = []
         for t in range(steps):
-            tokens, topk = self.decode_step(t, tokens, pos + t, cache, index_k, attend)
+            tokens, topk = self.decode_step(t, tokens, pos + t, cache, index_k, attend, modes)
             out.append(tokens)
             topks.append(topk)
             if progress:

@@ -1,0 +1,82 @@
+"""One layer's decode attention with ESS, in the three overlap modes of the brief (section 2).
+
+    none  indexer, top-k, cache update, H2D of misses, wait, attention (one call over all selected rows)
+    da    indexer, top-k, cache update; the H2D starts on the copy stream while PreAttn and Attn0 (the rows already
+          on the GPU: hits and the own row) run; then wait, Attn1 (the fetched rows) and the log-sum-exp merge
+    dba   the indexer, top-k and cache update run per batch half: half A's H2D overlaps half B's indexer; then as da
+The step's own row is written to its GPU slot on the compute stream and backed up to the host (D2H) on the copy
+stream in every mode. On the CPU the streams run in program order, so the same code computes the same values.
+Every step has fixed shapes and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ess.cache import EssLatentCache
+from ess.policy import PolicyResult
+from ess.reference import attention as A
+from ess.reference.config import ModelConfig
+
+MODES = ("none", "da", "dba")
+
+
+def indexer_topk(w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer, part: slice = slice(None)):
+    """The Lightning Indexer and top-k for the batch rows in `part` (index-K of the step already written)."""
+    q_idx, weights = A.index_query(w, cfg, h[part], q_lora[part], pos[part])
+    return A.select_topk(A.index_scores(q_idx, weights, index_k_layer[part]), pos[part], cfg.index_topk)
+
+
+def _cat(parts: list[PolicyResult]) -> PolicyResult:
+    if len(parts) == 1:
+        return parts[0]
+    return PolicyResult(*(torch.cat([getattr(p, f) for p in parts]) for f in PolicyResult.__dataclass_fields__))
+
+
+def batch_parts(batch: int, mode: str) -> list[slice]:
+    if mode == "dba" and batch > 1:
+        return [slice(0, batch // 2), slice(batch // 2, batch)]
+    return [slice(0, batch)]
+
+
+def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer,
+                        cache: EssLatentCache, layer: int):
+    """Returns (o_latent [B, H, 512], topk [B, K]). The cache's stamp must be set (cache.set_step)."""
+    if mode not in MODES:
+        raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
+    streams = cache.streams
+    own_rows = A.kv_latent_rows(w, cfg, h, pos)
+    topks, results = [], []
+    for part in batch_parts(h.shape[0], mode):
+        topk = indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
+        r = cache.update(layer, topk, pos[part], part)
+        if mode == "none":
+            cache.fetch(layer, r, part)  # on the compute stream: attention waits for it
+        else:
+            ready = streams.recorded()
+            with streams.on_copy():
+                streams.wait(ready)
+                cache.fetch(layer, r, part)
+        topks.append(topk)
+        results.append(r)
+    fetched = None
+    if mode != "none":
+        with streams.on_copy():
+            fetched = streams.recorded()  # every H2D of the step is queued before this
+    r = _cat(results)
+    topk = torch.cat(topks)
+    cache.store_own(layer, r, own_rows)
+    backed_up = cache.backup_own(layer, r, pos)  # D2H overlaps PreAttn and the attention below
+    cache.record(layer, r)
+    q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
+    valid = topk >= 0
+    scale = cfg.softmax_scale
+    if mode == "none":
+        o, _ = A.sparse_attention(q_nope_abs, q_pe, cache.rows(layer, r), valid, scale)
+    else:
+        o0, lse0 = A.sparse_attention(q_nope_abs, q_pe, cache.rows(layer, r), valid & r.hit, scale)  # Attn0: on GPU
+        streams.wait(fetched)
+        o1, lse1 = A.sparse_attention(q_nope_abs, q_pe, cache.rows(layer, r), valid & ~r.hit, scale)  # Attn1: fetched
+        o = A.merge_attention(o0, lse0, o1, lse1)[0]
+    streams.wait(backed_up)
+    return o, topk
