@@ -33,6 +33,16 @@ def _cat(parts: list[PolicyResult]) -> PolicyResult:
     return PolicyResult(*(torch.cat([getattr(p, f) for p in parts]) for f in PolicyResult.__dataclass_fields__))
 
 
+def split_attention(q_nope_abs, q_pe, read_rows, valid, hit, scale: float, before_attn1=lambda: None):
+    """Attn0 over the rows already on the GPU (valid & hit), then `before_attn1()` (DA: wait for the H2D), then
+    Attn1 over the fetched rows (valid & ~hit), merged by log-sum-exp: the result of one attention call over all
+    valid rows, up to float32 rounding. read_rows() is called once per part, so Attn1 reads the rows after the wait."""
+    o0, lse0 = A.sparse_attention(q_nope_abs, q_pe, read_rows(), valid & hit, scale)
+    before_attn1()
+    o1, lse1 = A.sparse_attention(q_nope_abs, q_pe, read_rows(), valid & ~hit, scale)
+    return A.merge_attention(o0, lse0, o1, lse1)[0]
+
+
 def batch_parts(batch: int, mode: str) -> list[slice]:
     if mode == "dba" and batch > 1:
         return [slice(0, batch // 2), slice(batch // 2, batch)]
@@ -74,9 +84,7 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
     if mode == "none":
         o, _ = A.sparse_attention(q_nope_abs, q_pe, cache.rows(layer, r), valid, scale)
     else:
-        o0, lse0 = A.sparse_attention(q_nope_abs, q_pe, cache.rows(layer, r), valid & r.hit, scale)  # Attn0: on GPU
-        streams.wait(fetched)
-        o1, lse1 = A.sparse_attention(q_nope_abs, q_pe, cache.rows(layer, r), valid & ~r.hit, scale)  # Attn1: fetched
-        o = A.merge_attention(o0, lse0, o1, lse1)[0]
+        o = split_attention(q_nope_abs, q_pe, lambda: cache.rows(layer, r), valid, r.hit, scale,
+                            lambda: streams.wait(fetched))
     streams.wait(backed_up)
     return o, topk

@@ -6,9 +6,8 @@ from ess import layout
 from ess.cache import EssLatentCache
 from ess.config import EssConfig
 from ess.reference import attention as A
-from ess.reference.dense_cache import DecodeRows
 from ess.replay import replay_misses
-from ess.split_attention import split_attention
+from ess.overlap import split_attention
 from ess.trace import Trace
 from helpers import TINY, dense, tiny_model, tiny_prompts
 
@@ -54,7 +53,7 @@ def test_split_attention_equals_unsplit_and_fully_resident(baseline):
 
     def record_split(layer, qn, qp, dr):
         unsplit_out.append(A.sparse_attention(qn, qp, dr.rows, dr.valid, scale)[0])
-        o = split_attention(qn, qp, dr, scale)
+        o = split_attention(qn, qp, lambda: dr.rows, dr.valid, dr.hit, scale)
         ess_out.append(o)
         return o
 
@@ -79,5 +78,5 @@ def test_split_attention_op_level():
     hit[1] = False  # a row with no hits
     qn, qp = torch.randn(N, H, 512, generator=g), torch.randn(N, H, 64, generator=g)
     full, _ = A.sparse_attention(qn, qp, rows, valid, 0.05)
-    split = split_attention(qn, qp, DecodeRows(rows, valid, hit), 0.05)
+    split = split_attention(qn, qp, lambda: rows, valid, hit, 0.05)
     torch.testing.assert_close(split, full, rtol=1e-5, atol=1e-5)

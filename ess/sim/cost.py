@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ess.memory import cache_bytes
 from ess.sim.specs import GIB, Hardware, ModelSpec
 
 MODES = ("none", "da", "dba", "plan")
@@ -237,13 +238,9 @@ def cache_budget_bytes(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Dep
 
 
 def request_bytes(spec: ModelSpec, context: float, sparse_ratio: float | None = None) -> float:
-    """Device cache bytes of one request; with ESS, index-K stays whole and the latent cache shrinks to the ratio,
-    plus the LRU tables (8 B per slot and 4 B per token, per layer; see ess.sparse_pool)."""
-    if sparse_ratio is None:
-        return context * spec.kv_bytes_per_token()
-    slots = math.ceil(sparse_ratio * context)
-    per_layer = context * spec.index_row_bytes + slots * (spec.latent_row_bytes + 8) + context * 4
-    return spec.layers * per_layer
+    """Device cache bytes of one request (ess.memory.cache_bytes) at a context, with ESS at a ratio."""
+    slots = None if sparse_ratio is None else math.ceil(sparse_ratio * context)
+    return cache_bytes(spec.layers, context, spec.latent_row_bytes, spec.index_row_bytes, slots)
 
 
 def max_batch(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment, context: float, sparse_ratio: float | None = None) -> int:

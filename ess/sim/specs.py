@@ -61,10 +61,6 @@ class ModelSpec:
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
 
-    def kv_bytes_per_token(self) -> int:
-        """Device cache bytes per token over all layers (the MTP layer's own cache is left out, as the brief does)."""
-        return self.layers * (self.latent_row_bytes + self.index_row_bytes)
-
     def weight_bytes_per_gpu(self, ep: int, mtp_layers: int = 1) -> float:
         """Weights on one GPU with data-parallel attention (TP 1) and experts spread over `ep` GPUs.
 
