@@ -18,6 +18,7 @@ def say(text: str) -> None:
     """One unwrapped line on stderr."""
     print(text, file=sys.stderr)
 
+
 out = Console(width=None if sys.stdout.isatty() else 200)  # tables are not cut when piped
 
 
