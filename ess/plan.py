@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 
-from ess.sim import cost
 from ess.sim.cost import Deployment
-from ess.sim.engine import layer_misses, load_calibration, plan_modes, ratio_for_batch, simulate
+from ess.sim.engine import layer_misses, load_calibration, plan_layers, ratio_for_batch, simulate
 from ess.sim.specs import get_hardware, get_model
 
 FORMAT = "ess-layer-plan/1"
@@ -38,12 +37,9 @@ def make_plan(profile: dict, hardware: str, context: int, batch: int, mtp: int =
             raise ValueError(f"--batch-size {batch} does not fit {hardware} at context {context} even with ESS")
     misses = layer_misses(spec, mtp, profile, sparse_ratio)
     n = len(misses)
-    modes = plan_modes(spec, hw, cal, dep, batch, context, mtp, misses)
-    T = batch * (mtp + 1)
-    exposed = []
-    for i, (m, mode) in enumerate(zip(misses, modes)):
-        c = cost.layer_cost(spec, hw, cal, dep, T if i < spec.layers else batch, batch, context, moe=i >= spec.dense_layers)
-        exposed.append(round(cost.exposed_transfer(c, cost.h2d_seconds(batch, m, spec, cal), mode, cal)[0] * 1e6, 3))
+    layers = plan_layers(spec, hw, cal, dep, batch, context, mtp, misses)
+    modes = [mode for mode, _ in layers]
+    exposed = [round(e * 1e6, 3) for _, e in layers]
     common = dict(model=model, hardware=hardware, context=context, mtp=mtp, accept=accept, batch=batch,
                   sparse_ratio=sparse_ratio, tbo=tbo, ep=ep, profile=profile)
     planned, serial = simulate(overlap="plan", **common), simulate(overlap="none", **common)

@@ -37,17 +37,23 @@ def layer_misses(spec: ModelSpec, mtp: int, profile: dict | None, ratio: float) 
     return misses
 
 
-def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float]) -> list[str]:
-    """Per layer, the overlap mode with the least exposed transfer plus added compute under the cost model
-    (ties go to the simpler mode: none, then da, then dba)."""
+def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float]) -> list[tuple[str, float]]:
+    """Per layer (mode, exposed H2D seconds): the overlap mode with the least exposed transfer plus added compute
+    under the cost model (ties go to the simpler mode: none, then da, then dba)."""
     T = batch * (mtp + 1)
-    modes = []
+    order = ("none", "da", "dba")
+    chosen = []
     for i, m in enumerate(misses):
         c = cost.layer_cost(spec, hw, cal, dep, T if i < spec.layers else batch, batch, context, moe=i >= spec.dense_layers)
         h = cost.h2d_seconds(batch, m, spec, cal)
-        penalty = {mode: sum(cost.exposed_transfer(c, h, mode, cal)) for mode in ("none", "da", "dba")}
-        modes.append(min(("none", "da", "dba"), key=lambda k: (round(penalty[k], 12), ("none", "da", "dba").index(k))))
-    return modes
+        outcome = {mode: cost.exposed_transfer(c, h, mode, cal) for mode in order}
+        best = min(order, key=lambda k: (round(sum(outcome[k]), 12), order.index(k)))
+        chosen.append((best, outcome[best][0]))
+    return chosen
+
+
+def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float]) -> list[str]:
+    return [mode for mode, _ in plan_layers(spec, hw, cal, dep, batch, context, mtp, misses)]
 
 
 def ratio_for_batch(spec, hw, cal, dep, batch: int, context: int) -> float:
