@@ -77,16 +77,20 @@ def layer_modes(opt: DemoOptions, num_layers: int) -> list[str]:
     return [opt.overlap] * num_layers
 
 
-def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
+def _setup(opt: DemoOptions):
+    """The configuration, device, seeded model and prompts that the demo and the trace recorder share."""
     overrides = {k: v for k, v in (("num_layers", opt.layers), ("index_topk", opt.topk)) if v is not None}
     cfg = get_config(opt.config, **overrides)
     if opt.batch < 1 or opt.context < 1 or opt.steps < 0:
         raise ValueError("--batch and --context must be positive and --steps non-negative")
     device = resolve_device(opt.device)
     check_fits(cfg, device)
-    modes = layer_modes(opt, cfg.num_layers) if opt.ess else None
-    model = MiniModel(cfg, seed=opt.seed, device=device)
-    prompts = random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
+    return cfg, device, MiniModel(cfg, seed=opt.seed, device=device), random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
+
+
+def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    modes = layer_modes(opt, opt.layers or get_config(opt.config).num_layers) if opt.ess else None
+    cfg, device, model, prompts = _setup(opt)
     tokens = opt.context + opt.steps
 
     base, base_cache = _run(
@@ -166,12 +170,7 @@ def record_trace(opt: DemoOptions, progress: Callable[[str, int, int], None] | N
     32 prefill top-k sets (ess.trace format)."""
     from ess.trace import Trace
 
-    overrides = {k: v for k, v in (("num_layers", opt.layers), ("index_topk", opt.topk)) if v is not None}
-    cfg = get_config(opt.config, **overrides)
-    device = resolve_device(opt.device)
-    check_fits(cfg, device)
-    model = MiniModel(cfg, seed=opt.seed, device=device)
-    prompts = random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
+    cfg, device, model, prompts = _setup(opt)
     res, _ = _run(model, prompts, opt.steps,
                   lambda ctx, max_len: DenseLatentCache(cfg.num_layers, len(ctx), max_len, device), progress, "record")
     meta = {"source": f"reference {cfg.name} model, random weights (ess trace record)", "model": dataclasses.asdict(cfg),

@@ -10,7 +10,6 @@ import torch
 from ess import layout
 from ess.cache import EssLatentCache
 from ess.config import EssConfig
-from ess.overlap import indexer_topk
 from ess.reference import attention as A
 from ess.reference.config import ModelConfig
 
@@ -42,7 +41,7 @@ def build_layer(cfg: ModelConfig, batch: int, context: int, buffer: int, device:
         rows = layout.quantize_latent(torch.randn(context, 512, generator=g), torch.randn(context, 64, generator=g))
         cache.prefill(0, b, rows.to(device), None)
     q_lora = A.q_lora_of(w, h)
-    return Layer(cfg, w, h, q_lora, pos, index_k, cache, indexer_topk(w, cfg, h, q_lora, pos, index_k))
+    return Layer(cfg, w, h, q_lora, pos, index_k, cache, A.indexer_topk(w, cfg, h, q_lora, pos, index_k))
 
 
 def preload(layer: Layer, misses: int) -> list[torch.Tensor]:

@@ -21,12 +21,6 @@ from ess.reference.config import ModelConfig
 MODES = ("none", "da", "dba")
 
 
-def indexer_topk(w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer, part: slice = slice(None)):
-    """The Lightning Indexer and top-k for the batch rows in `part` (index-K of the step already written)."""
-    q_idx, weights = A.index_query(w, cfg, h[part], q_lora[part], pos[part])
-    return A.select_topk(A.index_scores(q_idx, weights, index_k_layer[part]), pos[part], cfg.index_topk)
-
-
 def _cat(parts: list[PolicyResult]) -> PolicyResult:
     if len(parts) == 1:
         return parts[0]
@@ -58,7 +52,7 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
     own_rows = A.kv_latent_rows(w, cfg, h, pos)
     topks, results = [], []
     for part in batch_parts(h.shape[0], mode):
-        topk = indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
+        topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
         r = cache.update(layer, topk, pos[part], part)
         if mode == "none":
             cache.fetch(layer, r, part)  # on the compute stream: attention waits for it

@@ -19,12 +19,9 @@ class Streams:
         self.cuda = torch.device(device).type == "cuda"
         self.copy = torch.cuda.Stream(device=device) if self.cuda else None
 
-    def event(self):
-        return torch.cuda.Event() if self.cuda else _Done()
-
     def recorded(self):
         """An event recorded now on the current stream."""
-        ev = self.event()
+        ev = torch.cuda.Event() if self.cuda else _Done()
         ev.record()
         return ev
 

@@ -122,8 +122,7 @@ class MiniModel:
             if modes is not None:
                 o, topk = ess_layer_attention(modes[li], w, cfg, h, q_lora, pos, index_k[li], cache, li)
             else:
-                q_idx, weights = A.index_query(w, cfg, h, q_lora, pos)
-                topk = A.select_topk(A.index_scores(q_idx, weights, index_k[li]), pos, cfg.index_topk)
+                topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k[li])
                 own_rows = A.kv_latent_rows(w, cfg, h, pos)
                 q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
                 dr = cache.decode(li, step, topk, pos, own_rows)
