@@ -26,7 +26,7 @@ class PolicyResult:
     hit: torch.Tensor  # [B, K] bool: entry's row is on the GPU before any fetch (resident, or the own token)
     miss_pos: torch.Tensor  # [B, K] int64: positions to fetch (each once), -1 padded
     miss_slot: torch.Tensor  # [B, K] int64: pool slot each miss goes to, -1 padded
-    own_slot: torch.Tensor  # [B] int64: pool slot of the own token, -1 if none
+    own_slot: torch.Tensor  # [B] (or [B, M]) int64: pool slot of the own token(s), -1 if none
     n_miss: torch.Tensor  # [B] int32
     n_set: torch.Tensor  # [B] int32: |S|, the distinct positions asked for besides the own one
 
@@ -44,23 +44,27 @@ def lru_update(
 
     req [B] request indices (distinct), sets [B, K] top-k positions (-1 padded), own_pos [B] the step's own position
     (-1: none, as in warm-up), stamp the step's stamp. Requires capacity C >= K + 1.
+    own_pos may be [B, M] (distinct or -1): M tokens of one request produced in the same step, as in MTP
+    target-verify, where `sets` is the union of the M query rows' top-k sets; then C >= K + M is required.
     """
     B, K = sets.shape
+    one_own = own_pos.dim() == 1
+    own = own_pos.long().reshape(B, -1)
+    M = own.shape[1]
     C = slot_pos.shape[1] - 1
     P = pos_slot.shape[1] - 1
-    if C < K + 1:
-        raise ValueError(f"ESS buffer of {C} slots is below top-k + 1 = {K + 1}")
+    if C < K + M:
+        raise ValueError(f"ESS buffer of {C} slots is below the set size + own tokens (top-k + 1) = {K} + {M}")
     dev = sets.device
     req = req.long()
     r2 = req.unsqueeze(1)
     s = sets.long()
-    own = own_pos.long()
     has_own = own >= 0
     stamp = torch.as_tensor(stamp, dtype=slot_stamp.dtype, device=dev)
 
     # Per entry, in the caller's order, as things stand before the update.
     entry = s >= 0
-    is_own = entry & (s == own.unsqueeze(1))
+    is_own = entry & (s.unsqueeze(2) == own.unsqueeze(1)).any(2)
     pre_slot = pos_slot[r2, torch.where(entry, s, P)]
     hit = entry & ((pre_slot >= 0) | is_own)
 
@@ -75,41 +79,44 @@ def lru_update(
     umiss = uniq & (uslot < 0)
     n_miss = umiss.sum(1)
 
-    own_pre = pos_slot[req, torch.where(has_own, own, P)].long()
+    own_pre = pos_slot[r2, torch.where(has_own, own, P)].long()
     own_resident = has_own & (own_pre >= 0)  # only when a position is processed twice (e.g. a replayed step)
     need_own = has_own & ~own_resident
+    n_need = need_own.sum(1)
 
     # Victims: empty slots first, then (stamp, position) ascending; members of S and a resident own are protected.
     sp = slot_pos[req, :C].long()
     st = slot_stamp[req, :C].long()
     protected = torch.zeros(B, C + 1, dtype=torch.bool, device=dev)
     protected.scatter_(1, torch.where(uhit, uslot, C), True)
-    protected.scatter_(1, torch.where(own_resident, own_pre, C).unsqueeze(1), True)
+    protected.scatter_(1, torch.where(own_resident, own_pre, C), True)
     slot_ids = torch.arange(C, device=dev).expand(B, C)
     key = torch.where(sp >= 0, (1 << 61) | ((st + STAMP_BIAS) << 32) | sp, slot_ids)
     key = key | (protected[:, :C].long() << 62)
-    # The K + 1 smallest keys, in order (keys are distinct): enough, as misses + own <= K + 1 <= C.
-    victims = torch.topk(key, K + 1, dim=1, largest=False, sorted=True).indices
-    take = torch.arange(K + 1, device=dev).unsqueeze(0) < (n_miss + need_own).unsqueeze(1)
+    # The K + M smallest keys, in order (keys are distinct): enough, as misses + own <= K + M <= C.
+    victims = torch.topk(key, K + M, dim=1, largest=False, sorted=True).indices
+    take = torch.arange(K + M, device=dev).unsqueeze(0) < (n_miss + n_need).unsqueeze(1)
     old = sp.gather(1, victims)
     evict = take & (old >= 0)
 
     miss_rank = (torch.cumsum(umiss, 1) - 1).clamp(min=0)
     miss_local = torch.where(umiss, victims.gather(1, miss_rank), C)
+    need_rank = (torch.cumsum(need_own, 1) - 1).clamp(min=0)
     own_local = torch.where(
-        own_resident, own_pre, torch.where(need_own, victims.gather(1, n_miss.unsqueeze(1)).squeeze(1), C)
+        own_resident, own_pre, torch.where(need_own, victims.gather(1, n_miss.unsqueeze(1) + need_rank), C)
     )
 
     # Apply: evict (those positions are neither in S nor own), insert, stamp.
     pos_slot[r2, torch.where(evict, old, P)] = -1
     pos_slot[r2, torch.where(umiss, srt, P)] = miss_local.to(pos_slot.dtype)
-    pos_slot[req, torch.where(has_own, own, P)] = own_local.to(pos_slot.dtype)
+    pos_slot[r2, torch.where(has_own, own, P)] = own_local.to(pos_slot.dtype)
     slot_pos[r2, miss_local] = srt.to(slot_pos.dtype)
-    slot_pos[req, own_local] = own.to(slot_pos.dtype)
+    slot_pos[r2, own_local] = own.to(slot_pos.dtype)
     slot_stamp[r2, torch.where(uhit, uslot, miss_local)] = stamp
-    slot_stamp[req, own_local] = stamp
+    slot_stamp[r2, own_local] = stamp
 
     base = req * C
+    own_slot = torch.where(has_own, base.unsqueeze(1) + own_local, torch.full_like(own, -1))
     post = pos_slot[r2, torch.where(entry, s, P)].long()
     none = torch.full_like(s, -1)
     return PolicyResult(
@@ -117,7 +124,7 @@ def lru_update(
         hit=hit,
         miss_pos=torch.where(umiss, srt, none),
         miss_slot=torch.where(umiss, base.unsqueeze(1) + miss_local, none),
-        own_slot=torch.where(has_own, base + own_local, torch.full_like(own, -1)),
+        own_slot=(own_slot.squeeze(1) if one_own else own_slot),
         n_miss=n_miss.to(torch.int32),
         n_set=uniq.sum(1).to(torch.int32),
     )

@@ -84,3 +84,27 @@ def test_capacity_below_topk_plus_one_is_refused():
     pool = SparseMemoryPool(1, 1, 4, 10, "cpu", with_rows=False)
     with pytest.raises(ValueError, match="top-k \\+ 1"):
         lru_update(*pool.layer_state(0), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([5]), 0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_several_own_tokens_per_step_match_oracle(seed):
+    """MTP target-verify: M tokens of a request are produced in one step and the set is the union of M query rows."""
+    rng = random.Random(seed)
+    R, K, M, C = 3, 12, 3, 16
+    ctx = [rng.randint(20, 50) for _ in range(R)]
+    pool = SparseMemoryPool(1, R, C, max(ctx) + M * 10 + 1, "cpu", with_rows=False)
+    sp, st, ps = pool.layer_state(0)
+    oracles = [OracleLRU(C) for _ in range(R)]
+    for t in range(10):
+        own = [[c + M * t + j for j in range(M)] for c in ctx]
+        sets = [rng.sample(range(0, own[i][-1] + 1), K) for i in range(R)]  # may include this step's own tokens
+        own[1][2] = -1  # a request with fewer verify rows
+        r = lru_update(sp, st, ps, torch.arange(R), torch.tensor(sets, dtype=torch.int32), torch.tensor(own), t)
+        assert r.own_slot.shape == (R, M)
+        for i in range(R):
+            assert int(r.n_miss[i]) == oracles[i].step(sets[i], own[i], t), (t, i)
+            assert pool.resident(0, i) == set(oracles[i].stamp), (t, i)
+            for j, o in enumerate(own[i]):
+                assert (int(r.own_slot[i, j]) == -1) if o < 0 else int(sp[i, int(r.own_slot[i, j]) - i * C]) == o
+    with pytest.raises(ValueError, match="below the set size"):
+        lru_update(sp, st, ps, torch.arange(R), torch.zeros(R, 14, dtype=torch.int32), torch.zeros(R, 3, dtype=torch.int64), 99)

@@ -1,0 +1,125 @@
+"""ServingLatentCache: the ESS latent cache addressed the way a serving engine addresses its KV cache.
+
+A serving engine (SGLang) gives every live request a slot in a request pool and every token a location in a token
+pool, with a table token_table[request slot, position] = location (SGLang's req_to_token). ESS keeps its two pools
+in those coordinates, so the engine's allocator stays the one owner of tokens and requests:
+    host   [layers, locations + 1 sink, 656]  the Total Memory Pool, pinned, indexed by token location
+    sparse (ess.sparse_pool) per layer, C GPU slots per request slot, with the LRU tables
+The decode step translates the indexer's top-k positions into GPU slots (`translate`), fetching the misses from the
+host pool with FlashTrans; the step's own rows go to their GPU slots and to the host pool.
+Everything in the step is fixed-shape device work (no host sync), so a CUDA graph can capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ess import flashtrans, layout
+from ess.policy import PolicyResult, lru_update
+from ess.sparse_pool import SparseMemoryPool
+from ess.streams import Streams
+
+# FlashMLA reads the latent cache as [-1, 64, 1, 656] pages, so the slot count is rounded up to whole pages.
+FLASHMLA_PAGE = 64
+
+
+class ServingLatentCache:
+    def __init__(
+        self,
+        num_layers: int,
+        max_requests: int,
+        capacity: int,
+        max_context: int,
+        host_locations: int,
+        device: torch.device | str,
+        backend: str = "auto",
+        pin_memory: bool | None = None,
+    ):
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.host_sink = host_locations
+        self.host = torch.zeros(num_layers, host_locations + 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+        self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, with_rows=False)
+        slots = max_requests * capacity + 1  # + the sink slot
+        slots = -(-slots // FLASHMLA_PAGE) * FLASHMLA_PAGE
+        self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
+        self.sink_slot = self.sparse.sink_slot
+        self.backend = backend
+        self.streams = Streams(device)
+        self.stamp = torch.zeros((), dtype=torch.int32, device=device)
+
+    # -- addressing -------------------------------------------------------------------------------------------
+    def host_rows(self, token_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Host row (= token location) of each (request slot, position); the sink row where pos < 0."""
+        flat = pos.long().reshape(pos.shape[0], -1)
+        loc = token_table[req.long().unsqueeze(1), flat.clamp(min=0)].long()
+        return torch.where(flat >= 0, loc, torch.full_like(loc, self.host_sink)).reshape(pos.shape)
+
+    # -- writes outside decode: prefill, PD transfer ------------------------------------------------------------
+    def write_host(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows [N, 656] of tokens at locations locs [N] into the host pool (D2H through FlashTrans on a GPU)."""
+        flashtrans.scatter(rows, torch.arange(rows.shape[0], device=rows.device), self.host[layer], locs.long(), self.backend)
+
+    def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor) -> None:
+        """LRU-Warmup of request slots req [B] from their last W prefill top-k sets [B, W, K] (oldest first), stamped
+        w - W below the next decode stamp, then one gather of the resident rows."""
+        W = sets.shape[1]
+        sp, st, ps = self.sparse.layer_state(layer)
+        none = torch.full_like(req, -1)
+        base = self.stamp - W
+        for w in range(W):
+            lru_update(sp, st, ps, req, sets[:, w], none, base + w)
+        C = self.capacity
+        pos = sp[req.long(), :C]
+        slots = req.long().unsqueeze(1) * C + torch.arange(C, device=pos.device)
+        slots = torch.where(pos >= 0, slots, torch.full_like(slots, self.sink_slot))
+        flashtrans.gather(self.host[layer], self.host_rows(token_table, req, pos).flatten(), self.gpu[layer], slots.flatten(), self.backend)
+
+    # -- the decode step ------------------------------------------------------------------------------------------
+    def next_step(self) -> None:
+        """Advance the LRU stamp once per forward pass (a device op, so a captured graph advances it too). One global
+        counter keeps every request's own order of steps, which is all LRU compares."""
+        self.stamp.add_(1)
+
+    def update(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
+        sp, st, ps = self.sparse.layer_state(layer)
+        return lru_update(sp, st, ps, req, topk, own_pos, self.stamp)
+
+    def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> None:
+        """H2D of the misses into their GPU slots (FlashTrans, current stream)."""
+        rows = self.host_rows(token_table, req, r.miss_pos).flatten()
+        slots = torch.where(r.miss_slot >= 0, r.miss_slot, torch.full_like(r.miss_slot, self.sink_slot)).flatten()
+        flashtrans.gather(self.host[layer], rows, self.gpu[layer], slots, self.backend)
+
+    def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
+        """The step's own rows [B(, M), 656] into their GPU slots."""
+        own_slot = r.own_slot.reshape(-1)
+        own_slot = torch.where(own_slot >= 0, own_slot, torch.full_like(own_slot, self.sink_slot))
+        self.gpu[layer].index_copy_(0, own_slot, own_rows.reshape(-1, layout.LATENT_ROW_BYTES))
+
+    def translate(
+        self,
+        layer: int,
+        req: torch.Tensor,
+        token_table: torch.Tensor,
+        topk: torch.Tensor,
+        own_pos: torch.Tensor,
+        own_rows: torch.Tensor | None = None,
+    ) -> PolicyResult:
+        """Mode NONE in one call: policy, H2D of the misses, own rows into their slots. r.attn_slot then indexes
+        self.gpu[layer] for every top-k entry (-1 entries stay -1)."""
+        r = self.update(layer, req, topk, own_pos)
+        self.fetch(layer, req, token_table, r)
+        if own_rows is not None:
+            self.store_own(layer, r, own_rows)
+        return r
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    def release(self, req: int) -> None:
+        """Forget a finished or aborted request's GPU rows; its host rows are the engine's tokens, freed by it."""
+        self.sparse.reset(req)
+
+    def device_bytes(self) -> int:
+        return self.gpu.numel() + self.sparse.table_bytes()

@@ -1,0 +1,114 @@
+"""ESS launch flags: added to SGLang's own parser, carried on the ServerArgs record into every process.
+
+ServerArgs is a msgspec Struct with a fixed field set, so ESS cannot add fields. It keeps its settings in one
+bookkeeping attribute, `server_args._ess`, which ServerArgs.__reduce__ pickles along (that is how the launcher's
+record reaches the scheduler processes). `ess_args(server_args)` reads it anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from typing import Any
+
+OVERLAP_CHOICES = ("auto", "none", "da", "dba")
+ATTR = "_ess"
+DEFAULT_SPARSE_RATIO = 0.2  # the ESS paper's operating point, when neither buffer flag is given
+
+
+class EssArgsError(ValueError):
+    """A bad ESS launch setting; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EssArgs:
+    enable: bool = False
+    buffer_tokens: int | None = None
+    sparse_ratio: float | None = None
+    host_pool_gib: float | None = None
+    overlap: str = "auto"
+    layer_plan: str | None = None
+    warmup_windows: int = 32
+    record_trace: str | None = None
+
+    # flag name of each field, for messages
+    FLAGS = {
+        "enable": "--enable-ess",
+        "buffer_tokens": "--ess-buffer-tokens",
+        "sparse_ratio": "--ess-sparse-ratio",
+        "host_pool_gib": "--ess-host-pool-gib",
+        "overlap": "--ess-overlap",
+        "layer_plan": "--ess-layer-plan",
+        "warmup_windows": "--ess-warmup-windows",
+        "record_trace": "--ess-record-trace",
+    }
+
+    def check(self) -> "EssArgs":
+        """Checks that need no model: combinations of the ESS flags themselves."""
+        set_flags = [self.FLAGS[f.name] for f in dataclasses.fields(self) if f.name != "enable" and getattr(self, f.name) != f.default]
+        if not self.enable:
+            if set_flags:
+                raise EssArgsError(f"{', '.join(set_flags)} given without --enable-ess")
+            return self
+        if self.buffer_tokens is not None and self.sparse_ratio is not None:
+            raise EssArgsError("give one of --ess-buffer-tokens and --ess-sparse-ratio, not both")
+        if self.buffer_tokens is not None and self.buffer_tokens < 1:
+            raise EssArgsError(f"--ess-buffer-tokens must be positive, got {self.buffer_tokens}")
+        if self.sparse_ratio is not None and not 0.0 < self.sparse_ratio <= 1.0:
+            raise EssArgsError(f"--ess-sparse-ratio must be in (0, 1], got {self.sparse_ratio}")
+        if self.host_pool_gib is not None and not self.host_pool_gib > 0:
+            raise EssArgsError(f"--ess-host-pool-gib must be positive, got {self.host_pool_gib}")
+        if self.warmup_windows < 0:
+            raise EssArgsError(f"--ess-warmup-windows must be >= 0, got {self.warmup_windows}")
+        if self.overlap not in OVERLAP_CHOICES:
+            raise EssArgsError(f"--ess-overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
+        if self.layer_plan is not None:
+            if self.overlap not in ("auto",):
+                raise EssArgsError(f"--ess-layer-plan chooses the mode per layer; it cannot be combined with --ess-overlap {self.overlap}")
+            if not os.path.isfile(self.layer_plan):
+                raise EssArgsError(f"--ess-layer-plan: no such file: {self.layer_plan}")
+        return self
+
+    def buffer_for(self, context_len: int) -> int:
+        """GPU slots per (request, layer): --ess-buffer-tokens, or the ratio of the longest context served
+        (default ratio 0.2, the paper's operating point, when neither flag is given)."""
+        if self.buffer_tokens is not None:
+            return self.buffer_tokens
+        ratio = DEFAULT_SPARSE_RATIO if self.sparse_ratio is None else self.sparse_ratio
+        return math.ceil(ratio * context_len)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("ESS (offloaded sparse latent cache for DeepSeek-V3.2 decode)")
+    g.add_argument("--enable-ess", action="store_true", help="Keep the MLA latent cache in pinned host memory and a per-request LRU working set on the GPU (ESS).")
+    g.add_argument("--ess-buffer-tokens", type=int, default=None, help="GPU latent slots per request and layer (at least top-k + 1; the ESS paper recommends >= 6.4K).")
+    g.add_argument("--ess-sparse-ratio", type=float, default=None, help="GPU latent slots as a share of the context length (Sparse Memory Ratio), instead of --ess-buffer-tokens. Default 0.2.")
+    g.add_argument("--ess-host-pool-gib", type=float, default=None, help="Pinned host memory for the full latent cache (Total Memory Pool), per GPU. Default: sized to the token pool.")
+    g.add_argument("--ess-overlap", choices=OVERLAP_CHOICES, default="auto", help="How the H2D of misses overlaps compute: none, da (Dual-Attention), dba (DualBatch-Attention), or auto (per layer from --ess-layer-plan, else da).")
+    g.add_argument("--ess-layer-plan", type=str, default=None, help="Per-layer overlap plan from `ess plan` (format ess-layer-plan/1).")
+    g.add_argument("--ess-warmup-windows", type=int, default=32, help="LRU-Warmup: replay the top-k sets of the last W prefill positions before decode (0: off).")
+    g.add_argument("--ess-record-trace", type=str, default=None, help="Directory to write top-k trace files (.npz, the `ess profile` input) of finished requests.")
+
+
+def from_namespace(ns: argparse.Namespace) -> EssArgs:
+    return EssArgs(
+        enable=bool(getattr(ns, "enable_ess", False)),
+        buffer_tokens=getattr(ns, "ess_buffer_tokens", None),
+        sparse_ratio=getattr(ns, "ess_sparse_ratio", None),
+        host_pool_gib=getattr(ns, "ess_host_pool_gib", None),
+        overlap=getattr(ns, "ess_overlap", "auto"),
+        layer_plan=getattr(ns, "ess_layer_plan", None),
+        warmup_windows=getattr(ns, "ess_warmup_windows", 32),
+        record_trace=getattr(ns, "ess_record_trace", None),
+    ).check()
+
+
+def attach(server_args: Any, args: EssArgs) -> None:
+    setattr(server_args, ATTR, args)
+
+
+def ess_args(server_args: Any) -> EssArgs:
+    """The ESS settings of a ServerArgs record (ESS off when the record came from elsewhere, e.g. Engine(...))."""
+    return getattr(server_args, ATTR, None) or EssArgs()

@@ -1,0 +1,80 @@
+"""Checks of --enable-ess against the model and the rest of the launch, run inside SGLang's own argument resolution
+(wrapped around its `handle_other_validations` step, after the DSA KV dtype and backends are resolved)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ess.plan import PlanError, load_plan
+from sglang_ess.args import EssArgs, EssArgsError, ess_args
+
+# The decode backend whose indices address the latent cache as flat 656-byte FP8 rows, which is what ESS translates
+# top-k positions into (FlashMLA's sparse FP8 decode).
+ESS_DECODE_BACKENDS = ("flashmla_kv",)
+LATENT_KV_DTYPE = "fp8_e4m3"
+
+
+def query_rows_per_request(cfg: Any) -> int:
+    """Query rows a decode step gives each request: 1, or the draft tokens verified at once with speculative decoding."""
+    algo = cfg.speculative_algorithm
+    if algo is None or str(algo).upper() == "NONE":
+        return 1
+    return int(cfg.speculative_num_draft_tokens or 1)
+
+
+def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
+    """Model-dependent checks. cfg: the resolving view of ServerArgs; hf_config: the model's config.
+    Returns the derived facts the runtime needs (top-k, layers, buffer, plan modes)."""
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    if cfg.enable_hisparse:
+        raise EssArgsError("--enable-ess and --enable-hisparse both offload the sparse KV cache; choose one")
+    arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+    if not is_deepseek_dsa(hf_config):
+        raise EssArgsError(f"--enable-ess needs a model with DeepSeek Sparse Attention (e.g. DeepSeek-V3.2); {arch} has none")
+    if cfg.kv_cache_dtype != LATENT_KV_DTYPE:
+        raise EssArgsError(
+            f"--enable-ess keeps FlashMLA's 656-byte FP8 latent rows; launch with --kv-cache-dtype {LATENT_KV_DTYPE} "
+            f"(got --kv-cache-dtype {cfg.kv_cache_dtype})"
+        )
+    if cfg.dsa_decode_backend not in ESS_DECODE_BACKENDS:
+        raise EssArgsError(f"--enable-ess supports --dsa-decode-backend {' or '.join(ESS_DECODE_BACKENDS)}, got {cfg.dsa_decode_backend}")
+    if cfg.disaggregation_mode == "prefill":
+        raise EssArgsError("--enable-ess belongs on decode nodes (--disaggregation-mode decode) or co-located servers, not on a prefill node")
+
+    topk = int(hf_config.index_topk)
+    context = int(cfg.context_length or hf_config.max_position_embeddings)
+    rows = query_rows_per_request(cfg)
+    need = rows * (topk + 1)
+    buffer = ess.buffer_for(context)
+    if buffer < need:
+        flag = "--ess-buffer-tokens" if ess.buffer_tokens is not None else f"--ess-sparse-ratio {ess.sparse_ratio or 0.2} x context {context}"
+        what = "top-k + 1" if rows == 1 else f"{rows} verify rows x (top-k + 1)"
+        raise EssArgsError(f"{flag} gives {buffer} GPU slots per request, below {what} = {need}")
+    if buffer > context:
+        buffer = context  # more slots than tokens buys nothing
+
+    layers = int(hf_config.num_hidden_layers)
+    modes = None
+    if ess.layer_plan is not None:
+        try:
+            modes = load_plan(ess.layer_plan, layers, mtp_layer=rows > 1)
+        except PlanError as e:
+            raise EssArgsError(f"--ess-layer-plan: {e}") from e
+    return {"topk": topk, "layers": layers, "context": context, "buffer": buffer, "query_rows": rows, "plan": modes}
+
+
+def validate_server_args(server_args: Any) -> dict | None:
+    """The resolution step: None when ESS is off."""
+    ess = ess_args(server_args)
+    if not ess.enable:
+        return None
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+
+    return validate_model(ess, resolving_view(server_args), model_config_of(server_args).hf_config)
+
+
+def resolution_step(server_args: Any, previous) -> None:
+    """Registered around SGLang's `handle_other_validations`."""
+    previous(server_args)
+    validate_server_args(server_args)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Baseline vs --enable-hisparse vs --enable-ess on one GPU node, same model and flags, with SGLang's own benchmark.
+# Each server is started in turn, benchmarked at several max-concurrency values, and stopped.
+#   MODEL=/models/DeepSeek-V3.2 TP=8 bash scripts/compare_serving.sh
+# Output: $OUT/results.jsonl, $OUT/compare.csv, $OUT/compare.png (output throughput, TPOT, ITL, TTFT).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=${MODEL:?set MODEL to the DeepSeek-V3.2 checkpoint directory}
+TP=${TP:-8}
+PORT=${PORT:-30000}
+INPUT_LEN=${INPUT_LEN:-32768}
+OUTPUT_LEN=${OUTPUT_LEN:-1024}
+CONCURRENCY=${CONCURRENCY:-"8 16 32 64 128 256"}
+PROMPTS_PER_CLIENT=${PROMPTS_PER_CLIENT:-4}
+OUT=${OUT:-benchmark/results/serving/$(date +%Y-%m-%d)}
+PY=${PY:-python3}
+COMMON=(--model-path "$MODEL" --tp-size "$TP" --kv-cache-dtype fp8_e4m3 --trust-remote-code --port "$PORT")
+declare -A SYSTEM_FLAGS=(
+  [baseline]=""
+  [hisparse]="--enable-hisparse --disable-radix-cache"  # HiSparse requires the radix cache off
+  [ess]="--enable-ess --ess-sparse-ratio 0.2"
+)
+mkdir -p "$OUT"
+: > "$OUT/results.jsonl"
+
+for system in baseline hisparse ess; do
+  # shellcheck disable=SC2086
+  SGLANG_PLUGINS=ess $PY -m sglang.launch_server "${COMMON[@]}" ${SYSTEM_FLAGS[$system]} > "$OUT/server-$system.log" 2>&1 &
+  server=$!
+  trap 'kill $server 2>/dev/null || true' EXIT
+  until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
+    kill -0 $server 2>/dev/null || { echo "$system server died; see $OUT/server-$system.log" >&2; exit 1; }
+    sleep 10
+  done
+  for c in $CONCURRENCY; do
+    echo "== $system, max concurrency $c" >&2
+    $PY -m sglang.benchmark.serving --backend sglang --port "$PORT" --dataset-name random-ids \
+      --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" --random-range-ratio 1.0 \
+      --num-prompts $((c * PROMPTS_PER_CLIENT)) --max-concurrency "$c" --seed 1 \
+      --tag "$system" --output-file "$OUT/results.jsonl"
+  done
+  kill $server; wait $server 2>/dev/null || true
+  trap - EXIT
+done
+$PY benchmark/serving_compare.py "$OUT/results.jsonl" --out "$OUT/compare"

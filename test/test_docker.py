@@ -1,0 +1,58 @@
+"""The compose file parses, and its flags are the plugin's."""
+
+import argparse
+import pathlib
+import shlex
+
+import pytest
+import yaml
+
+from sglang_ess.args import add_cli_args
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def plugin_flags():
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    return {s for a in p._actions for s in a.option_strings} - {"-h", "--help"}
+
+
+def test_compose_flags_are_the_plugins():
+    doc = yaml.safe_load((ROOT / "docker/compose.yaml").read_text())
+    flags = doc["x-flags"]
+    ess = [f for f in shlex.split(flags["ESS_FLAGS"]) if f.startswith("--")]
+    assert "--enable-ess" in ess and set(ess) <= plugin_flags(), set(ess) - plugin_flags()
+    assert not any("ess" in f for f in shlex.split(flags["MODEL_FLAGS"]))
+    assert "--kv-cache-dtype fp8_e4m3" in flags["MODEL_FLAGS"]  # the latent format ESS requires
+    cmds = {name: " ".join(s["command"]) for name, s in doc["services"].items()}
+    assert "$$ESS_FLAGS" in cmds["decode"] and "--disaggregation-mode decode" in cmds["decode"]
+    assert "ESS_FLAGS" not in cmds["prefill"] and "--disaggregation-mode prefill" in cmds["prefill"]
+    for s in doc["services"].values():
+        assert s["environment"] == flags
+
+
+def test_dockerfile_builds_on_sglang_0_5_23():
+    text = (ROOT / "docker/Dockerfile").read_text()
+    assert "FROM lmsysorg/sglang:v0.5.23" in text and "SGLANG_PLUGINS=ess" in text
+
+
+def test_serving_comparison_writes_csv_and_png(tmp_path):
+    import json as _json
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serving_compare", ROOT / "benchmark/serving_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    load_rows, write = mod.load_rows, mod.write
+
+    lines = [{"tag": t, "max_concurrency": c, "output_throughput": 100.0 * c * (2 if t == "ess" else 1),
+              "mean_tpot_ms": 20.0, "mean_itl_ms": 20.0, "mean_ttft_ms": 900.0} for t in ("baseline", "ess") for c in (8, 16)]
+    (tmp_path / "r.jsonl").write_text("\n".join(_json.dumps(x) for x in lines) + "\n")
+    csv_path, png = write(load_rows(str(tmp_path / "r.jsonl")), str(tmp_path / "compare"))
+    assert open(csv_path).read().splitlines()[1].startswith("baseline,8,800.0")
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    (tmp_path / "bad.jsonl").write_text('{"tag": "ess"}\n')
+    with pytest.raises(SystemExit, match="missing"):
+        load_rows(str(tmp_path / "bad.jsonl"))

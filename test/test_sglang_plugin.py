@@ -1,0 +1,143 @@
+"""The plugin against the installed sglang 0.5.23 (CPU): entry point, flags, validation inside SGLang's own argument
+resolution, and the hook targets."""
+
+import argparse
+import inspect
+import json
+import os
+import pickle
+import pkgutil
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("sglang")
+import torch  # noqa: E402
+
+from sglang_fixtures import model_dir  # noqa: E402
+
+ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess-host-pool-gib", "--ess-overlap",
+             "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace"]
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    """SGLang's own loader, restricted to this plugin."""
+    os.environ["SGLANG_PLUGINS"] = "ess"
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang_ess import hooks
+
+    return hooks
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """SGLang resolves DSA defaults from the GPU's compute capability; answer as an H100/H200 would."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+
+
+def resolve(argv):
+    from sglang.srt.server_args import prepare_server_args
+
+    sa = prepare_server_args(argv)
+    sa.resolve_once()
+    return sa
+
+
+def base(tmp_path, *extra, **model):
+    return ["--model-path", model_dir(tmp_path, **model), "--skip-tokenizer-init", "--device", "cpu", *extra]
+
+
+def test_entry_point_is_registered_and_every_hook_applies(plugin):
+    (ep,) = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "ess"]
+    assert ep.value == "sglang_ess:register"
+    assert plugin.check_installed() == []
+
+
+def test_hooks_are_bound_to_the_real_sglang_targets(plugin):
+    """Every target resolves in the installed sglang and still has the parameters its hook relies on."""
+    for target, params in plugin.EXPECTED_PARAMS.items():
+        owner, attr = target.rsplit(".", 1)
+        obj = pkgutil.resolve_name(owner)
+        fn = obj.__dict__[attr] if isinstance(obj, type) else getattr(obj, attr)
+        fn = getattr(fn, "__func__", fn)
+        assert hasattr(fn, "__wrapped__"), f"{target} was not patched"
+        names = list(inspect.signature(inspect.unwrap(fn)).parameters)
+        assert names[: len(params)] == params or all(p in names for p in params), (target, names)
+    from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
+
+    assert plugin.RESOLUTION_STEP in _OVERRIDABLE_HOOKS
+
+
+def test_launcher_help_lists_the_flags():
+    """The real launcher: `python -m sglang.launch_server --help` loads plugins first, then parses."""
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
+                         env={**os.environ, "SGLANG_PLUGINS": "ess"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in ALL_FLAGS:
+        assert flag in out.stdout, flag
+
+
+def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 61, "modes": ["da"] * 30 + ["dba"] * 31}))
+    sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "6400",
+                      "--ess-host-pool-gib", "512", "--ess-layer-plan", str(plan), "--ess-warmup-windows", "16",
+                      "--ess-record-trace", str(tmp_path / "traces")))
+    from sglang_ess.args import ess_args
+    from sglang_ess.validate import validate_server_args
+
+    ess = ess_args(pickle.loads(pickle.dumps(sa)))  # as the scheduler processes receive it
+    assert (ess.enable, ess.buffer_tokens, ess.host_pool_gib, ess.warmup_windows) == (True, 6400, 512.0, 16)
+    assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces")
+    facts = validate_server_args(sa)
+    assert facts["topk"] == 2048 and facts["layers"] == 61 and facts["buffer"] == 6400
+    assert facts["plan"] == ["da"] * 30 + ["dba"] * 31
+    assert ess_args(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).enable is False
+
+
+BAD = [
+    ("non-dsa", dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", index_topk=None),
+     ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess"], "needs a model with DeepSeek Sparse Attention"),
+    ("bf16", {}, ["--enable-ess"], "--kv-cache-dtype fp8_e4m3"),
+    ("buffer", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "2048"], "below top-k \\+ 1 = 2049"),
+    ("ratio", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-sparse-ratio", "0.01", "--context-length", "32768"],
+     "--ess-sparse-ratio 0.01 x context 32768 gives 328 GPU slots"),
+    ("plan", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-layer-plan", "PLAN10"], "--ess-layer-plan: .*plan for 10 layers, the model has 61"),
+    ("hisparse", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--enable-hisparse"], "--enable-hisparse both"),
+    ("both", {}, ["--enable-ess", "--ess-buffer-tokens", "4096", "--ess-sparse-ratio", "0.2"], "not both"),
+    ("no-enable", {}, ["--ess-buffer-tokens", "4096"], "--ess-buffer-tokens given without --enable-ess"),
+    ("prefill-node", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"], "not on a prefill node"),
+]
+
+
+@pytest.mark.parametrize("name,model,flags,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, model, flags, message):
+    from sglang_ess.args import EssArgsError
+
+    plan = tmp_path / "plan10.json"
+    plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 10, "modes": ["da"] * 10}))
+    flags = [str(plan) if f == "PLAN10" else f for f in flags]
+    with pytest.raises(EssArgsError, match=message):
+        resolve(base(tmp_path, *flags, **model))
+
+
+def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
+    """With speculative decoding, a verify step holds S query rows of one request at once."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    from sglang_ess.args import EssArgs, EssArgsError
+    from sglang_ess.validate import validate_model
+
+    hf = ModelConfig(model_dir(tmp_path)).hf_config
+    cfg = argparse.Namespace(enable_hisparse=False, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv",
+                             disaggregation_mode="decode", context_length=32768, speculative_algorithm="EAGLE",
+                             speculative_num_draft_tokens=3)
+    with pytest.raises(EssArgsError, match="3 verify rows x \\(top-k \\+ 1\\) = 6147"):
+        validate_model(EssArgs(enable=True, buffer_tokens=6144), cfg, hf)
+    facts = validate_model(EssArgs(enable=True, buffer_tokens=6400), cfg, hf)
+    assert facts["query_rows"] == 3
