@@ -17,7 +17,6 @@ import torch
 from ess import flashtrans, layout
 from ess.policy import PolicyResult, lru_update
 from ess.sparse_pool import SparseMemoryPool
-from ess.streams import Streams
 
 # FlashMLA reads the latent cache as [-1, 64, 1, 656] pages, so the slot count is rounded up to whole pages.
 FLASHMLA_PAGE = 64
@@ -37,7 +36,6 @@ class ServingLatentCache:
     ):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        self.num_layers = num_layers
         self.capacity = capacity
         self.host_sink = host_locations
         self.host = torch.zeros(num_layers, host_locations + 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
@@ -47,7 +45,6 @@ class ServingLatentCache:
         self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
         self.sink_slot = self.sparse.sink_slot
         self.backend = backend
-        self.streams = Streams(device)
         self.stamp = torch.zeros((), dtype=torch.int32, device=device)
 
     # -- addressing -------------------------------------------------------------------------------------------

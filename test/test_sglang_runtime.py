@@ -113,9 +113,7 @@ def test_release_forgets_the_request_and_warmup_prefetches():
 def test_record_trace_writes_profileable_files(tmp_path):
     rng = random.Random(2)
     rt, _ = setup_runtime(tmp_path)
-    req = torch.tensor(SLOTS)
-    for s in SLOTS:
-        rt.start_request(s, CTX)
+    req = torch.tensor(SLOTS)  # no start_request: the first decode step starts each request's trace
     sent = []
     for t in range(3):
         topk = torch.tensor(random_topk(rng, [CTX + t] * 2), dtype=torch.int32)

@@ -32,6 +32,7 @@ class EssArgs:
     layer_plan: str | None = None
     warmup_windows: int = 32
     record_trace: str | None = None
+    hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
 
     # flag name of each field, for messages
     FLAGS = {
@@ -47,11 +48,14 @@ class EssArgs:
 
     def check(self) -> "EssArgs":
         """Checks that need no model: combinations of the ESS flags themselves."""
-        set_flags = [self.FLAGS[f.name] for f in dataclasses.fields(self) if f.name != "enable" and getattr(self, f.name) != f.default]
+        set_flags = [self.FLAGS[f.name] for f in dataclasses.fields(self)
+                     if f.name in self.FLAGS and f.name != "enable" and getattr(self, f.name) != f.default]
         if not self.enable:
             if set_flags:
                 raise EssArgsError(f"{', '.join(set_flags)} given without --enable-ess")
             return self
+        if self.hisparse:
+            raise EssArgsError("--enable-ess and --enable-hisparse both offload the sparse KV cache; choose one")
         if self.buffer_tokens is not None and self.sparse_ratio is not None:
             raise EssArgsError("give one of --ess-buffer-tokens and --ess-sparse-ratio, not both")
         if self.buffer_tokens is not None and self.buffer_tokens < 1:
@@ -65,7 +69,7 @@ class EssArgs:
         if self.overlap not in OVERLAP_CHOICES:
             raise EssArgsError(f"--ess-overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.layer_plan is not None:
-            if self.overlap not in ("auto",):
+            if self.overlap != "auto":
                 raise EssArgsError(f"--ess-layer-plan chooses the mode per layer; it cannot be combined with --ess-overlap {self.overlap}")
             if not os.path.isfile(self.layer_plan):
                 raise EssArgsError(f"--ess-layer-plan: no such file: {self.layer_plan}")
@@ -93,16 +97,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def from_namespace(ns: argparse.Namespace) -> EssArgs:
-    return EssArgs(
-        enable=bool(getattr(ns, "enable_ess", False)),
-        buffer_tokens=getattr(ns, "ess_buffer_tokens", None),
-        sparse_ratio=getattr(ns, "ess_sparse_ratio", None),
-        host_pool_gib=getattr(ns, "ess_host_pool_gib", None),
-        overlap=getattr(ns, "ess_overlap", "auto"),
-        layer_plan=getattr(ns, "ess_layer_plan", None),
-        warmup_windows=getattr(ns, "ess_warmup_windows", 32),
-        record_trace=getattr(ns, "ess_record_trace", None),
-    ).check()
+    """The ESS settings of a parsed command line (argparse's dest of each flag in EssArgs.FLAGS)."""
+    given = {name: getattr(ns, flag[2:].replace("-", "_")) for name, flag in EssArgs.FLAGS.items()
+             if hasattr(ns, flag[2:].replace("-", "_"))}
+    return EssArgs(**given, hisparse=bool(getattr(ns, "enable_hisparse", False))).check()
 
 
 def attach(server_args: Any, args: EssArgs) -> None:

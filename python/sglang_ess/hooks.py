@@ -6,8 +6,6 @@ target in the installed sglang and checks the parameters each hook relies on, so
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 import torch
 
 from ess import layout
@@ -28,20 +26,13 @@ _installed = False
 _runtime: EssRuntime | None = None  # this process's (one model runner per scheduler process)
 
 
-def current_runtime() -> EssRuntime | None:
-    return _runtime
-
-
 # -- flags -----------------------------------------------------------------------------------------------------
 def after_add_cli_args(result, parser, *a, **kw):
     ess_args_mod.add_cli_args(parser)
 
 
 def after_from_cli_args(server_args, cls, namespace, *a, **kw):
-    ess = ess_args_mod.from_namespace(namespace)
-    if ess.enable and getattr(namespace, "enable_hisparse", False):
-        raise ess_args_mod.EssArgsError("--enable-ess and --enable-hisparse both offload the sparse KV cache; choose one")
-    ess_args_mod.attach(server_args, ess)
+    ess_args_mod.attach(server_args, ess_args_mod.from_namespace(namespace))
 
 
 # -- runtime ---------------------------------------------------------------------------------------------------
@@ -98,12 +89,12 @@ def after_set_mla_kv_buffer(result, pool, layer, loc_info, *a, layer_id_override
     loc = unwrap_write_loc(loc_info)[0]
     layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
     rows = pool.kv_buffer[layer_id - rt.start_layer].view(torch.uint8).view(-1, layout.LATENT_ROW_BYTES)[loc]
-    rt.store_rows(layer_id, loc, rows, decode=getattr(rt, "decoding", False))
+    rt.store_rows(layer_id, loc, rows, decode=rt.decoding)
 
 
 def around_get_key_buffer(original, pool, layer_id, *a, **kw):
     rt = getattr(pool, "_ess_runtime", None)
-    if rt is not None and getattr(rt, "decoding", False):
+    if rt is not None and rt.decoding:
         return rt.latent_buffer(layer_id)
     return original(pool, layer_id, *a, **kw)
 
@@ -166,6 +157,3 @@ def check_installed() -> list[str]:
 
     return [t for t, _, _ in _hook_table() if t not in HookRegistry._patched]
 
-
-def describe() -> list[dict[str, Any]]:
-    return [{"target": t, "type": k.value, "hook": h.__name__} for t, k, h in _hook_table()]

@@ -29,12 +29,13 @@ class TraceRecorder:
         self._steps[req_slot] = []
         self._context[req_slot] = context_len
 
-    def record(self, layer: int, req_slots: np.ndarray, topk: np.ndarray) -> None:
-        """One layer of one decode step: topk [B, K] positions (-1 padded) of the batch's request slots."""
-        for slot, row in zip(req_slots.tolist(), topk):
-            steps = self._steps.get(slot)
-            if steps is None:
-                continue  # not started (e.g. a request that decoded before recording began)
+    def record(self, layer: int, req_slots: np.ndarray, topk: np.ndarray, own_pos: np.ndarray) -> None:
+        """One layer of one decode step: topk [B, K] positions (-1 padded) of the batch's request slots, whose own
+        positions are own_pos [B]. A request seen for the first time starts at this step (context = own position)."""
+        for slot, row, own in zip(req_slots.tolist(), topk, own_pos.tolist()):
+            if slot not in self._steps:
+                self.start(slot, own)
+            steps = self._steps[slot]
             if not steps or steps[-1][layer] is not None:
                 steps.append([None] * self.num_layers)
             steps[-1][layer] = row.astype(np.int32)

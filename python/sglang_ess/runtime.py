@@ -12,9 +12,6 @@ from ess.serving import ServingLatentCache
 from sglang_ess.args import EssArgs
 from sglang_ess.recorder import TraceRecorder
 
-MODES = ("none", "da", "dba")
-
-
 def layer_modes(ess: EssArgs, num_layers: int, plan: list[str] | None) -> list[str]:
     """The overlap mode of each layer: the plan's (auto with a plan), the flag's, or DA (auto without a plan)."""
     if plan is not None:
@@ -38,8 +35,6 @@ class EssRuntime:
         """token_table: SGLang's req_to_token [request slots, max context] (int32 locations); facts: from
         sglang_ess.validate.validate_model."""
         self.ess = ess
-        self.topk = facts["topk"]
-        self.query_rows = facts["query_rows"]
         self.start_layer = start_layer
         self.num_layers = facts["layers"]
         self.token_table = token_table
@@ -50,6 +45,7 @@ class EssRuntime:
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model) if ess.record_trace else None
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
+        self.decoding = False  # set by the plugin around the backend's forward_decode
 
     # -- writes of new latent rows (SGLang's set_mla_kv_buffer) -----------------------------------------------
     def store_rows(self, layer_id: int, locs: torch.Tensor, rows: torch.Tensor, decode: bool) -> None:
@@ -80,8 +76,8 @@ class EssRuntime:
             own_rows = own_rows.reshape(B, -1, own_rows.shape[-1]) if top_k.dim() == 3 else own_rows
         r = self.cache.translate(layer, req_pool_indices, self.token_table, sets, own, own_rows)
         self._own_rows[layer] = None
-        if self.recorder is not None:
-            self.recorder.record(layer, req_pool_indices.cpu().numpy(), sets.cpu().numpy())
+        if self.recorder is not None and top_k.dim() == 2:  # verify steps hold several positions: not a trace step
+            self.recorder.record(layer, req_pool_indices.cpu().numpy(), sets.cpu().numpy(), own.cpu().numpy())
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
 
     def latent_buffer(self, layer_id: int) -> torch.Tensor:

@@ -27,8 +27,6 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
     Returns the derived facts the runtime needs (top-k, layers, buffer, plan modes)."""
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
-    if cfg.enable_hisparse:
-        raise EssArgsError("--enable-ess and --enable-hisparse both offload the sparse KV cache; choose one")
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if not is_deepseek_dsa(hf_config):
         raise EssArgsError(f"--enable-ess needs a model with DeepSeek Sparse Attention (e.g. DeepSeek-V3.2); {arch} has none")
