@@ -3,7 +3,8 @@
 A serving engine (SGLang) gives every live request a slot in a request pool and every token a location in a token
 pool, with a table token_table[request slot, position] = location (SGLang's req_to_token). ESS keeps its two pools
 in those coordinates, so the engine's allocator stays the one owner of tokens and requests:
-    host   [layers, locations + 1 sink, 656]  the Total Memory Pool, pinned, indexed by token location
+    host   [layers, locations + 1 sink, 656]  the Total Memory Pool, pinned, indexed by token location (owned by the
+                                             engine's KV pool, which writes every new row into it)
     sparse (ess.sparse_pool) per layer, C GPU slots per request slot, with the LRU tables
 The decode step translates the indexer's top-k positions into GPU slots (`translate`), fetching the misses from the
 host pool with FlashTrans; the step's own rows go to their GPU slots and to the host pool.
@@ -29,16 +30,17 @@ class ServingLatentCache:
         max_requests: int,
         capacity: int,
         max_context: int,
-        host_locations: int,
+        host: torch.Tensor,
         device: torch.device | str,
         backend: str = "auto",
-        pin_memory: bool | None = None,
     ):
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
+        """host: the engine's host pool [layers, locations + 1 sink, 656], pinned (the ESS KV pool owns it and writes
+        every new row into it)."""
+        if host.dim() != 3 or host.shape[0] != num_layers or host.shape[2] != layout.LATENT_ROW_BYTES:
+            raise ValueError(f"host pool shape {tuple(host.shape)}, expected ({num_layers}, locations + 1, {layout.LATENT_ROW_BYTES})")
         self.capacity = capacity
-        self.host_sink = host_locations
-        self.host = torch.zeros(num_layers, host_locations + 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, pin_memory=pin_memory)
+        self.host = host
+        self.host_sink = host.shape[1] - 1
         self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, with_rows=False)
         slots = max_requests * capacity + 1  # + the sink slot
         slots = -(-slots // FLASHMLA_PAGE) * FLASHMLA_PAGE
@@ -54,11 +56,7 @@ class ServingLatentCache:
         loc = token_table[req.long().unsqueeze(1), flat.clamp(min=0)].long()
         return torch.where(flat >= 0, loc, torch.full_like(loc, self.host_sink)).reshape(pos.shape)
 
-    # -- writes outside decode: prefill, PD transfer ------------------------------------------------------------
-    def write_host(self, layer: int, locs: torch.Tensor, rows: torch.Tensor) -> None:
-        """Rows [N, 656] of tokens at locations locs [N] into the host pool (D2H through FlashTrans on a GPU)."""
-        flashtrans.scatter(rows, torch.arange(rows.shape[0], device=rows.device), self.host[layer], locs.long(), self.backend)
-
+    # -- LRU-Warmup ---------------------------------------------------------------------------------------------
     def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor) -> None:
         """LRU-Warmup of request slots req [B] from their last W prefill top-k sets [B, W, K] (oldest first), stamped
         w - W below the next decode stamp, then one gather of the resident rows."""

@@ -18,7 +18,7 @@ COMMON=(--model-path "$MODEL" --tp-size "$TP" --kv-cache-dtype fp8_e4m3 --trust-
 declare -A SYSTEM_FLAGS=(
   [baseline]=""
   [hisparse]="--enable-hisparse --disable-radix-cache"  # HiSparse requires the radix cache off
-  [ess]="--enable-ess --ess-sparse-ratio 0.2"
+  [ess]="--enable-ess --ess-sparse-ratio 0.2 --dsa-prefill-backend flashmla_kv --dsa-decode-backend flashmla_kv"
 )
 mkdir -p "$OUT"
 : > "$OUT/results.jsonl"

@@ -25,6 +25,7 @@ def test_compose_flags_are_the_plugins():
     assert "--enable-ess" in ess and set(ess) <= plugin_flags(), set(ess) - plugin_flags()
     assert not any("ess" in f for f in shlex.split(flags["MODEL_FLAGS"]))
     assert "--kv-cache-dtype fp8_e4m3" in flags["MODEL_FLAGS"]  # the latent format ESS requires
+    assert "--dsa-prefill-backend flashmla_kv --dsa-decode-backend flashmla_kv" in flags["MODEL_FLAGS"]  # its backends
     cmds = {name: " ".join(s["command"]) for name, s in doc["services"].items()}
     assert "$$ESS_FLAGS" in cmds["decode"] and "--disaggregation-mode decode" in cmds["decode"]
     assert "ESS_FLAGS" not in cmds["prefill"] and "--disaggregation-mode prefill" in cmds["prefill"]

@@ -112,6 +112,9 @@ BAD = [
     ("both", {}, ["--enable-ess", "--ess-buffer-tokens", "4096", "--ess-sparse-ratio", "0.2"], "not both"),
     ("no-enable", {}, ["--ess-buffer-tokens", "4096"], "--ess-buffer-tokens given without --enable-ess"),
     ("prefill-node", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"], "not on a prefill node"),
+    ("ragged-prefill", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--dsa-prefill-backend", "flashmla_sparse"],
+     "--dsa-prefill-backend flashmla_kv \(got flashmla_sparse\)"),
+    ("mixed-chunk", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--enable-mixed-chunk"], "--enable-mixed-chunk yet"),
 ]
 
 
@@ -135,9 +138,31 @@ def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
 
     hf = ModelConfig(model_dir(tmp_path)).hf_config
     cfg = argparse.Namespace(enable_hisparse=False, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv",
-                             disaggregation_mode="decode", context_length=32768, speculative_algorithm="EAGLE",
+                             dsa_prefill_backend="flashmla_kv", disaggregation_mode="decode", context_length=32768, speculative_algorithm="EAGLE",
                              speculative_num_draft_tokens=3)
     with pytest.raises(EssArgsError, match="3 verify rows x \\(top-k \\+ 1\\) = 6147"):
         validate_model(EssArgs(enable=True, buffer_tokens=6144), cfg, hf)
     facts = validate_model(EssArgs(enable=True, buffer_tokens=6400), cfg, hf)
     assert facts["query_rows"] == 3
+
+
+def test_ess_target_workers_build_the_ess_pool(plugin, hopper, tmp_path):
+    """The KV cache configurator hook: an ESS target worker gets ESS's pool class (sized for its decode scratch);
+    the MTP draft worker and a launch without ESS keep SGLang's."""
+    import types
+
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    from sglang_ess.pool import EssDSATokenToKVPool
+
+    build = lambda kvc, **kw: kw["dsa_pool_class"]  # noqa: E731  (SGLang's builder, reduced to the class it gets)
+    sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768"))
+    cls = plugin.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
+                                          max_total_num_tokens=1 << 20, max_running_requests=9, dsa_pool_class=DSATokenToKVPool)
+    assert issubclass(cls, EssDSATokenToKVPool) and cls.scratch_rows == 9 and cls.stage_rows == 32768
+    draft = types.SimpleNamespace(server_args=sa, is_draft_worker=True)
+    assert plugin.around_build_dsa_kv_pool(build, draft, max_total_num_tokens=1, max_running_requests=9,
+                                           dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
+    off = types.SimpleNamespace(server_args=resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3")), is_draft_worker=False)
+    assert plugin.around_build_dsa_kv_pool(build, off, max_total_num_tokens=1, max_running_requests=9,
+                                           dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool

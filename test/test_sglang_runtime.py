@@ -1,9 +1,8 @@
 """The plugin's runtime logic on the CPU against the ESS core: index translation in SGLang's coordinates (request-pool
 slots, token locations from a real ReqToTokenPool), MTP verify shapes, own rows, warm-up, release, trace recording,
-pool sizing and the set_mla_kv_buffer / get_key_buffer routing."""
+pool sizing."""
 
 import random
-import types
 
 import numpy as np
 import pytest
@@ -35,11 +34,19 @@ def setup_runtime(tmp_path=None, rows=1):
     pool.req_to_token[SLOTS] = locs.view(len(SLOTS), -1)
     facts = {"topk": K, "layers": L, "buffer": C if rows == 1 else rows * (K + 1) + 2, "query_rows": rows, "plan": None}
     ess = EssArgs(enable=True, buffer_tokens=C, record_trace=str(tmp_path) if tmp_path else None)
-    rt = EssRuntime(ess, facts, pool.req_to_token, host_locations=200 * 64, device="cpu", backend="torch")
+    host = torch.zeros(L, 200 * 64 + 1, 656, dtype=torch.uint8)
+    rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend="torch")
     for layer in range(L):  # prefill: every prompt token's row lands in the host pool
         loc = pool.req_to_token[SLOTS, :CTX].flatten()
-        rt.store_rows(layer, loc, rows_of(loc, layer), decode=False)
+        store(rt, layer, loc, rows_of(loc, layer), decode=False)
     return rt, pool
+
+
+def store(rt, layer, loc, rows, decode):
+    """What the ESS KV pool does with a forward's new rows (test_sglang_pool checks the pool itself)."""
+    rt.cache.host[layer][loc.long()] = rows
+    if decode:
+        rt.keep_own_rows(layer, rows)
 
 
 def random_topk(rng, pos):
@@ -57,8 +64,7 @@ def test_translation_gives_the_right_rows_and_the_core_misses():
         topk = torch.tensor(random_topk(rng, [CTX + t] * 2), dtype=torch.int32)
         for layer in range(L):
             own_loc = pool.req_to_token[SLOTS, CTX + t]
-            rt.decoding = True
-            rt.store_rows(layer, own_loc, rows_of(own_loc, layer), decode=True)
+            store(rt, layer, own_loc, rows_of(own_loc, layer), True)
             slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
             assert slots.dtype == torch.int32 and slots.shape == (2, K)
             got = rt.latent_buffer(layer)[slots.long(), 0]
@@ -88,7 +94,7 @@ def test_mtp_verify_rows_translate_as_one_step():
         topk = torch.tensor([random_topk(rng, [first + j for j in range(S)]) for _ in SLOTS], dtype=torch.int32)
         for layer in range(L):
             own_loc = pool.req_to_token[req.unsqueeze(1), torch.arange(first, first + S)].flatten()
-            rt.store_rows(layer, own_loc, rows_of(own_loc, layer), decode=True)
+            store(rt, layer, own_loc, rows_of(own_loc, layer), True)
             slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
             assert slots.shape == (2, S, K)
             want = rows_of(pool.req_to_token[req.view(2, 1, 1), topk.long()], layer)
@@ -149,21 +155,3 @@ def test_layer_modes_come_from_the_plan_or_the_flag():
     assert layer_modes(EssArgs(enable=True), 3, None) == ["da"] * 3
     assert layer_modes(EssArgs(enable=True, overlap="none"), 3, None) == ["none"] * 3
     assert layer_modes(EssArgs(enable=True), 3, ["none", "da", "dba", "da"]) == ["none", "da", "dba"]  # MTP entry dropped
-
-
-def test_pool_hooks_route_decode_rows_through_ess():
-    """The set_mla_kv_buffer / get_key_buffer hooks on a pool with SGLang's buffer layout."""
-    from sglang_ess import hooks
-
-    rt, pool = setup_runtime()
-    kv = types.SimpleNamespace(kv_buffer=[torch.zeros(200 * 64 + 64, 1, 656, dtype=torch.uint8) for _ in range(L)], _ess_runtime=rt)
-    layer = types.SimpleNamespace(layer_id=1)
-    loc = pool.req_to_token[SLOTS, CTX]
-    kv.kv_buffer[1][loc.long(), 0] = rows_of(loc, 1)  # what SGLang's own write leaves in its buffer
-    rt.decoding = True
-    hooks.after_set_mla_kv_buffer(None, kv, layer, loc, None, None)
-    assert torch.equal(rt.cache.host[1][loc.long()], rows_of(loc, 1))  # backed up to the host pool
-    assert hooks.around_get_key_buffer(lambda *a: "sglang's", kv, 1) is not None
-    assert hooks.around_get_key_buffer(lambda *a: "sglang's", kv, 1).shape[1:] == (1, 656)
-    rt.decoding = False
-    assert hooks.around_get_key_buffer(lambda *a: "sglang's", kv, 1) == "sglang's"

@@ -6,10 +6,11 @@ target in the installed sglang and checks the parameters each hook relies on, so
 from __future__ import annotations
 
 import logging
-import torch
 
-from ess import layout
 from sglang_ess import args as ess_args_mod
+from sglang_ess import sizing
+from sglang_ess.args import EssArgs
+from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
 from sglang_ess.validate import resolution_step, validate_server_args
 
@@ -18,7 +19,7 @@ logger = logging.getLogger("sglang_ess")
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
-DSA_POOL = "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool"
+KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
 RESOLUTION_STEP = "handle_other_validations"
 
@@ -35,68 +36,97 @@ def after_from_cli_args(server_args, cls, namespace, *a, **kw):
     ess_args_mod.attach(server_args, ess_args_mod.from_namespace(namespace))
 
 
+# -- pool: ESS's DSA pool class and its sizing ----------------------------------------------------------------------
+def _ess_target(kvc) -> tuple[EssArgs, dict] | None:
+    """(settings, facts) when this configurator builds an ESS target pool (not the MTP draft worker's)."""
+    ess = ess_args_mod.ess_args(kvc.server_args)
+    if not ess.enable or getattr(kvc, "is_draft_worker", False):
+        return None
+    return ess, validate_server_args(kvc.server_args)
+
+
+def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, **kw):
+    target = _ess_target(kvc)
+    if target is None:
+        return original(kvc, pre_model_load_memory, *a, **kw)
+    return sizing.resolve_memory_pool_config(kvc, pre_model_load_memory, *target)
+
+
+def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_class, **kw):
+    target = _ess_target(kvc)
+    if target is not None:
+        ess, facts = target
+        dsa_pool_class = pool_class(
+            scratch_rows=max_running_requests * facts["query_rows"], stage_rows=facts["context"]
+        )
+    return original(kvc, *a, max_running_requests=max_running_requests, dsa_pool_class=dsa_pool_class, **kw)
+
+
 # -- runtime ---------------------------------------------------------------------------------------------------
 def after_init_sparse_coordinator(result, model_runner, *a, **kw):
-    """Build this rank's EssRuntime once the memory pools exist (where SGLang builds HiSparse's coordinator)."""
+    """Build this rank's EssRuntime once the memory pools exist, where SGLang builds HiSparse's coordinator, and
+    install it as the runner's sparse-offload coordinator: the DSA backend (built later) then asks it for the selected
+    rows in decode and verify, takes un-fused top-k positions, and keeps the token-granular page table."""
     global _runtime
     server_args = model_runner.server_args
     ess = ess_args_mod.ess_args(server_args)
     if not ess.enable or getattr(model_runner, "is_draft_worker", False):
         return
-    facts = validate_server_args(server_args)
     pool = model_runner.token_to_kv_pool
+    if not isinstance(pool, EssDSATokenToKVPool):
+        raise RuntimeError(f"--enable-ess: the KV pool is {type(pool).__name__}, not ESS's (a pool hook did not apply)")
+    facts = validate_server_args(server_args)
     _runtime = EssRuntime(
         ess,
         facts,
         token_table=model_runner.req_to_token_pool.req_to_token,
-        host_locations=pool.size + pool.page_size,
+        host=pool.ess_host,
         device=model_runner.device,
-        start_layer=getattr(pool, "start_layer", 0) or 0,
+        start_layer=pool.start_layer,
         model=str(server_args.model_path),
     )
-    pool._ess_runtime = _runtime
+    pool.ess_runtime = _runtime
+    model_runner.hisparse_coordinator = _runtime
     model_runner.ess_runtime = _runtime
     logger.info("ESS runtime: %s", _runtime.stats())
 
 
-def after_backend_init(result, backend, model_runner, *a, **kw):
-    """The DSA backend asks its sparse-offload coordinator for the selected rows' indices in decode."""
-    rt = getattr(model_runner, "ess_runtime", None)
-    if rt is not None:
-        backend.hisparse_coordinator = rt
-        backend._ess_runtime = rt
+def _ess_pool(backend) -> EssDSATokenToKVPool | None:
+    pool = getattr(backend, "token_to_kv_pool", None)
+    return pool if isinstance(pool, EssDSATokenToKVPool) else None
 
 
-def around_forward_decode(original, backend, *a, **kw):
-    rt = getattr(backend, "_ess_runtime", None)
-    if rt is None:
+def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
+    """Before layer 0 of a prefill batch: stage its requests' rows (see sglang_ess.pool)."""
+    pool = _ess_pool(backend)
+    mode = forward_batch.forward_mode
+    if pool is None or not mode.is_extend() or mode.is_target_verify():
+        return
+    pool.stage_extend(
+        backend.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens_cpu.tolist(),
+        list(forward_batch.extend_prefix_lens_cpu or []),
+    )
+
+
+def _in_phase(original, backend, phase, *a, **kw):
+    pool = _ess_pool(backend)
+    if pool is None:
         return original(backend, *a, **kw)
-    rt.decoding = True
+    previous, pool.ess_phase = pool.ess_phase, phase
     try:
         return original(backend, *a, **kw)
     finally:
-        rt.decoding = False
+        pool.ess_phase = previous
 
 
-def after_set_mla_kv_buffer(result, pool, layer, loc_info, *a, layer_id_override=None, **kw):
-    """New latent rows: SGLang quantised them into its buffer; ESS copies them to the host pool (and, in decode, to
-    their GPU slots)."""
-    rt = getattr(pool, "_ess_runtime", None)
-    if rt is None:
-        return
-    from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
-
-    loc = unwrap_write_loc(loc_info)[0]
-    layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
-    rows = pool.kv_buffer[layer_id - rt.start_layer].view(torch.uint8).view(-1, layout.LATENT_ROW_BYTES)[loc]
-    rt.store_rows(layer_id, loc, rows, decode=rt.decoding)
+def around_forward_decode(original, backend, *a, **kw):
+    return _in_phase(original, backend, DECODE, *a, **kw)
 
 
-def around_get_key_buffer(original, pool, layer_id, *a, **kw):
-    rt = getattr(pool, "_ess_runtime", None)
-    if rt is not None and rt.decoding:
-        return rt.latent_buffer(layer_id)
-    return original(pool, layer_id, *a, **kw)
+def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, **kw):
+    """MTP target-verify reads the ESS GPU slots like decode; a prefill reads the staging buffer."""
+    phase = DECODE if forward_batch.forward_mode.is_target_verify() else EXTEND
+    return _in_phase(original, backend, phase, q, k, v, layer, forward_batch, *a, **kw)
 
 
 def before_release_kv_cache(req, *a, **kw):
@@ -114,11 +144,12 @@ def _hook_table():
     return [
         (f"{SERVER_ARGS}.add_cli_args", HookType.AFTER, after_add_cli_args),
         (f"{SERVER_ARGS}.from_cli_args", HookType.AFTER, after_from_cli_args),
+        (f"{KV_CONFIGURATOR}._resolve_memory_pool_config", HookType.AROUND, around_resolve_memory_pool_config),
+        (f"{KV_CONFIGURATOR}._build_dsa_kv_pool", HookType.AROUND, around_build_dsa_kv_pool),
         (f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator", HookType.AFTER, after_init_sparse_coordinator),
-        (f"{DSA_BACKEND}.__init__", HookType.AFTER, after_backend_init),
+        (f"{DSA_BACKEND}.init_forward_metadata", HookType.AFTER, after_init_forward_metadata),
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
-        (f"{DSA_POOL}.set_mla_kv_buffer", HookType.AFTER, after_set_mla_kv_buffer),
-        (f"{DSA_POOL}.get_key_buffer", HookType.AROUND, around_get_key_buffer),
+        (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
     ]
 
@@ -127,11 +158,12 @@ def _hook_table():
 EXPECTED_PARAMS = {
     f"{SERVER_ARGS}.add_cli_args": ["parser"],
     f"{SERVER_ARGS}.from_cli_args": ["cls", "args"],
+    f"{KV_CONFIGURATOR}._resolve_memory_pool_config": ["self", "pre_model_load_memory"],
+    f"{KV_CONFIGURATOR}._build_dsa_kv_pool": ["self", "max_total_num_tokens", "max_running_requests", "dsa_pool_class"],
     f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator": ["self"],
-    f"{DSA_BACKEND}.__init__": ["self", "model_runner"],
+    f"{DSA_BACKEND}.init_forward_metadata": ["self", "forward_batch"],
     f"{DSA_BACKEND}.forward_decode": ["self", "q", "k", "v", "layer", "forward_batch"],
-    f"{DSA_POOL}.set_mla_kv_buffer": ["self", "layer", "loc_info", "cache_k_nope", "cache_k_rope", "layer_id_override"],
-    f"{DSA_POOL}.get_key_buffer": ["self", "layer_id"],
+    f"{DSA_BACKEND}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch"],
     RELEASE_KV: ["req", "tree_cache"],
 }
 

@@ -26,34 +26,30 @@ class EssRuntime:
         ess: EssArgs,
         facts: dict,
         token_table: torch.Tensor,
-        host_locations: int,
+        host: torch.Tensor,
         device: torch.device | str,
         start_layer: int = 0,
         model: str = "",
         backend: str = "auto",
     ):
-        """token_table: SGLang's req_to_token [request slots, max context] (int32 locations); facts: from
-        sglang_ess.validate.validate_model."""
+        """token_table: SGLang's req_to_token [request slots, max context] (int32 locations); host: the ESS KV pool's
+        host pool [layers, locations + 1, 656]; facts: from sglang_ess.validate.validate_model."""
         self.ess = ess
         self.start_layer = start_layer
         self.num_layers = facts["layers"]
         self.token_table = token_table
         self.cache = ServingLatentCache(
-            self.num_layers, token_table.shape[0], facts["buffer"], token_table.shape[1], host_locations, device, backend
+            self.num_layers, token_table.shape[0], facts["buffer"], token_table.shape[1], host, device, backend
         )
         self.modes = layer_modes(ess, self.num_layers, facts.get("plan"))
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model) if ess.record_trace else None
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
-        self.decoding = False  # set by the plugin around the backend's forward_decode
 
-    # -- writes of new latent rows (SGLang's set_mla_kv_buffer) -----------------------------------------------
-    def store_rows(self, layer_id: int, locs: torch.Tensor, rows: torch.Tensor, decode: bool) -> None:
-        """New 656-byte rows at token locations: always into the host pool (which holds every token); in decode they
-        are also this step's own rows, which swap_in_selected_pages puts into their GPU slots."""
-        layer = layer_id - self.start_layer
-        self.cache.write_host(layer, locs, rows)
-        self._own_rows[layer] = rows if decode else None
+    # -- the step's own rows (the ESS KV pool wrote them to the host pool already) --------------------------------
+    def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
+        """This decode/verify step's new rows [B(*S), 656], which swap_in_selected_pages puts into their GPU slots."""
+        self._own_rows[layer_id - self.start_layer] = rows
 
     # -- the backend's call --------------------------------------------------------------------------------------
     def swap_in_selected_pages(
@@ -81,7 +77,7 @@ class EssRuntime:
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
 
     def latent_buffer(self, layer_id: int) -> torch.Tensor:
-        """The device latent rows that swap_in_selected_pages' indices address: [slots, 1, 656]."""
+        """The device latent rows that swap_in_selected_pages' indices address: [slots, 1, 656] uint8."""
         return self.cache.gpu[layer_id - self.start_layer].unsqueeze(1)
 
     def wait_for_pending_backup(self) -> None:

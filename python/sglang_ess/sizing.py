@@ -1,13 +1,19 @@
 """How many tokens and requests an ESS decode node holds: the device keeps index-K for every token, C latent slots
-per request and the LRU tables; the pinned host pool keeps the latent row of every token."""
+per request and the LRU tables; the pinned host pool keeps the latent row of every token.
+
+`resolve_memory_pool_config` is what SGLang's KV cache configurator runs instead of its own sizing when ESS is on:
+SGLang charges every token its full cell (latent + index-K); ESS charges the latent only to the host."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from ess import layout
 from ess.config import GIB
 from ess.memory import cache_bytes
+
+logger = logging.getLogger("sglang_ess")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,28 +25,87 @@ class EssPoolSizes:
     limited_by: str  # "device", "host" or "requests" (max_requests x context_len fit both)
 
 
-def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: float | None, max_requests: int,
-                   context_len: int, capacity: int) -> EssPoolSizes:
+def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: float | None, max_requests: int | None,
+                   context_len: int, capacity: int, per_token_bytes: int | None = None) -> EssPoolSizes:
     """Sizes for `max_requests` requests of up to `context_len` tokens with `capacity` GPU slots each. Tokens are what
     the device budget leaves after the per-request sparse pools, capped by the host pool (default: no cap beyond
-    max_requests x context_len). Raises ValueError naming the flag when nothing fits."""
+    max_requests x context_len). max_requests None: as many requests as fit at full context on the device and in
+    the host budget. per_token_bytes: device bytes per token (default index-K of every layer; SGLang adds an MTP
+    draft layer's share). Raises ValueError naming the flag when nothing fits."""
     L = num_layers
     # slots + slot tables + the position -> slot table (sized by context, per request); then index-K per token
     per_request = cache_bytes(L, context_len, layout.LATENT_ROW_BYTES, 0, capacity)
-    per_token = L * layout.INDEX_ROW_BYTES
+    per_token = L * layout.INDEX_ROW_BYTES if per_token_bytes is None else per_token_bytes
+    host_tokens = None if host_budget_gib is None else int(host_budget_gib * GIB) // (L * layout.LATENT_ROW_BYTES)
+    if host_tokens is not None and host_tokens < context_len:
+        raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: room for {host_tokens} tokens, below one request of {context_len}")
+    if max_requests is None:
+        max_requests = device_budget_bytes // (per_request + context_len * per_token)
+        if host_tokens is not None:
+            max_requests = min(max_requests, host_tokens // context_len)
+        if max_requests < 1:
+            raise ValueError(f"--ess-buffer-tokens/--ess-sparse-ratio: one request of {context_len} tokens with {capacity} slots does not fit the device budget")
     device_tokens = (device_budget_bytes - max_requests * per_request) // per_token
     if device_tokens < 1:
         raise ValueError(f"--ess-buffer-tokens/--ess-sparse-ratio: {max_requests} requests x {capacity} slots do not fit the device budget")
     want = max_requests * context_len
-    host_tokens = want if host_budget_gib is None else int(host_budget_gib * GIB) // (L * layout.LATENT_ROW_BYTES)
-    if host_tokens < context_len:
-        raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: room for {host_tokens} tokens, below one request of {context_len}")
-    tokens = min(device_tokens, host_tokens, want)
+    tokens = min(device_tokens, want if host_tokens is None else host_tokens, want)
     limited_by = "requests" if tokens == want else "device" if tokens == device_tokens else "host"
     return EssPoolSizes(
         tokens=int(tokens),
-        max_requests=max_requests,
+        max_requests=int(max_requests),
         device_bytes=int(max_requests * per_request + tokens * per_token),
         host_bytes=int(tokens * L * layout.LATENT_ROW_BYTES),
         limited_by=limited_by,
     )
+
+
+def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts: dict):
+    """SGLang's `KVCacheConfigurator._resolve_memory_pool_config` for an ESS target worker: the same profiled
+    budget and constraints, ESS's arithmetic in between. The MTP draft worker receives this config, and its own
+    (stock) pool's per-token bytes are in SGLang's cell size, which ESS keeps."""
+    from sglang.srt.model_executor.pool_configurator import (
+        DefaultPoolConfigurator,
+        MemoryPoolConfig,
+        create_memory_pool_configurator,
+    )
+    from sglang.srt.runtime_context import get_schedule
+    from sglang_ess.args import EssArgsError
+
+    configurator = create_memory_pool_configurator(kvc)
+    if not isinstance(configurator, DefaultPoolConfigurator):
+        raise EssArgsError(f"--enable-ess sizes SGLang's standard DSA pool; this launch uses {type(configurator).__name__}")
+    layers = kvc.layer_info.num_effective_layers
+    per_token = configurator._cell_size - layers * layout.LATENT_ROW_BYTES  # index-K (+ the draft layer's share)
+    budget = kvc._profile_available_bytes(pre_model_load_memory) - configurator._fixed_overhead_bytes
+    budget -= stage_bytes(facts["context"]) + scratch_bytes(MAX_REQUESTS, facts["query_rows"])
+    requested = get_schedule().max_running_requests
+    r = None if requested is None else max(1, requested // kvc.attn_dp_size)
+    # SGLang's request pool has one more slot than requests, and ESS gives every slot its sparse pool
+    sizes = ess_pool_sizes(layers, budget, ess.host_pool_gib,
+                           None if r is None else r + 1, facts["context"], facts["buffer"], per_token)
+    max_requests = min(max(1, sizes.max_requests - 1), MAX_REQUESTS)
+    page = get_schedule().page_size
+    tokens = kvc._apply_token_constraints(sizes.tokens) // page * page
+    logger.info(
+        "ESS pool: %d tokens (index-K on the GPU, latent rows in %.1f GiB pinned host memory), %d requests x %d GPU "
+        "slots, %.1f GiB device, limited by %s", tokens, sizes.host_bytes / GIB, max_requests, facts["buffer"],
+        sizes.device_bytes / GIB, sizes.limited_by,
+    )
+    config = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=max_requests)
+    config = configurator.finalize_with_max_running_requests(config)
+    config.mem_fraction_static = get_schedule().mem_fraction_static
+    return config
+
+
+MAX_REQUESTS = 4096  # SGLang's own ceiling on requests per worker; bounds the decode scratch charged up front
+
+
+def scratch_bytes(max_requests: int, query_rows: int) -> int:
+    """The decode scratch: the rows one step writes (requests x query rows) before they go to host and GPU slots."""
+    return max_requests * query_rows * layout.LATENT_ROW_BYTES
+
+
+def stage_bytes(context_len: int) -> int:
+    """The prefill staging buffer ESS starts with: one request's rows at full context (it grows for bigger batches)."""
+    return context_len * layout.LATENT_ROW_BYTES

@@ -12,6 +12,15 @@ from sglang_ess.args import EssArgs, EssArgsError, ess_args
 # top-k positions into (FlashMLA's sparse FP8 decode).
 ESS_DECODE_BACKENDS = ("flashmla_kv",)
 LATENT_KV_DTYPE = "fp8_e4m3"
+# The prefill backend whose (paged) page table SGLang translates through the pool's sparse-offload hook, which is how
+# prefill reads ESS's staging buffer.
+ESS_PREFILL_BACKENDS = ("flashmla_kv",)
+# Launch features whose cache handling ESS does not cover yet (why, for the message).
+UNSUPPORTED_WITH_ESS = {
+    "enable_mixed_chunk": "a mixed batch is prefill and decode in one forward, and ESS stages them differently",
+    "enable_hierarchical_cache": "HiCache copies the device latent buffer, which ESS keeps in host memory already",
+    "enable_two_batch_overlap": "the two micro-batches of a prefill would share one staging plan",
+}
 
 
 def query_rows_per_request(cfg: Any) -> int:
@@ -39,6 +48,14 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
         raise EssArgsError(f"--enable-ess supports --dsa-decode-backend {' or '.join(ESS_DECODE_BACKENDS)}, got {cfg.dsa_decode_backend}")
     if cfg.disaggregation_mode == "prefill":
         raise EssArgsError("--enable-ess belongs on decode nodes (--disaggregation-mode decode) or co-located servers, not on a prefill node")
+    if cfg.dsa_prefill_backend not in ESS_PREFILL_BACKENDS:
+        raise EssArgsError(
+            f"--enable-ess stages prefill rows behind the paged prefill route; launch with --dsa-prefill-backend "
+            f"{' or '.join(ESS_PREFILL_BACKENDS)} (got {cfg.dsa_prefill_backend})"
+        )
+    for field, why in UNSUPPORTED_WITH_ESS.items():
+        if getattr(cfg, field, False):
+            raise EssArgsError(f"--enable-ess does not support --{field.replace('_', '-')} yet: {why}")
 
     topk = int(hf_config.index_topk)
     context = int(cfg.context_length or hf_config.max_position_embeddings)

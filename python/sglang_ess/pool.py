@@ -1,0 +1,153 @@
+"""EssDSATokenToKVPool: SGLang's DSA KV pool with the latent cache moved to pinned host memory.
+
+What stays on the GPU: index-K of every token (the Lightning Indexer reads it every step), a staging buffer for
+prefill, and a small scratch for the rows a decode step writes. The latent cache of every token lives in the pinned
+host pool, indexed by SGLang's token location, so SGLang's allocator, radix cache and PD transfer keep their
+addresses. The pool's `kv_buffer` entries *are* the host pool's layers: SGLang's PD transfer (which reads
+`get_contiguous_buf_infos`) therefore lands received latent rows straight in host memory.
+
+Reads, by phase (set by the plugin around the DSA backend's forward calls):
+    extend (prefill)  the batch's requests are staged: their host rows (the cached prefix) are gathered into the
+                      staging buffer, layer by layer, and the new rows are written there; the backend translates
+                      its page table through `translate_loc_to_hisparse_device` (the sparse-offload hook SGLang
+                      already calls), so FlashMLA reads staging rows.
+    decode / verify   the backend asks the ESS runtime (its sparse-offload coordinator) for the selected rows,
+                      which live in the runtime's per-request GPU slots (ess.serving).
+Writes: SGLang's own quantiser (`_write_mla_kv_buffer`) makes the 656-byte FP8 rows in GPU memory, then FlashTrans
+copies them to their host rows (D2H); in decode the same rows are the step's own rows for the runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ess import flashtrans, layout
+from ess.serving import FLASHMLA_PAGE
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
+
+EXTEND, DECODE = "extend", "decode"
+
+
+class EssDSATokenToKVPool(DSATokenToKVPool):
+    # Set on the subclass that `pool_class` makes for one launch.
+    scratch_rows: int = 1  # rows a decode/verify step writes at most (requests x query rows)
+    stage_rows: int = 1  # initial staging rows for prefill (grows on demand; prefill is not graph-captured)
+    backend: str = "auto"  # FlashTrans backend
+
+    # -- buffers ---------------------------------------------------------------------------------------------
+    def _create_buffers(self):
+        """Called by SGLang's constructor in place of the device latent buffer."""
+        if self.kv_cache_dim != layout.LATENT_ROW_BYTES or self.store_dtype != torch.uint8:
+            raise ValueError(f"--enable-ess needs the packed 656-byte FP8 latent rows, got {self.kv_cache_dim} x {self.store_dtype}")
+        pin = torch.device(self.device).type == "cuda"
+        locs = self.size + self.page_size  # SGLang's location space (location 0 is its padding slot)
+        # + 1 sink row that fixed-shape gathers read for -1 entries
+        self.ess_host = torch.zeros(self.layer_num, locs + 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, pin_memory=pin)
+        self.kv_buffer = [self.ess_host[i, :locs].unsqueeze(1) for i in range(self.layer_num)]
+        self.ess_scratch = torch.zeros(self.scratch_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        self.ess_scratch_idx = torch.arange(self.scratch_rows, device=self.device)
+        self.ess_stage = torch.zeros(self.stage_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        self.ess_stage_of_loc = torch.full((locs + 1,), -1, dtype=torch.int32, device=self.device)
+        self.ess_phase = EXTEND
+        self.ess_runtime = None  # set by the plugin once the runtime exists
+        self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
+        self._stage_gather = False  # the staged batch has cached rows to bring from the host
+        self._staged_layers: set[int] = set()
+
+    def get_kv_size_bytes(self):
+        """Device bytes (SGLang logs this as the KV cache size); the host pool is reported by the runtime."""
+        index = sum(t.numel() * t.element_size() for t in self.index_k_with_scale_buffer)
+        return index + self.ess_scratch.numel() + self.ess_stage.numel() + self.ess_stage_of_loc.numel() * 4
+
+    # -- prefill staging ------------------------------------------------------------------------------------------
+    def stage_extend(self, token_table: torch.Tensor, req: torch.Tensor, seq_lens_cpu: list[int], prefix_lens_cpu: list[int]) -> None:
+        """Plan an extend batch: staging rows for every token of its requests (positions [0, seq_len) of each, in
+        batch order). Called once per forward, before layer 0; lengths come from the host, so nothing syncs."""
+        n = int(sum(seq_lens_cpu))
+        if n > self.ess_stage.shape[0]:  # grow: the batch holds more tokens than any before
+            self.ess_stage = torch.zeros(whole_pages(n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        lens = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=req.device)
+        row_req = torch.repeat_interleave(req.long(), lens, output_size=n)
+        starts = torch.cumsum(lens, 0) - lens
+        pos = torch.arange(n, device=req.device) - torch.repeat_interleave(starts, lens, output_size=n)
+        locs = token_table[row_req, pos].long()
+        self.ess_stage_of_loc.fill_(-1)
+        self.ess_stage_of_loc[locs] = torch.arange(n, dtype=torch.int32, device=locs.device)
+        self._stage_locs = locs
+        self._stage_gather = any(p > 0 for p in prefix_lens_cpu)
+        self._staged_layers = set()
+
+    def _stage_layer(self, layer: int) -> None:
+        """Bring the staged batch's cached rows of one layer from the host (once per layer and forward)."""
+        if layer in self._staged_layers or self._stage_locs is None:
+            return
+        self._staged_layers.add(layer)
+        if self._stage_gather:
+            n = self._stage_locs.shape[0]
+            idx = torch.arange(n, device=self._stage_locs.device)
+            flashtrans.gather(self.ess_host[layer], self._stage_locs, self.ess_stage[:, 0], idx, self.backend)
+
+    def translate_loc_to_hisparse_device(self, locs: torch.Tensor) -> torch.Tensor:
+        """Token locations -> staging rows (-1 and padding stay -1). The DSA backend calls this on its prefill page
+        table when a sparse-offload coordinator is set."""
+        rows = self.ess_stage_of_loc[locs.long().clamp(min=0)]
+        return torch.where(locs >= 0, rows, torch.full_like(rows, -1))
+
+    # -- SGLang's pool interface ------------------------------------------------------------------------------------
+    def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None):
+        loc, _, _ = unwrap_write_loc(loc_info)
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        local = layer_id - self.start_layer
+        n = loc.shape[0]
+        if self.ess_phase == EXTEND:
+            self._stage_layer(local)
+            buf, rows = self.ess_stage, self.ess_stage_of_loc[loc.long()].long()
+        else:
+            if n > self.scratch_rows:
+                raise RuntimeError(f"ESS decode scratch holds {self.scratch_rows} rows, the step wrote {n}")
+            buf, rows = self.ess_scratch, self.ess_scratch_idx[:n]
+        self._write_mla_kv_buffer(buf, rows, cache_k_nope, cache_k_rope)  # SGLang's FP8 quantiser
+        flashtrans.scatter(buf[:, 0], rows, self.ess_host[local], loc.long(), self.backend)  # D2H backup
+        if self.ess_phase != EXTEND and self.ess_runtime is not None:
+            self.ess_runtime.keep_own_rows(layer_id, buf[rows, 0])
+
+    def get_key_buffer(self, layer_id: int):
+        if self.ess_phase == EXTEND:
+            self._stage_layer(layer_id - self.start_layer)
+            buf = self.ess_stage
+        else:
+            buf = self.ess_runtime.latent_buffer(layer_id)
+        return buf.view(self.dtype)
+
+    def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
+        raise NotImplementedError("--enable-ess: dense MHA prefill reads the latent cache by location; it is off with ESS")
+
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
+        """Move latent rows (host) and index-K (device) together."""
+        if tgt_loc.numel() == 0:
+            return
+        t, s = tgt_loc.reshape(-1).long().cpu(), src_loc.reshape(-1).long().cpu()
+        self.ess_host[:, t] = self.ess_host[:, s]
+        self.index_key_cache.move(tgt_loc, src_loc)
+
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        idx = indices.long().cpu()
+        return {"kv": self.ess_host[:, idx].clone(), "index_k": self.index_key_cache.cpu_copy(indices)}
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+        self.ess_host[:, indices.long().cpu()] = kv_cache_cpu["kv"]
+        self.index_key_cache.load_cpu_copy(kv_cache_cpu["index_k"], indices)
+
+
+def pool_class(scratch_rows: int, stage_rows: int, backend: str = "auto") -> type:
+    """The pool class for one launch (SGLang constructs the pool itself, with its own arguments)."""
+    return type(
+        "EssDSATokenToKVPool",
+        (EssDSATokenToKVPool,),
+        {"scratch_rows": max(1, scratch_rows), "stage_rows": whole_pages(stage_rows), "backend": backend},
+    )
+
+
+def whole_pages(rows: int) -> int:
+    """FlashMLA views a latent buffer as [-1, 64, 1, 656] pages."""
+    return max(1, -(-rows // FLASHMLA_PAGE)) * FLASHMLA_PAGE

@@ -1,0 +1,201 @@
+"""ESS's DSA KV pool against SGLang's stock DSATokenToKVPool (CPU): the same writes go to both; every read the DSA
+backend makes (prefill page table through the sparse-offload translation, decode through the ESS runtime) must give
+exactly the bytes the stock pool gives at those token locations. SGLang's FP8 quantiser is a Triton kernel, so both
+pools get the same CPU stand-in for it: what is tested is where rows go and come from, not the quantisation."""
+
+import random
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+from sglang_ess.args import EssArgs  # noqa: E402
+from sglang_ess.pool import DECODE, EXTEND, pool_class  # noqa: E402
+from sglang_ess.runtime import EssRuntime  # noqa: E402
+
+L, K, C, SIZE, MAX_LEN = 2, 8, 12, 40 * 64, 200
+REQ = [3, 1]  # request-pool slots (0 is SGLang's padding row)
+
+
+def stand_in_quantiser(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
+    """Writes pre-made 656-byte rows (passed as cache_k_nope) at loc, as SGLang's quantiser writes its rows."""
+    dst_buffer[loc.long(), 0] = cache_k_nope
+
+
+@pytest.fixture
+def pools(monkeypatch):
+    monkeypatch.setattr(DSATokenToKVPool, "_write_mla_kv_buffer", stand_in_quantiser)
+    kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
+              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
+    with get_parallel().override(attn_dcp_size=1):  # one GPU, no decode context parallelism
+        stock = DSATokenToKVPool(**kw)
+        ess = pool_class(scratch_rows=8, stage_rows=16, backend="torch")(**kw)
+        tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
+        tokens.req_to_token[REQ] = (torch.randperm(SIZE - 1)[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
+        yield stock, ess, tokens
+
+
+class Layer:
+    def __init__(self, layer_id):
+        self.layer_id = layer_id
+
+
+def rows_for(loc, layer, salt=0):
+    x = (loc.long().unsqueeze(-1) * 7 + layer * 131 + salt * 17 + torch.arange(656)) % 251
+    return x.to(torch.uint8)
+
+
+def write(stock, ess, layer, loc, salt=0):
+    rows = rows_for(loc, layer, salt)
+    stock.set_mla_kv_buffer(Layer(layer), loc, rows, None)
+    ess.set_mla_kv_buffer(Layer(layer), loc, rows, None)
+
+
+def prefill(stock, ess, tokens, req, starts, ends, rng):
+    """One extend forward: requests req extend from starts to ends (starts > 0: a cached prefix); then the backend's
+    read of every query token's top-k through the translated page table is compared with the stock read."""
+    ess.stage_extend(tokens.req_to_token, torch.tensor(req), ends, starts)
+    ess.ess_phase = EXTEND
+    for layer in range(L):
+        loc = torch.cat([tokens.req_to_token[r, s:e] for r, s, e in zip(req, starts, ends)])
+        write(stock, ess, layer, loc)
+        for r, s, e in zip(req, starts, ends):
+            for p in range(s, e):  # each query token's top-k among positions [0, p], -1 padded
+                pos = rng.sample(range(p + 1), min(K, p + 1)) + [-1] * max(0, K - p - 1)
+                pos = torch.tensor(pos)
+                locs = torch.where(pos >= 0, tokens.req_to_token[r, pos.clamp(min=0)].long(), -1)
+                rows = ess.translate_loc_to_hisparse_device(locs)
+                assert torch.equal(rows < 0, locs < 0)
+                got = ess.get_key_buffer(layer)[rows[rows >= 0]]
+                want = stock.get_key_buffer(layer)[locs[locs >= 0]]
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (layer, r, p)
+
+
+def test_prefill_reads_through_staging_equal_the_stock_pool(pools):
+    stock, ess, tokens = pools
+    rng = random.Random(0)
+    prefill(stock, ess, tokens, REQ, [0, 0], [30, 20], rng)  # no prefix: staging holds the new rows only
+    prefill(stock, ess, tokens, [REQ[0]], [30], [45], rng)  # chunk 2: the prefix comes back from the host pool
+    assert ess.ess_stage.shape[0] == 64  # whole FlashMLA pages
+    prefill(stock, ess, tokens, REQ, [45, 20], [50, 26], rng)  # both with prefixes: 76 rows, the stage grows
+    assert ess.ess_stage.shape[0] == 128
+    # every row written is in the host pool, at its location (SGLang's PD transfer reads these buffers)
+    for layer in range(L):
+        assert torch.equal(ess.ess_host[layer, : SIZE + 64], stock.kv_buffer[layer][:, 0])
+    ptrs, lens, items = ess.get_contiguous_buf_infos()
+    assert ptrs == [ess.ess_host[i].data_ptr() for i in range(L)] and items == [656 * 64] * L
+
+
+def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools):
+    stock, ess, tokens = pools
+    rng = random.Random(1)
+    prefill(stock, ess, tokens, REQ, [0, 0], [40, 33], rng)
+    facts = {"topk": K, "layers": L, "buffer": C, "query_rows": 1, "plan": None}
+    rt = EssRuntime(EssArgs(enable=True, buffer_tokens=C), facts, tokens.req_to_token, host=ess.ess_host, device="cpu", backend="torch")
+    ess.ess_runtime = rt
+    req, pos = torch.tensor(REQ), torch.tensor([40, 33])
+    for step in range(15):  # C = 12 slots against top-8 sets over 40+ positions: misses and evictions every step
+        ess.ess_phase = DECODE
+        seq_lens = pos + 1
+        topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+        for layer in range(L):
+            write(stock, ess, layer, tokens.req_to_token[req, pos], salt=step)
+            slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
+            got = ess.get_key_buffer(layer)[slots.long()]
+            want = stock.get_key_buffer(layer)[tokens.req_to_token[req.unsqueeze(1), topk.long()].long()]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (step, layer)
+        pos = pos + 1
+    # the new decode rows reached the host pool too
+    for layer in range(L):
+        assert torch.equal(ess.ess_host[layer, : SIZE + 64], stock.kv_buffer[layer][:, 0])
+
+
+def test_device_bytes_exclude_the_latent_cache(pools):
+    stock, ess, _ = pools
+    latent = L * (SIZE + 64) * 656
+    index_k = stock.get_kv_size_bytes() - latent  # SGLang's count: latent + index-K of every location
+    # ESS: index-K, the decode scratch (8 rows), the staging buffer (one page) and the location -> staging map
+    assert ess.get_kv_size_bytes() == index_k + 8 * 656 + 64 * 656 + (SIZE + 65) * 4
+    assert not ess.ess_host.is_cuda and ess.ess_host.shape == (L, SIZE + 65, 656)
+
+
+def test_move_and_cpu_copy_keep_the_host_rows(pools, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # SGLang's index-K copy syncs the GPU
+    stock, ess, tokens = pools
+    loc = tokens.req_to_token[REQ[0], :10]
+    ess.ess_phase = EXTEND
+    ess.stage_extend(tokens.req_to_token, torch.tensor([REQ[0]]), [10], [0])
+    write(stock, ess, 0, loc)
+    free = torch.arange(SIZE - 10, SIZE)
+    ess.move_kv_cache(free, loc)
+    assert torch.equal(ess.ess_host[0, free], rows_for(loc, 0))
+    copy = ess.get_cpu_copy(free)
+    ess.ess_host[:, free] = 0
+    ess.load_cpu_copy(copy, free)
+    assert torch.equal(ess.ess_host[0, free], rows_for(loc, 0))
+
+
+def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
+    """SGLang's configurator hands ESS its profiled budget and per-token cell (latent + index-K); ESS sizes tokens and
+    requests so that index-K of every token, C slots per request slot, staging and scratch fit the budget."""
+    import types
+
+    from sglang.srt.model_executor import pool_configurator as pc
+
+    from ess.memory import cache_bytes
+    from sglang_ess import sizing
+
+    layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
+    stock = pc.DefaultPoolConfigurator.__new__(pc.DefaultPoolConfigurator)
+    stock._cell_size, stock._fixed_overhead_bytes = layers * (656 + 132), 0  # SGLang's DSA FP8 cell, no draft
+    monkeypatch.setattr(pc, "create_memory_pool_configurator", lambda kvc: stock)
+    schedule = types.SimpleNamespace(max_running_requests=None, page_size=64, mem_fraction_static=0.9)
+    monkeypatch.setattr("sglang.srt.runtime_context.get_schedule", lambda: schedule)
+    kvc = types.SimpleNamespace(layer_info=types.SimpleNamespace(num_effective_layers=layers), attn_dp_size=1,
+                                _profile_available_bytes=lambda pre: avail, _apply_token_constraints=lambda t: t)
+    facts = {"context": ctx, "buffer": cap, "query_rows": 1}
+    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    R, T = config.max_running_requests, config.max_total_num_tokens
+    used = (R + 1) * cache_bytes(layers, ctx, 656, 0, cap) + T * layers * 132
+    used += sizing.stage_bytes(ctx) + sizing.scratch_bytes(sizing.MAX_REQUESTS, 1)
+    assert used <= avail and T >= R * ctx - 64  # every request can reach full context
+    baseline_requests = avail // (stock._cell_size * ctx)
+    # past the memory wall: 139 request slots of 0.25 GiB sparse pool + 0.25 GiB index-K each, against 47 full caches
+    assert (baseline_requests, R) == (47, 138)
+    schedule.max_running_requests = 40  # a requested count is kept, and tokens fill the rest of the device
+    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    assert config.max_running_requests == 40 and config.max_total_num_tokens > 40 * ctx
+    with pytest.raises(ValueError, match="--ess-host-pool-gib 1"):
+        sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=1), facts)
+
+
+def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
+    """The DSA backend hooks: a prefill batch is staged at metadata time; target-verify reads like decode."""
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_ess import hooks
+
+    stock, ess, tokens = pools
+    backend = types.SimpleNamespace(token_to_kv_pool=ess, req_to_token=tokens.req_to_token)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor(REQ),
+                                  seq_lens_cpu=torch.tensor([5, 3]), extend_prefix_lens_cpu=[2, 0])
+    hooks.after_init_forward_metadata(None, backend, batch)
+    staged = tokens.req_to_token[REQ[0], :5].long()
+    assert torch.equal(ess.translate_loc_to_hisparse_device(staged), torch.arange(5, dtype=torch.int32))
+    assert ess._stage_gather  # request 0 has a cached prefix
+    seen = []
+    for mode, phase in [(ForwardMode.EXTEND, EXTEND), (ForwardMode.TARGET_VERIFY, DECODE)]:
+        batch.forward_mode = mode
+        hooks.around_forward_extend(lambda b, *a: seen.append(b.token_to_kv_pool.ess_phase), backend, None, None, None, None, batch)
+        assert seen[-1] == phase and ess.ess_phase == EXTEND  # restored after the call
+    hooks.around_forward_decode(lambda b, *a: seen.append(b.token_to_kv_pool.ess_phase), backend)
+    assert seen[-1] == DECODE
+    batch.forward_mode = ForwardMode.TARGET_VERIFY  # verify batches are not staged
+    ess.ess_stage_of_loc.fill_(-7)
+    hooks.after_init_forward_metadata(None, backend, batch)
+    assert (ess.ess_stage_of_loc == -7).all()
