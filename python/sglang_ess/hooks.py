@@ -55,7 +55,7 @@ def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, 
 def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_class, **kw):
     target = _ess_target(kvc)
     if target is not None:
-        ess, facts = target
+        facts = target[1]
         dsa_pool_class = pool_class(
             scratch_rows=max_running_requests * facts["query_rows"], stage_rows=facts["context"]
         )
