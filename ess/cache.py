@@ -65,14 +65,8 @@ class EssLatentCache:
     def warmup_layer(self, layer: int, sets: torch.Tensor) -> None:
         """sets [B, W', K], oldest first; the last min(W', warmup_windows) windows are used, stamped w - W."""
         W = min(self.cfg.warmup_windows, sets.shape[1])
-        sp, st, ps = self.sparse.layer_state(layer)
-        none = torch.full_like(self.req, -1)
-        for w in range(W):
-            lru_update(sp, st, ps, self.req, sets[:, sets.shape[1] - W + w], none, w - W)
-        C = self.capacity
-        pos = sp[self.req, :C].long()
-        slots = self.req.unsqueeze(1) * C + torch.arange(C, device=pos.device)
-        slots = torch.where(pos >= 0, slots, torch.full_like(slots, -1))
+        self.sparse.warm(layer, self.req, sets[:, sets.shape[1] - W :], -W)
+        pos, slots = self.sparse.resident_slots(layer, self.req)
         flashtrans.gather(
             self.host.data[layer], self.host.rows(self.req, pos).flatten(), self.sparse.data[layer], slots.flatten(), self.backend
         )

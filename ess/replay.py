@@ -29,7 +29,6 @@ def replay_misses(
     ctx = torch.as_tensor(trace.context_len, device=device)
     max_pos = int(trace.context_len.max()) + steps
     req = torch.arange(R, device=device)
-    none = torch.full((R,), -1, dtype=torch.int64, device=device)
     out = np.zeros((R, steps, layers), dtype=np.int32)
     for layer in range(layers):
         pool = SparseMemoryPool(1, R, buffer_tokens, max_pos, device, with_rows=False)
@@ -37,8 +36,7 @@ def replay_misses(
         if warmup:
             sets = torch.as_tensor(trace.prefill_topk[:, :, layer], device=device)
             W = min(warmup_windows, sets.shape[1])
-            for w in range(W):
-                lru_update(sp, st, ps, req, sets[:, sets.shape[1] - W + w], none, w - W)
+            pool.warm(0, req, sets[:, sets.shape[1] - W :], -W)
         topk = torch.as_tensor(trace.topk[:, :, layer], device=device)
         misses = [lru_update(sp, st, ps, req, topk[:, t], ctx + t, t).n_miss for t in range(steps)]
         if steps:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ess import layout
+from ess.policy import lru_update
 
 
 class SparseMemoryPool:
@@ -43,6 +44,21 @@ class SparseMemoryPool:
 
     def layer_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.slot_pos[layer], self.slot_stamp[layer], self.pos_slot[layer]
+
+    def warm(self, layer: int, req: torch.Tensor, sets: torch.Tensor, first_stamp) -> None:
+        """LRU-Warmup (ess-design.md section 2) of requests req [B]: their prefill top-k sets [B, W, K], oldest first,
+        inserted one window at a time with no own token, window w stamped first_stamp + w."""
+        sp, st, ps = self.layer_state(layer)
+        none = torch.full((req.shape[0],), -1, dtype=torch.int64, device=req.device)
+        for w in range(sets.shape[1]):
+            lru_update(sp, st, ps, req, sets[:, w], none, first_stamp + w)
+
+    def resident_slots(self, layer: int, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [B, C] held by requests req's slots (-1 empty), and those slots' pool indices (-1 where empty)."""
+        C = self.capacity
+        pos = self.slot_pos[layer, req.long(), :C].long()
+        slots = req.long().unsqueeze(1) * C + torch.arange(C, device=pos.device)
+        return pos, torch.where(pos >= 0, slots, torch.full_like(slots, -1))
 
     def resident(self, layer: int, req: int) -> set[int]:
         """Positions resident for (layer, request): a test and debugging helper (syncs with the host)."""
