@@ -19,8 +19,13 @@ from ess import flashtrans, layout
 from ess.policy import PolicyResult, lru_update
 from ess.sparse_pool import SparseMemoryPool
 
-# FlashMLA reads the latent cache as [-1, 64, 1, 656] pages, so the slot count is rounded up to whole pages.
 FLASHMLA_PAGE = 64
+
+
+def whole_pages(rows: int) -> int:
+    """FlashMLA reads a latent buffer as [-1, 64, 1, 656] pages: row counts are rounded up to whole pages."""
+    return max(1, -(-rows // FLASHMLA_PAGE)) * FLASHMLA_PAGE
+
 
 
 class ServingLatentCache:
@@ -42,8 +47,7 @@ class ServingLatentCache:
         self.host = host
         self.host_sink = host.shape[1] - 1
         self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, with_rows=False)
-        slots = max_requests * capacity + 1  # + the sink slot
-        slots = -(-slots // FLASHMLA_PAGE) * FLASHMLA_PAGE
+        slots = whole_pages(max_requests * capacity + 1)  # + the sink slot
         self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
         self.sink_slot = self.sparse.sink_slot
         self.backend = backend
@@ -60,16 +64,8 @@ class ServingLatentCache:
     def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor) -> None:
         """LRU-Warmup of request slots req [B] from their last W prefill top-k sets [B, W, K] (oldest first), stamped
         w - W below the next decode stamp, then one gather of the resident rows."""
-        W = sets.shape[1]
-        sp, st, ps = self.sparse.layer_state(layer)
-        none = torch.full_like(req, -1)
-        base = self.stamp - W
-        for w in range(W):
-            lru_update(sp, st, ps, req, sets[:, w], none, base + w)
-        C = self.capacity
-        pos = sp[req.long(), :C]
-        slots = req.long().unsqueeze(1) * C + torch.arange(C, device=pos.device)
-        slots = torch.where(pos >= 0, slots, torch.full_like(slots, self.sink_slot))
+        self.sparse.warm(layer, req, sets, self.stamp - sets.shape[1])
+        pos, slots = self.sparse.resident_slots(layer, req)
         flashtrans.gather(self.host[layer], self.host_rows(token_table, req, pos).flatten(), self.gpu[layer], slots.flatten(), self.backend)
 
     # -- the decode step ------------------------------------------------------------------------------------------

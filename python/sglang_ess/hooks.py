@@ -12,7 +12,7 @@ from sglang_ess import sizing
 from sglang_ess.args import EssArgs
 from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.validate import resolution_step, validate_server_args
+from sglang_ess.validate import resolution_step, runtime_facts
 
 logger = logging.getLogger("sglang_ess")
 
@@ -42,7 +42,7 @@ def _ess_target(kvc) -> tuple[EssArgs, dict] | None:
     ess = ess_args_mod.ess_args(kvc.server_args)
     if not ess.enable or getattr(kvc, "is_draft_worker", False):
         return None
-    return ess, validate_server_args(kvc.server_args)
+    return ess, runtime_facts(kvc.server_args)
 
 
 def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, **kw):
@@ -75,7 +75,7 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     pool = model_runner.token_to_kv_pool
     if not isinstance(pool, EssDSATokenToKVPool):
         raise RuntimeError(f"--enable-ess: the KV pool is {type(pool).__name__}, not ESS's (a pool hook did not apply)")
-    facts = validate_server_args(server_args)
+    facts = runtime_facts(server_args)
     _runtime = EssRuntime(
         ess,
         facts,

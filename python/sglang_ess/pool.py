@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ess import flashtrans, layout
-from ess.serving import FLASHMLA_PAGE
+from ess.serving import whole_pages
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
 EXTEND, DECODE = "extend", "decode"
@@ -109,7 +109,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self._write_mla_kv_buffer(buf, rows, cache_k_nope, cache_k_rope)  # SGLang's FP8 quantiser
         flashtrans.scatter(buf[:, 0], rows, self.ess_host[local], loc.long(), self.backend)  # D2H backup
         if self.ess_phase != EXTEND and self.ess_runtime is not None:
-            self.ess_runtime.keep_own_rows(layer_id, buf[rows, 0])
+            self.ess_runtime.keep_own_rows(layer_id, buf[:n, 0])  # a view: read before the next layer writes
 
     def get_key_buffer(self, layer_id: int):
         if self.ess_phase == EXTEND:
@@ -147,7 +147,3 @@ def pool_class(scratch_rows: int, stage_rows: int, backend: str = "auto") -> typ
         {"scratch_rows": max(1, scratch_rows), "stage_rows": whole_pages(stage_rows), "backend": backend},
     )
 
-
-def whole_pages(rows: int) -> int:
-    """FlashMLA views a latent buffer as [-1, 64, 1, 656] pages."""
-    return max(1, -(-rows // FLASHMLA_PAGE)) * FLASHMLA_PAGE

@@ -89,6 +89,19 @@ def validate_server_args(server_args: Any) -> dict | None:
     return validate_model(ess, resolving_view(server_args), model_config_of(server_args).hf_config)
 
 
+FACTS_ATTR = "_ess_facts"
+
+
+def runtime_facts(server_args: Any) -> dict | None:
+    """validate_server_args once per process for the resolved record (the KV cache configurator's hooks and the
+    runtime each need the facts); None when ESS is off."""
+    facts = getattr(server_args, FACTS_ATTR, None)
+    if facts is None:
+        facts = validate_server_args(server_args)
+        setattr(server_args, FACTS_ATTR, facts)
+    return facts
+
+
 def resolution_step(server_args: Any, previous) -> None:
     """Registered around SGLang's `handle_other_validations`."""
     previous(server_args)
