@@ -108,8 +108,9 @@ class ServingLatentCache:
         return r
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    def release(self, req: int) -> None:
-        """Forget a finished or aborted request's GPU rows; its host rows are the engine's tokens, freed by it."""
+    def release(self, req: int | torch.Tensor) -> None:
+        """Forget the GPU rows of request slot(s) req (finished, aborted, or prefilling anew); their host rows are the
+        engine's tokens, freed by it."""
         self.sparse.reset(req)
 
     def device_bytes(self) -> int:

@@ -36,8 +36,10 @@ class SparseMemoryPool:
         self.slot_stamp = torch.zeros((num_layers, max_requests, capacity + 1), dtype=torch.int32, device=device)
         self.pos_slot = torch.full((num_layers, max_requests, max_positions + 1), -1, dtype=torch.int32, device=device)
 
-    def reset(self, req: int) -> None:
-        """Forget request req's resident rows (on release or abort)."""
+    def reset(self, req: int | torch.Tensor) -> None:
+        """Forget the resident rows of request req (an int, or a tensor of them): on release, abort, or a new prefill."""
+        if isinstance(req, torch.Tensor):
+            req = req.long()
         self.slot_pos[:, req] = -1
         self.slot_stamp[:, req] = 0
         self.pos_slot[:, req] = -1

@@ -114,6 +114,7 @@ BAD = [
     ("prefill-node", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"], "not on a prefill node"),
     ("ragged-prefill", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--dsa-prefill-backend", "flashmla_sparse"],
      "--dsa-prefill-backend flashmla_kv \(got flashmla_sparse\)"),
+    ("kpool", dict(index_kpool=4), ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess"], "pools them \\(index_kpool 4\\)"),
     ("mixed-chunk", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--enable-mixed-chunk"], "--enable-mixed-chunk yet"),
 ]
 

@@ -89,25 +89,45 @@ def test_prefill_reads_through_staging_equal_the_stock_pool(pools):
     assert ptrs == [ess.ess_host[i].data_ptr() for i in range(L)] and items == [656 * 64] * L
 
 
-def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools):
+def make_runtime(ess, tokens, **flags):
+    facts = {"topk": K, "layers": L, "buffer": C, "query_rows": 1, "plan": None}
+    rt = EssRuntime(EssArgs(enable=True, buffer_tokens=C, **flags), facts, tokens.req_to_token, host=ess.ess_host,
+                    device="cpu", backend="torch")
+    ess.ess_runtime = rt
+    return rt
+
+
+@pytest.mark.parametrize("overlap", ["none", "da"])
+def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatch, overlap):
+    """Decode through the pool and the runtime; with DA the step starts in the plugin's indexer hook."""
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_ess import hooks
+
     stock, ess, tokens = pools
     rng = random.Random(1)
     prefill(stock, ess, tokens, REQ, [0, 0], [40, 33], rng)
-    facts = {"topk": K, "layers": L, "buffer": C, "query_rows": 1, "plan": None}
-    rt = EssRuntime(EssArgs(enable=True, buffer_tokens=C), facts, tokens.req_to_token, host=ess.ess_host, device="cpu", backend="torch")
-    ess.ess_runtime = rt
+    rt = make_runtime(ess, tokens, overlap=overlap)
+    monkeypatch.setattr(hooks, "_runtime", rt)
     req, pos = torch.tensor(REQ), torch.tensor([40, 33])
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=req,
+                                  attn_backend=types.SimpleNamespace(token_to_kv_pool=ess))
     for step in range(15):  # C = 12 slots against top-8 sets over 40+ positions: misses and evictions every step
         ess.ess_phase = DECODE
         seq_lens = pos + 1
         topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
         for layer in range(L):
+            hooks.after_indexer(topk, None, None, None, positions=pos, forward_batch=batch, layer_id=layer)
+            assert len(rt._pending) == (overlap == "da")
             write(stock, ess, layer, tokens.req_to_token[req, pos], salt=step)
             slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
             got = ess.get_key_buffer(layer)[slots.long()]
             want = stock.get_key_buffer(layer)[tokens.req_to_token[req.unsqueeze(1), topk.long()].long()]
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (step, layer)
         pos = pos + 1
+    assert not rt._pending
     # the new decode rows reached the host pool too
     for layer in range(L):
         assert torch.equal(ess.ess_host[layer, : SIZE + 64], stock.kv_buffer[layer][:, 0])
@@ -198,4 +218,55 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
     batch.forward_mode = ForwardMode.TARGET_VERIFY  # verify batches are not staged
     ess.ess_stage_of_loc.fill_(-7)
     hooks.after_init_forward_metadata(None, backend, batch)
+    assert (ess.ess_stage_of_loc == -7).all()
+
+
+def test_indexer_hook_skips_prefill_and_the_draft_worker(pools, monkeypatch):
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_ess import hooks
+
+    stock, ess, tokens = pools
+    rt = make_runtime(ess, tokens, overlap="da")
+    monkeypatch.setattr(hooks, "_runtime", rt)
+    topk, pos = torch.zeros(2, K, dtype=torch.int32), torch.tensor([5, 5])
+    for mode, pool in [(ForwardMode.EXTEND, ess), (ForwardMode.DECODE, stock)]:  # prefill; the MTP draft's pool
+        batch = types.SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor(REQ),
+                                      attn_backend=types.SimpleNamespace(token_to_kv_pool=pool))
+        hooks.after_indexer(topk, None, None, None, pos, batch, 0)
+    hooks.after_indexer(topk, None, None, None, pos, batch, L)  # a layer outside the target's (the NextN layer)
+    assert not rt._pending
+
+
+def test_prefill_top_k_warms_up_through_the_hooks(pools):
+    """The prefill hooks plan LRU-Warmup at metadata time and apply it after each layer's attention, from SGLang's
+    fused top-k (token locations, mapped back to positions through the staging plan). A TBO micro-batch is not
+    staged again."""
+    import types
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_ess import hooks
+
+    stock, ess, tokens = pools
+    rt = make_runtime(ess, tokens, warmup_windows=2)
+    req = torch.tensor(REQ)
+    backend = types.SimpleNamespace(token_to_kv_pool=ess, req_to_token=tokens.req_to_token, use_fused_topk=True)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=req,
+                                  seq_lens_cpu=torch.tensor([5, 3]), extend_prefix_lens_cpu=[2, 0])
+    hooks.after_init_forward_metadata(None, backend, batch)  # query rows: request 0 at 2..4, request 1 at 0..2
+    pos = torch.tensor([[0, 1, -1], [1, 2, 3], [2, 3, 4], [0, -1, -1], [0, 1, -1], [1, 2, -1]])
+    row_req = torch.tensor([REQ[0]] * 3 + [REQ[1]] * 3).unsqueeze(1)
+    loc = torch.where(pos >= 0, tokens.req_to_token[row_req, pos.clamp(min=0)].long(), -1)
+    assert torch.equal(ess.stage_positions(loc), pos)
+    hooks.around_forward_extend(lambda *a, **kw: None, backend, None, None, None, Layer(1), batch, topk_indices=loc)
+    assert rt.cache.sparse.resident(1, REQ[0]) == {1, 2, 3, 4}  # its last 2 query rows
+    assert rt.cache.sparse.resident(1, REQ[1]) == {0, 1, 2}
+    assert rt.cache.sparse.resident(0, REQ[0]) == set()  # layer 0 did not run
+    child = types.SimpleNamespace(**vars(batch), tbo_parent_token_range=(0, 3))
+    child.req_pool_indices = req[:1]
+    ess.ess_stage_of_loc.fill_(-7)
+    hooks.after_init_forward_metadata(None, backend, child)
     assert (ess.ess_stage_of_loc == -7).all()

@@ -11,6 +11,7 @@ import torch
 from ess.cache import EssLatentCache
 from ess.config import EssConfig
 from ess.trace import load_trace
+from lru_oracle import OracleLRU
 from sglang_ess.args import EssArgs
 from sglang_ess.runtime import EssRuntime, layer_modes
 from sglang_ess.sizing import ess_pool_sizes
@@ -28,12 +29,15 @@ def rows_of(loc: torch.Tensor, layer: int) -> torch.Tensor:
     return x.to(torch.uint8)
 
 
-def setup_runtime(tmp_path=None, rows=1):
-    pool = ReqToTokenPool(4, CTX + STEPS * rows + 1, "cpu", False)
-    locs = torch.randperm(200 * 64)[: len(SLOTS) * pool.req_to_token.shape[1]].int()  # as scattered as an allocator's
-    pool.req_to_token[SLOTS] = locs.view(len(SLOTS), -1)
+def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None):
+    """A runtime over SGLang's request-to-token table (pool: share another runtime's table)."""
+    if pool is None:
+        pool = ReqToTokenPool(4, CTX + STEPS * rows + 1, "cpu", False)
+        locs = torch.randperm(200 * 64)[: len(SLOTS) * pool.req_to_token.shape[1]].int()  # as scattered as an allocator's
+        pool.req_to_token[SLOTS] = locs.view(len(SLOTS), -1)
     facts = {"topk": K, "layers": L, "buffer": C if rows == 1 else rows * (K + 1) + 2, "query_rows": rows, "plan": None}
-    ess = EssArgs(enable=True, buffer_tokens=C, record_trace=str(tmp_path) if tmp_path else None)
+    ess = EssArgs(enable=True, buffer_tokens=C, record_trace=str(tmp_path) if tmp_path else None, overlap=overlap,
+                  warmup_windows=warmup)
     host = torch.zeros(L, 200 * 64 + 1, 656, dtype=torch.uint8)
     rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend="torch")
     for layer in range(L):  # prefill: every prompt token's row lands in the host pool
@@ -83,37 +87,142 @@ def test_translation_gives_the_right_rows_and_the_core_misses():
             assert torch.equal(a.n_miss, b.n_miss) and torch.equal(a.hit, b.hit)
 
 
-def test_mtp_verify_rows_translate_as_one_step():
+@pytest.mark.parametrize("overlap", ["none", "da"])
+def test_mtp_verify_rows_translate_as_one_step(overlap):
+    """Verify: S query rows per request; with DA the step starts at the indexer's [B*S, K] output."""
     rng = random.Random(1)
     S = 3
-    rt, pool = setup_runtime(rows=S)
+    rt, pool = setup_runtime(rows=S, overlap=overlap)
     req = torch.tensor(SLOTS)
     for t in range(4):
         first = CTX + S * t
-        seq_lens = torch.tensor([[first + j + 1 for j in range(S)]] * 2).flatten()  # expanded per verify row
+        positions = torch.tensor([first + j for j in range(S)] * 2)  # the indexer's query rows, request-major
         topk = torch.tensor([random_topk(rng, [first + j for j in range(S)]) for _ in SLOTS], dtype=torch.int32)
         for layer in range(L):
+            assert rt.begin(layer, req, positions, topk.view(2 * S, K)) == (overlap == "da")
             own_loc = pool.req_to_token[req.unsqueeze(1), torch.arange(first, first + S)].flatten()
             store(rt, layer, own_loc, rows_of(own_loc, layer), True)
-            slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
+            slots = rt.swap_in_selected_pages(req, positions + 1, topk, layer)  # seq_lens expanded per verify row
             assert slots.shape == (2, S, K)
             want = rows_of(pool.req_to_token[req.view(2, 1, 1), topk.long()], layer)
             assert torch.equal(rt.latent_buffer(layer)[slots.long(), 0], want)
+    assert not rt._pending
 
 
-def test_release_forgets_the_request_and_warmup_prefetches():
-    rt, pool = setup_runtime()
+def decode_steps(rng, pool, steps, run_layer):
+    """`steps` decode steps of both requests; run_layer(layer, positions, topk, own_loc) returns the slots."""
     req = torch.tensor(SLOTS)
-    warm = torch.tensor([[[0, 1, 2, 3, 4, 5, 6, 7]] * 4] * L, dtype=torch.int32)  # [layers, W, K]
-    rt.start_request(SLOTS[0], CTX, warm)
-    assert rt.cache.sparse.resident(0, SLOTS[0]) == set(range(8))
-    topk = torch.tensor([list(range(8))] * 2, dtype=torch.int32)
-    r = rt.cache.update(0, req, topk, torch.full((2,), CTX))
-    assert r.n_miss.tolist() == [0, 8]  # the warmed request hits; the other does not
+    for t in range(steps):
+        pos = torch.full((2,), CTX + t)
+        topk = torch.tensor(random_topk(rng, pos.tolist()), dtype=torch.int32)
+        for layer in range(L):
+            got = run_layer(layer, pos, topk, pool.req_to_token[SLOTS, CTX + t])
+            yield layer, got, rows_of(pool.req_to_token[req.unsqueeze(1), topk.long()], layer)
+
+
+@pytest.mark.parametrize("mode", ["da", "dba"])
+def test_overlap_layers_start_at_the_indexer_and_equal_none(mode):
+    """DA/DBA layers: the LRU step and the H2D start in `begin` (the indexer hook); the KV write then hands over
+    the own rows and the attention call waits. Same slots and rows as mode none, step by step."""
+    ref, pool = setup_runtime(overlap="none")
+    rt, _ = setup_runtime(overlap=mode, pool=pool)
+    req = torch.tensor(SLOTS)
+
+    def both(layer, pos, topk, own_loc):
+        assert rt.begin(layer, req, pos, topk) and not ref.begin(layer, req, pos, topk)
+        for r in (ref, rt):
+            store(r, layer, own_loc, rows_of(own_loc, layer), True)
+        want = ref.swap_in_selected_pages(req, pos + 1, topk, layer)
+        got = rt.swap_in_selected_pages(req, pos + 1, topk, layer)
+        assert torch.equal(got, want)
+        return rt.latent_buffer(layer)[got.long(), 0]
+
+    for layer, got, want in decode_steps(random.Random(3), pool, STEPS, both):
+        assert torch.equal(got, want)
+    assert not rt._pending
+
+
+def test_tbo_micro_batches_keep_the_lru_of_one_batch():
+    """Two-Batch Overlap: A's and B's indexers (begin) both run before either attention call, per layer. Each
+    micro-batch's call must take its own step, and the LRU state must end as one batch's would."""
+    ref, pool = setup_runtime(overlap="none")
+    rt, _ = setup_runtime(overlap="da", pool=pool)
+    parent = torch.tensor(SLOTS)
+    halves = [slice(0, 1), slice(1, 2)]
+
+    def tbo(layer, pos, topk, own_loc):
+        store(ref, layer, own_loc, rows_of(own_loc, layer), True)
+        ref.swap_in_selected_pages(parent, pos + 1, topk, layer)
+        for h in halves:  # op_prepare of A, then of B
+            assert rt.begin(layer, parent[h], pos[h], topk[h])
+        rows = []
+        for h in halves:  # op_core of A, then of B
+            store(rt, layer, own_loc[h], rows_of(own_loc[h], layer), True)
+            slots = rt.swap_in_selected_pages(parent[h], pos[h] + 1, topk[h], layer)
+            rows.append(rt.latent_buffer(layer)[slots.long(), 0])
+        return torch.cat(rows)
+
+    for layer, got, want in decode_steps(random.Random(4), pool, STEPS, tbo):
+        assert torch.equal(got, want)
+    for layer in range(L):
+        for slot in SLOTS:
+            assert rt.cache.sparse.resident(layer, slot) == ref.cache.sparse.resident(layer, slot)
+
+
+def prefill_rows(rng, pool, ext):
+    """An extend forward of both requests by ext tokens each (ending at CTX): per query row, its top-k positions
+    among [0, p] (-1 padded) and the same as token locations (SGLang's fused top-k)."""
+    topk, loc = [], []
+    for slot, n in zip(SLOTS, ext):
+        for p in range(CTX - n, CTX):
+            pos = rng.sample(range(p + 1), min(K, p + 1)) + [-1] * max(0, K - p - 1)
+            topk.append(pos)
+            loc.append([int(pool.req_to_token[slot, q]) if q >= 0 else -1 for q in pos])
+    return torch.tensor(topk), torch.tensor(loc)
+
+
+def test_prefill_top_k_warms_decode_up():
+    """LRU-Warmup from the last W prefill query rows, against the oracle LRU: request 0 prefills CTX tokens, request
+    1 only its last 3 (a cached prefix), fewer than W. Planning forgets earlier GPU rows. Then the same with SGLang's
+    fused top-k (locations) split between two TBO micro-batches inside request 0's windows: same tables."""
+    W = 4
+    rng = random.Random(5)
+    rt, pool = setup_runtime(warmup=W)
+    req = torch.tensor(SLOTS)
+    ext = [CTX, 3]
+    topk, topk_loc = prefill_rows(rng, pool, ext)
+    rt.swap_in_selected_pages(req, torch.full((2,), CTX + 1), topk[:2], 0)  # earlier GPU rows, to be forgotten
+    rt.plan_prefill(req, ext)
+    for layer in range(L):
+        rt.warm_from_prefill(layer, topk)
+    ends = [CTX, CTX + 3]
+    for i, slot in enumerate(SLOTS):
+        oracle = OracleLRU(C)
+        for w in range(W):
+            row = ends[i] - W + w
+            oracle.step(topk[row].tolist() if row >= ends[i] - ext[i] else [], -1, w - W)
+        for layer in range(L):
+            assert rt.cache.sparse.resident(layer, slot) == set(oracle.stamp), (slot, layer)
+            pos, slots = rt.cache.sparse.resident_slots(layer, torch.tensor([slot]))
+            held = pos >= 0
+            want = rows_of(pool.req_to_token[slot, pos[held]], layer)
+            assert torch.equal(rt.cache.gpu[layer][slots[held]], want)
+
+    tbo, _ = setup_runtime(warmup=W, pool=pool)
+    tbo.swap_in_selected_pages(req, torch.full((2,), CTX + 1), topk[:2], 0)  # the same stamp as rt
+    inverse = torch.full((200 * 64,), -1, dtype=torch.int64)
+    for slot in SLOTS:
+        inverse[pool.req_to_token[slot, :CTX].long()] = torch.arange(CTX)
+    to_positions = lambda loc: torch.where(loc >= 0, inverse[loc.clamp(min=0)], -1)  # noqa: E731
+    tbo.plan_prefill(req, ext)
+    split, total = CTX - 2, CTX + 3
+    for layer in range(L):
+        tbo.warm_from_prefill(layer, topk_loc[:split], to_positions, (0, split))
+        tbo.warm_from_prefill(layer, topk_loc[split:], to_positions, (split, total))
+    for t in ("slot_pos", "slot_stamp"):
+        assert torch.equal(getattr(tbo.cache.sparse, t), getattr(rt.cache.sparse, t))
     rt.release(SLOTS[0])
-    assert rt.cache.sparse.resident(0, SLOTS[0]) == set()
-    r = rt.cache.update(0, req, topk, torch.full((2,), CTX + 1))
-    assert r.n_miss.tolist() == [8, 0]
+    assert rt.cache.sparse.resident(0, SLOTS[0]) == set() and rt.cache.sparse.resident(0, SLOTS[1])
 
 
 def test_record_trace_writes_profileable_files(tmp_path):

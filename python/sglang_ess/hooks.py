@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from sglang_ess import args as ess_args_mod
 from sglang_ess import sizing
 from sglang_ess.args import EssArgs
@@ -19,6 +21,7 @@ logger = logging.getLogger("sglang_ess")
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
+INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
 RESOLUTION_STEP = "handle_other_validations"
@@ -97,15 +100,19 @@ def _ess_pool(backend) -> EssDSATokenToKVPool | None:
 
 
 def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
-    """Before layer 0 of a prefill batch: stage its requests' rows (see sglang_ess.pool)."""
+    """Before layer 0 of a prefill forward: stage its requests' rows (see sglang_ess.pool) and plan their LRU-Warmup.
+    A TBO micro-batch is skipped: its parent forward, planned first by SGLang's TBO backend, was staged whole."""
     pool = _ess_pool(backend)
     mode = forward_batch.forward_mode
     if pool is None or not mode.is_extend() or mode.is_target_verify():
         return
-    pool.stage_extend(
-        backend.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens_cpu.tolist(),
-        list(forward_batch.extend_prefix_lens_cpu or []),
-    )
+    if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
+        return
+    seq_lens = forward_batch.seq_lens_cpu.tolist()
+    prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))
+    pool.stage_extend(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, prefix_lens)
+    if pool.ess_runtime is not None:
+        pool.ess_runtime.plan_prefill(forward_batch.req_pool_indices, [s - p for s, p in zip(seq_lens, prefix_lens)])
 
 
 def _in_phase(original, backend, phase, *a, **kw):
@@ -124,9 +131,39 @@ def around_forward_decode(original, backend, *a, **kw):
 
 
 def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, **kw):
-    """MTP target-verify reads the ESS GPU slots like decode; a prefill reads the staging buffer."""
-    phase = DECODE if forward_batch.forward_mode.is_target_verify() else EXTEND
-    return _in_phase(original, backend, phase, q, k, v, layer, forward_batch, *a, **kw)
+    """MTP target-verify reads the ESS GPU slots like decode; a prefill reads the staging buffer, and its top-k
+    (SGLang passes it as the keyword topk_indices) then warms the requests' GPU rows up for decode."""
+    verify = forward_batch.forward_mode.is_target_verify()
+    out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
+    pool = _ess_pool(backend)
+    top_k = kw.get("topk_indices")
+    if pool is not None and pool.ess_runtime is not None and not verify and top_k is not None:
+        to_positions = pool.stage_positions if backend.use_fused_topk else None  # fused: token locations
+        token_range = getattr(forward_batch, "tbo_parent_token_range", None)
+        pool.ess_runtime.warm_from_prefill(layer.layer_id, top_k, to_positions, token_range)
+    return out
+
+
+INDEXER_PARAMS = ["self", "x", "q_lora", "positions", "forward_batch", "layer_id"]
+
+
+def after_indexer(result, indexer, *a, **kw):
+    """Right after a decode/verify layer's indexer: the runtime starts the H2D of the misses (DA / DBA layers), so it
+    runs under the rest of forward_absorb_prepare instead of before the attention."""
+    rt = _runtime
+    if rt is None or not isinstance(result, torch.Tensor):
+        return None
+    args = dict(zip(INDEXER_PARAMS[1:], a)) | kw
+    forward_batch, layer_id = args["forward_batch"], args["layer_id"]
+    mode = forward_batch.forward_mode
+    if not (mode.is_decode() or mode.is_target_verify()):
+        return None
+    if _ess_pool(getattr(forward_batch, "attn_backend", None)) is None:  # the MTP draft worker's forward
+        return None
+    if not 0 <= layer_id - rt.start_layer < rt.num_layers:
+        return None
+    rt.begin(layer_id, forward_batch.req_pool_indices, args["positions"], result)
+    return None
 
 
 def before_release_kv_cache(req, *a, **kw):
@@ -148,6 +185,7 @@ def _hook_table():
         (f"{KV_CONFIGURATOR}._build_dsa_kv_pool", HookType.AROUND, around_build_dsa_kv_pool),
         (f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator", HookType.AFTER, after_init_sparse_coordinator),
         (f"{DSA_BACKEND}.init_forward_metadata", HookType.AFTER, after_init_forward_metadata),
+        (f"{INDEXER}.forward_cuda", HookType.AFTER, after_indexer),
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
         (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
@@ -163,7 +201,9 @@ EXPECTED_PARAMS = {
     f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator": ["self"],
     f"{DSA_BACKEND}.init_forward_metadata": ["self", "forward_batch"],
     f"{DSA_BACKEND}.forward_decode": ["self", "q", "k", "v", "layer", "forward_batch"],
-    f"{DSA_BACKEND}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch"],
+    f"{DSA_BACKEND}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope",
+                                      "k_rope", "topk_indices"],
+    f"{INDEXER}.forward_cuda": INDEXER_PARAMS,
     RELEASE_KV: ["req", "tree_cache"],
 }
 

@@ -51,6 +51,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self.ess_phase = EXTEND
         self.ess_runtime = None  # set by the plugin once the runtime exists
         self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
+        self._stage_pos: torch.Tensor | None = None  # their positions within their requests
         self._stage_gather = False  # the staged batch has cached rows to bring from the host
         self._staged_layers: set[int] = set()
 
@@ -73,7 +74,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         locs = token_table[row_req, pos].long()
         self.ess_stage_of_loc.fill_(-1)
         self.ess_stage_of_loc[locs] = torch.arange(n, dtype=torch.int32, device=locs.device)
-        self._stage_locs = locs
+        self._stage_locs, self._stage_pos = locs, pos
         self._stage_gather = any(p > 0 for p in prefix_lens_cpu)
         self._staged_layers = set()
 
@@ -92,6 +93,12 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         table when a sparse-offload coordinator is set."""
         rows = self.ess_stage_of_loc[locs.long().clamp(min=0)]
         return torch.where(locs >= 0, rows, torch.full_like(rows, -1))
+
+    def stage_positions(self, locs: torch.Tensor) -> torch.Tensor:
+        """Token locations of the staged batch (SGLang's fused prefill top-k) -> positions within their requests
+        (int64; -1 stays -1)."""
+        rows = self.translate_loc_to_hisparse_device(locs).long()
+        return torch.where(rows >= 0, self._stage_pos[rows.clamp(min=0)], -1)
 
     # -- SGLang's pool interface ------------------------------------------------------------------------------------
     def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, layer_id_override=None):

@@ -2,15 +2,32 @@
 slots, token-pool locations; see ess.serving) and answers the DSA backend's sparse-offload call, the same call
 SGLang's HiSparse answers: swap_in_selected_pages(req_pool_indices, seq_lens, top_k, layer_id) -> indices of the
 selected rows in the device latent buffer, which FlashMLA's sparse decode then reads.
+
+Overlap (ess-design.md section 2), per layer from the plan or --ess-overlap:
+    none      the attention call does everything: LRU step, H2D of the misses, own rows into their slots.
+    da / dba  `begin`, called by the plugin right after the layer's indexer, runs the LRU step and starts the H2D of
+              the misses on the copy stream; the rest of forward_absorb_prepare (q_b_proj under graph capture,
+              w_kc bmm, rotary) and the KV write run meanwhile; the attention call then puts the own rows in place
+              and waits for the copy. With --enable-two-batch-overlap each micro-batch's H2D also runs under the other
+              micro-batch's work between op_prepare and op_core (its indexer included): that is DBA's schedule. A
+              dba layer without TBO runs as da (SGLang's indexer is one call for the whole batch).
+LRU-Warmup: a prefill forward's last W query rows per request give its warm-up sets (`plan_prefill`,
+`warm_from_prefill`), so decode starts with the rows prefill attended to last.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ess.policy import PolicyResult
 from ess.serving import ServingLatentCache
+from ess.streams import Streams
 from sglang_ess.args import EssArgs
 from sglang_ess.recorder import TraceRecorder
+
+OVERLAP_EARLY = ("da", "dba")  # modes whose H2D starts at the indexer
+
 
 def layer_modes(ess: EssArgs, num_layers: int, plan: list[str] | None) -> list[str]:
     """The overlap mode of each layer: the plan's (auto with a plan), the flag's, or DA (auto without a plan)."""
@@ -41,15 +58,54 @@ class EssRuntime:
         self.cache = ServingLatentCache(
             self.num_layers, token_table.shape[0], facts["buffer"], token_table.shape[1], host, device, backend
         )
+        self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.get("plan"))
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model) if ess.record_trace else None
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
+        # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the
+        # attention call of the same (micro-)batch; the address tells TBO's two micro-batches apart
+        self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object]] = {}
+        self._warm_req: torch.Tensor | None = None  # the prefill forward's requests [R]
+        self._warm_rows: np.ndarray | None = None  # their last W query rows [R, W] in the forward (-1: none)
+        self._warm_plans: dict = {}  # token range (None: the whole forward) -> its device plan (_warm_plan)
 
     # -- the step's own rows (the ESS KV pool wrote them to the host pool already) --------------------------------
     def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
         """This decode/verify step's new rows [B(*S), 656], which swap_in_selected_pages puts into their GPU slots."""
         self._own_rows[layer_id - self.start_layer] = rows
+
+    def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> PolicyResult:
+        """The LRU step of one layer for a (micro-)batch: sets [B, S*K] positions, own [B] or [B, S]."""
+        if layer == 0:
+            self.cache.next_step()
+        r = self.cache.update(layer, req, sets, own)
+        if self.recorder is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
+            self.recorder.record(layer, req.cpu().numpy(), sets.cpu().numpy(), own.cpu().numpy())
+        return r
+
+    # -- DA / DBA: called by the plugin right after the layer's indexer ------------------------------------------
+    def begin(self, layer_id: int, req_pool_indices: torch.Tensor, positions: torch.Tensor, top_k: torch.Tensor) -> bool:
+        """top_k [B*S, K] positions from the indexer for the query rows at positions [B*S] (S = 1 in decode, the draft
+        tokens in MTP verify). Starts the H2D of the misses on the copy stream if this layer overlaps. Returns whether
+        it did (otherwise the attention call does the whole step)."""
+        layer = layer_id - self.start_layer
+        B = req_pool_indices.shape[0]
+        if self.modes[layer] not in OVERLAP_EARLY or B == 0 or top_k.dim() != 2:
+            return False
+        if positions.shape[0] != top_k.shape[0] or top_k.shape[0] % B:  # padded rows: leave it to the attention call
+            return False
+        S = top_k.shape[0] // B
+        own = positions.long().reshape(B, S) if S > 1 else positions.long()
+        r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own)
+        ready = self.streams.recorded()
+        self.streams.keep(r.miss_pos, r.miss_slot, req_pool_indices)
+        with self.streams.on_copy():
+            self.streams.wait(ready)
+            self.cache.fetch(layer, req_pool_indices, self.token_table, r)
+            fetched = self.streams.recorded()
+        self._pending[(layer, req_pool_indices.data_ptr(), B)] = (r, fetched)
+        return True
 
     # -- the backend's call --------------------------------------------------------------------------------------
     def swap_in_selected_pages(
@@ -58,22 +114,21 @@ class EssRuntime:
         """top_k: positions [B, K] (decode), or [B, S, K] with seq_lens [B * S] (MTP target-verify: S query rows per
         request, whose union is one LRU step with S own tokens). Returns int32 slots of the same shape, -1 kept."""
         layer = layer_id - self.start_layer
-        if layer == 0:
-            self.cache.next_step()
         B = req_pool_indices.shape[0]
-        if top_k.dim() == 3:
-            S = top_k.shape[1]
-            sets = top_k.reshape(B, -1)
-            own = seq_lens.reshape(B, S).long() - 1
+        S = top_k.shape[1] if top_k.dim() == 3 else 1
+        pending = self._pending.pop((layer, req_pool_indices.data_ptr(), B), None)
+        if pending is None:  # mode none (or no indexer call seen): the whole step here
+            own = seq_lens.reshape(B, S).long() - 1 if S > 1 else seq_lens.long() - 1
+            r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own)
+            self.cache.fetch(layer, req_pool_indices, self.token_table, r)
         else:
-            sets, own = top_k, seq_lens.long() - 1
+            r = pending[0]
         own_rows = self._own_rows[layer]
-        if own_rows is not None:
-            own_rows = own_rows.reshape(B, -1, own_rows.shape[-1]) if top_k.dim() == 3 else own_rows
-        r = self.cache.translate(layer, req_pool_indices, self.token_table, sets, own, own_rows)
         self._own_rows[layer] = None
-        if self.recorder is not None and top_k.dim() == 2:  # verify steps hold several positions: not a trace step
-            self.recorder.record(layer, req_pool_indices.cpu().numpy(), sets.cpu().numpy(), own.cpu().numpy())
+        if own_rows is not None:
+            self.cache.store_own(layer, r, own_rows.reshape(B, S, -1) if S > 1 else own_rows)
+        if pending is not None:
+            self.streams.wait(pending[1])
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
 
     def latent_buffer(self, layer_id: int) -> torch.Tensor:
@@ -83,17 +138,54 @@ class EssRuntime:
     def wait_for_pending_backup(self) -> None:
         """Part of the backend-facing contract; ESS's host writes are ordered on the compute stream."""
 
-    # -- request lifecycle (scheduler side) --------------------------------------------------------------------------
-    def start_request(self, req_slot: int, context_len: int, warm_sets: torch.Tensor | None = None) -> None:
-        """A request enters decode. warm_sets [layers, W, K]: the last W prefill top-k sets (LRU-Warmup), or None."""
-        if warm_sets is not None and self.ess.warmup_windows > 0:
-            W = min(self.ess.warmup_windows, warm_sets.shape[1])
-            req = torch.tensor([req_slot], device=self.token_table.device)
-            for layer in range(self.num_layers):
-                self.cache.warmup(layer, req, self.token_table, warm_sets[layer, -W:].unsqueeze(0).to(self.token_table.device))
-        if self.recorder is not None:
-            self.recorder.start(req_slot, context_len)
+    # -- LRU-Warmup from prefill --------------------------------------------------------------------------------
+    def plan_prefill(self, req: torch.Tensor, extend_lens: list[int]) -> None:
+        """Before layer 0 of a prefill forward whose requests req [R] extend by extend_lens tokens (host ints, in
+        batch order; their query rows are consecutive in that order). Their GPU rows are forgotten: a new request has
+        none, and a chunked one warms up again from its newest chunk. Each request's warm-up windows are its last W
+        query rows (fewer if the chunk is shorter: the missing oldest windows stay empty)."""
+        self.cache.release(req)
+        self._warm_req, self._warm_rows, self._warm_plans = None, None, {}
+        W = self.ess.warmup_windows
+        if W == 0 or req.shape[0] == 0:
+            return
+        lens = np.asarray(extend_lens, dtype=np.int64)
+        ends = np.cumsum(lens)
+        rows = ends[:, None] - W + np.arange(W)[None, :]
+        self._warm_rows = np.where(rows >= (ends - lens)[:, None], rows, -1)
+        self._warm_req = req
 
+    def _warm_plan(self, token_range) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(requests [R'], query rows [R', W] of this forward, -1 for none) for the whole planned forward
+        (token_range None) or one TBO micro-batch; made on the first layer and reused (one small H2D per forward)."""
+        if token_range in self._warm_plans:
+            return self._warm_plans[token_range]
+        rows, req = self._warm_rows, self._warm_req
+        if token_range is not None:
+            start, end = token_range
+            inside = (rows >= start) & (rows < end)
+            keep = np.flatnonzero(inside.any(axis=1))
+            rows = np.where(inside, rows - start, -1)[keep]
+            req = req[torch.from_numpy(keep).to(req.device)]
+        plan = (req, torch.from_numpy(rows).to(req.device)) if rows.shape[0] else None
+        self._warm_plans[token_range] = plan
+        return plan
+
+    def warm_from_prefill(self, layer_id: int, top_k: torch.Tensor, to_positions=None, token_range=None) -> None:
+        """After layer layer_id's prefill attention: LRU-Warmup of the planned requests from top_k [rows, K] (the
+        forward's query rows). to_positions maps SGLang's fused top-k (token locations) to positions; None when top_k
+        holds positions. token_range (start, end): this forward is a TBO micro-batch holding those query rows of the
+        planned forward; windows outside it are left to the other micro-batch (an empty window changes nothing, and
+        the earlier micro-batch holds the older windows, so the order of insertion is kept)."""
+        if self._warm_rows is None or (plan := self._warm_plan(token_range)) is None:
+            return
+        req, idx = plan
+        sets = torch.where(idx.unsqueeze(-1) >= 0, top_k[idx.clamp(min=0)].long(), -1)
+        if to_positions is not None:
+            sets = to_positions(sets)
+        self.cache.warmup(layer_id - self.start_layer, req, self.token_table, sets)
+
+    # -- request lifecycle (scheduler side) --------------------------------------------------------------------------
     def release(self, req_slot: int, rid: str = "") -> str | None:
         """A request finished or was aborted: forget its GPU rows (its tokens go back through SGLang's allocator).
         Returns the trace file written for it, if recording."""

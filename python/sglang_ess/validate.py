@@ -19,7 +19,6 @@ ESS_PREFILL_BACKENDS = ("flashmla_kv",)
 UNSUPPORTED_WITH_ESS = {
     "enable_mixed_chunk": "a mixed batch is prefill and decode in one forward, and ESS stages them differently",
     "enable_hierarchical_cache": "HiCache copies the device latent buffer, which ESS keeps in host memory already",
-    "enable_two_batch_overlap": "the two micro-batches of a prefill would share one staging plan",
 }
 
 
@@ -34,11 +33,13 @@ def query_rows_per_request(cfg: Any) -> int:
 def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
     """Model-dependent checks. cfg: the resolving view of ServerArgs; hf_config: the model's config.
     Returns the derived facts the runtime needs (top-k, layers, buffer, plan modes)."""
-    from sglang.srt.configs.model_config import is_deepseek_dsa
+    from sglang.srt.configs.model_config import get_dsa_index_kpool, is_deepseek_dsa
 
     arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
     if not is_deepseek_dsa(hf_config):
         raise EssArgsError(f"--enable-ess needs a model with DeepSeek Sparse Attention (e.g. DeepSeek-V3.2); {arch} has none")
+    if get_dsa_index_kpool(hf_config) > 1:  # pooled index keys add tail tokens to every top-k list
+        raise EssArgsError(f"--enable-ess supports one index key per token; {arch} pools them (index_kpool {get_dsa_index_kpool(hf_config)})")
     if cfg.kv_cache_dtype != LATENT_KV_DTYPE:
         raise EssArgsError(
             f"--enable-ess keeps FlashMLA's 656-byte FP8 latent rows; launch with --kv-cache-dtype {LATENT_KV_DTYPE} "
