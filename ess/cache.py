@@ -1,6 +1,8 @@
 """EssLatentCache: the ESS latent cache behind the reference model's latent-cache interface
-(see ess.reference.dense_cache): the Total Memory Pool on the host, the Sparse Memory Pool on the device, the LRU
-policy with warm-up, FlashTrans for misses (H2D) and for the step's own rows (D2H backup).
+(see ess.reference.dense_cache), for a fixed batch: the Total Memory Pool (ess.host_pool, paged, each request's
+rows reserved up front) under ess.serving.ServingLatentCache (the Sparse Memory Pool, the LRU policy with warm-up,
+FlashTrans for misses), addressed through a token table of the requests' host rows. The step's own rows go to their
+GPU slots and are backed up to the host pool (D2H) on the copy stream, which ess.overlap overlaps with attention.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import torch
 from ess import flashtrans
 from ess.config import EssConfig
 from ess.host_pool import PAGE_TOKENS, TotalMemoryPool
-from ess.policy import PolicyResult, lru_update
+from ess.policy import PolicyResult
 from ess.reference.dense_cache import DecodeRows
-from ess.sparse_pool import SparseMemoryPool
+from ess.serving import ServingLatentCache
 from ess.streams import Streams
 
 
@@ -38,11 +40,15 @@ class EssLatentCache:
             r = self.host.alloc_request()
             self.host.reserve(r, max_len)  # the whole request up front: no allocation inside decode steps
             reqs.append(r)
-        self.req = torch.tensor(reqs, dtype=torch.int64, device=device)
-        self.sparse = SparseMemoryPool(num_layers, B, self.capacity, max_len, device)
+        self.req = torch.tensor(reqs, dtype=torch.int64, device=device)  # host-pool request ids
+        # batch row b is request slot b of the serving cache; its token table holds the host rows of b's positions
+        self.slots = torch.arange(B, device=device)
+        self.token_table = self.host.rows(self.req, torch.arange(max_len, device=device).expand(B, -1))
+        self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend)
+        self.sparse = self.serving.sparse
+        self.stamp = self.serving.stamp
         self.num_layers = num_layers
         self.streams = Streams(device)
-        self.stamp = torch.zeros((), dtype=torch.int32, device=device)
         self.warm: list[torch.Tensor | None] = [None] * num_layers  # per layer [B, W, K]
         self.misses: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.set_sizes: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
@@ -65,11 +71,7 @@ class EssLatentCache:
     def warmup_layer(self, layer: int, sets: torch.Tensor) -> None:
         """sets [B, W', K], oldest first; the last min(W', warmup_windows) windows are used, stamped w - W."""
         W = min(self.cfg.warmup_windows, sets.shape[1])
-        self.sparse.warm(layer, self.req, sets[:, sets.shape[1] - W :], -W)
-        pos, slots = self.sparse.resident_slots(layer, self.req)
-        flashtrans.gather(
-            self.host.data[layer], self.host.rows(self.req, pos).flatten(), self.sparse.data[layer], slots.flatten(), self.backend
-        )
+        self.serving.warmup(layer, self.slots, self.token_table, sets[:, sets.shape[1] - W :], first_stamp=-W)
 
     # -- decode phases (ess.overlap orders them per mode; `decode` is the serial order) ----------------------
     def set_step(self, step: int) -> None:
@@ -78,36 +80,32 @@ class EssLatentCache:
 
     def update(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice = slice(None)) -> PolicyResult:
         """The LRU policy for the batch rows in `part` (device only)."""
-        sp, st, ps = self.sparse.layer_state(layer)
-        return lru_update(sp, st, ps, self.req[part], topk, pos, self.stamp)
+        return self.serving.update(layer, self.slots[part], topk, pos)
 
     def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None)) -> None:
         """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots."""
-        rows = self.host.rows(self.req[part], r.miss_pos).flatten()
-        slots = r.miss_slot.flatten()
         self.streams.keep(r.miss_pos, r.miss_slot)  # made on the compute stream, read here on either
-        flashtrans.gather(self.host.data[layer], rows, self.sparse.data[layer], slots, self.backend)
+        self.serving.fetch(layer, self.slots[part], self.token_table, r)
 
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """Write the step's own rows into their GPU slots (compute stream)."""
-        own_slot = torch.where(r.own_slot >= 0, r.own_slot, torch.full_like(r.own_slot, self.sparse.sink_slot))
-        self.sparse.data[layer].index_copy_(0, own_slot, own_rows)
+        self.serving.store_own(layer, r, own_rows)
 
     def backup_own(self, layer: int, r: PolicyResult, pos: torch.Tensor):
         """D2H of the step's own rows to the host pool, on the copy stream after store_own. Returns its event: the
         compute stream waits on it before the layer ends (so a later step cannot evict the slot mid-copy, and a
         captured graph joins its copy stream)."""
         written = self.streams.recorded()
-        host_rows = self.host.rows(self.req, pos.unsqueeze(1)).squeeze(1)
+        host_rows = self.serving.host_rows(self.token_table, self.slots, pos)
         self.streams.keep(host_rows, r.own_slot)
         with self.streams.on_copy():
             self.streams.wait(written)
-            flashtrans.scatter(self.sparse.data[layer], r.own_slot, self.host.data[layer], host_rows, self.backend)
+            flashtrans.scatter(self.serving.gpu[layer], r.own_slot, self.host.data[layer], host_rows, self.backend)
             return self.streams.recorded()
 
     def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:
         """The selected rows [B, K, 656] from the GPU pool (rows of -1 entries are garbage, masked by valid)."""
-        return self.sparse.data[layer][r.attn_slot.clamp(min=0)]
+        return self.serving.rows(layer, r)
 
     def record(self, layer: int, r: PolicyResult) -> None:
         self.misses[layer].append(r.n_miss)
@@ -128,7 +126,7 @@ class EssLatentCache:
         return DecodeRows(rows=rows, valid=topk >= 0, hit=r.hit)
 
     def device_bytes(self) -> int:
-        return self.sparse.device_bytes()
+        return self.serving.device_bytes()
 
     # -- statistics and lifecycle ---------------------------------------------------------------------------
     def miss_counts(self) -> torch.Tensor:
@@ -140,6 +138,5 @@ class EssLatentCache:
         return torch.stack([torch.stack(m) for m in self.set_sizes], dim=2).permute(1, 0, 2).cpu()
 
     def release(self, b: int) -> None:
-        r = int(self.req[b])
-        self.sparse.reset(r)
-        self.host.release(r)
+        self.serving.release(b)
+        self.host.release(int(self.req[b]))

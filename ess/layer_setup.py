@@ -27,7 +27,7 @@ class Layer:
 
     def state(self) -> list[torch.Tensor]:
         """Everything a decode step changes: LRU tables, GPU pool rows, host pool rows."""
-        return [*self.cache.sparse.layer_state(0), self.cache.sparse.data, self.cache.host.data]
+        return [*self.cache.sparse.layer_state(0), self.cache.serving.gpu, self.cache.host.data]
 
 
 def build_layer(cfg: ModelConfig, batch: int, context: int, buffer: int, device: torch.device | str, seed: int = 0) -> Layer:

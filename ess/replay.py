@@ -31,7 +31,7 @@ def replay_misses(
     req = torch.arange(R, device=device)
     out = np.zeros((R, steps, layers), dtype=np.int32)
     for layer in range(layers):
-        pool = SparseMemoryPool(1, R, buffer_tokens, max_pos, device, with_rows=False)
+        pool = SparseMemoryPool(1, R, buffer_tokens, max_pos, device)
         sp, st, ps = pool.layer_state(0)
         if warmup:
             sets = torch.as_tensor(trace.prefill_topk[:, :, layer], device=device)

@@ -46,7 +46,7 @@ class ServingLatentCache:
         self.capacity = capacity
         self.host = host
         self.host_sink = host.shape[1] - 1
-        self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, with_rows=False)
+        self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device)
         slots = whole_pages(max_requests * capacity + 1)  # + the sink slot
         self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
         self.sink_slot = self.sparse.sink_slot
@@ -61,10 +61,12 @@ class ServingLatentCache:
         return torch.where(flat >= 0, loc, torch.full_like(loc, self.host_sink)).reshape(pos.shape)
 
     # -- LRU-Warmup ---------------------------------------------------------------------------------------------
-    def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor) -> None:
-        """LRU-Warmup of request slots req [B] from their last W prefill top-k sets [B, W, K] (oldest first), stamped
-        w - W below the next decode stamp, then one gather of the resident rows."""
-        self.sparse.warm(layer, req, sets, self.stamp - sets.shape[1])
+    def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor, first_stamp=None) -> None:
+        """LRU-Warmup of request slots req [B] from their last W prefill top-k sets [B, W, K] (oldest first), window w
+        stamped first_stamp + w (default: W below the current stamp), then one gather of the resident rows."""
+        if first_stamp is None:
+            first_stamp = self.stamp - sets.shape[1]
+        self.sparse.warm(layer, req, sets, first_stamp)
         pos, slots = self.sparse.resident_slots(layer, req)
         flashtrans.gather(self.host[layer], self.host_rows(token_table, req, pos).flatten(), self.gpu[layer], slots.flatten(), self.backend)
 
@@ -83,6 +85,10 @@ class ServingLatentCache:
         rows = self.host_rows(token_table, req, r.miss_pos).flatten()
         slots = torch.where(r.miss_slot >= 0, r.miss_slot, torch.full_like(r.miss_slot, self.sink_slot)).flatten()
         flashtrans.gather(self.host[layer], rows, self.gpu[layer], slots, self.backend)
+
+    def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:
+        """The selected rows [B, K, 656] after a step (rows of -1 entries are garbage: mask them)."""
+        return self.gpu[layer][r.attn_slot.clamp(min=0)]
 
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """The step's own rows [B(, M), 656] into their GPU slots."""

@@ -1,18 +1,18 @@
-"""Sparse Memory Pool: per layer, GPU slots holding a subset of the latent rows, and the LRU tables that index them.
+"""Sparse Memory Pool: the LRU tables of the GPU slots that hold a subset of the latent rows (the slots' bytes live
+in ess.serving.ServingLatentCache; trace replay and profiling need the tables only).
 
-Request r owns slots [r * C, (r + 1) * C) of every layer. Per (request, layer):
+Request r owns slots [r * C, (r + 1) * C) of every layer; slot max_requests * C is a sink. Per (request, layer):
     slot_pos   [C + 1] int32   position held by each slot, -1 if empty
     slot_stamp [C + 1] int32   last-use stamp of each slot
     pos_slot   [P + 1] int32   slot holding each position, -1 if not resident
 The extra last column of each table is a sink that absorbs the padded entries of fixed-shape updates, so the
-policy never branches on the host. The data tensor likewise has one sink row at its end.
+policy never branches on the host.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ess import layout
 from ess.policy import lru_update
 
 
@@ -24,14 +24,10 @@ class SparseMemoryPool:
         capacity: int,
         max_positions: int,
         device: torch.device | str,
-        with_rows: bool = True,
     ):
-        """with_rows=False keeps the LRU tables only (trace replay and profiling need no row bytes)."""
         self.capacity = capacity
         self.max_positions = max_positions
         self.sink_slot = max_requests * capacity
-        rows = self.sink_slot + 1 if with_rows else 0
-        self.data = torch.zeros(num_layers, rows, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
         self.slot_pos = torch.full((num_layers, max_requests, capacity + 1), -1, dtype=torch.int32, device=device)
         self.slot_stamp = torch.zeros((num_layers, max_requests, capacity + 1), dtype=torch.int32, device=device)
         self.pos_slot = torch.full((num_layers, max_requests, max_positions + 1), -1, dtype=torch.int32, device=device)
@@ -69,6 +65,3 @@ class SparseMemoryPool:
 
     def table_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.slot_pos, self.slot_stamp, self.pos_slot))
-
-    def device_bytes(self) -> int:
-        return self.data.numel() + self.table_bytes()

@@ -13,7 +13,7 @@ def run_both(steps_sets, ctx, capacity, warm_sets=(), max_pos=None):
     R = len(ctx)
     K = len(steps_sets[0][0])
     max_pos = max_pos or max(ctx) + len(steps_sets) + 1
-    pool = SparseMemoryPool(1, R, capacity, max_pos, "cpu", with_rows=False)
+    pool = SparseMemoryPool(1, R, capacity, max_pos, "cpu")
     sp, st, ps = pool.layer_state(0)
     req = torch.arange(R)
     oracles = [OracleLRU(capacity) for _ in range(R)]
@@ -81,7 +81,7 @@ def test_ties_break_by_position():
 
 
 def test_capacity_below_topk_plus_one_is_refused():
-    pool = SparseMemoryPool(1, 1, 4, 10, "cpu", with_rows=False)
+    pool = SparseMemoryPool(1, 1, 4, 10, "cpu")
     with pytest.raises(ValueError, match="top-k \\+ 1"):
         lru_update(*pool.layer_state(0), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([5]), 0)
 
@@ -92,7 +92,7 @@ def test_several_own_tokens_per_step_match_oracle(seed):
     rng = random.Random(seed)
     R, K, M, C = 3, 12, 3, 16
     ctx = [rng.randint(20, 50) for _ in range(R)]
-    pool = SparseMemoryPool(1, R, C, max(ctx) + M * 10 + 1, "cpu", with_rows=False)
+    pool = SparseMemoryPool(1, R, C, max(ctx) + M * 10 + 1, "cpu")
     sp, st, ps = pool.layer_state(0)
     oracles = [OracleLRU(C) for _ in range(R)]
     for t in range(10):

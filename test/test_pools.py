@@ -77,6 +77,6 @@ def test_host_and_gpu_rows_stay_intact_over_many_steps():
             sp = cache.sparse.slot_pos[layer, b, : cache.capacity]
             for slot in (sp >= 0).nonzero().flatten().tolist():
                 pos = int(sp[slot])
-                assert torch.equal(cache.sparse.data[layer, b * cache.capacity + slot], dcache.rows[layer, b, pos])
+                assert torch.equal(cache.serving.gpu[layer, b * cache.capacity + slot], dcache.rows[layer, b, pos])
     cache.release(0)
     assert cache.sparse.resident(0, int(cache.req[0])) == set()
