@@ -95,13 +95,11 @@ class EssLatentCache:
         """D2H of the step's own rows to the host pool, on the copy stream after store_own. Returns its event: the
         compute stream waits on it before the layer ends (so a later step cannot evict the slot mid-copy, and a
         captured graph joins its copy stream)."""
-        written = self.streams.recorded()
         host_rows = self.serving.host_rows(self.token_table, self.slots, pos)
-        self.streams.keep(host_rows, r.own_slot)
-        with self.streams.on_copy():
-            self.streams.wait(written)
-            flashtrans.scatter(self.serving.gpu[layer], r.own_slot, self.host.data[layer], host_rows, self.backend)
-            return self.streams.recorded()
+        return self.streams.copy_after(
+            lambda: flashtrans.scatter(self.serving.gpu[layer], r.own_slot, self.host.data[layer], host_rows, self.backend),
+            host_rows, r.own_slot,
+        )
 
     def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:
         """The selected rows [B, K, 656] from the GPU pool (rows of -1 entries are garbage, masked by valid)."""
@@ -116,9 +114,7 @@ class EssLatentCache:
         step None: the stamp was set beforehand (set_step), as in a captured CUDA graph."""
         if step is not None:
             self.set_step(step)
-        r = self.update(layer, topk, pos)
-        self.fetch(layer, r)
-        self.store_own(layer, r, own_rows)
+        r = self.serving.translate(layer, self.slots, self.token_table, topk, pos, own_rows)
         backed_up = self.backup_own(layer, r, pos)
         self.record(layer, r)
         rows = self.rows(layer, r)

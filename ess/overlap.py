@@ -56,17 +56,10 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
         r = cache.update(layer, topk, pos[part], part)
         if mode == "none":
             cache.fetch(layer, r, part)  # on the compute stream: attention waits for it
-        else:
-            ready = streams.recorded()
-            with streams.on_copy():
-                streams.wait(ready)
-                cache.fetch(layer, r, part)
+        else:  # the copy stream runs in order: the last part's event covers every H2D of the step
+            fetched = streams.copy_after(lambda: cache.fetch(layer, r, part))
         topks.append(topk)
         results.append(r)
-    fetched = None
-    if mode != "none":
-        with streams.on_copy():
-            fetched = streams.recorded()  # every H2D of the step is queued before this
     r = _cat(results)
     topk = torch.cat(topks)
     cache.store_own(layer, r, own_rows)

@@ -34,6 +34,16 @@ class Streams:
         if self.cuda and ev is not None:
             torch.cuda.current_stream().wait_event(ev)
 
+    def copy_after(self, work, *tensors: torch.Tensor):
+        """Run work() on the copy stream once the current stream's work so far is done; returns an event recorded
+        after it on the copy stream. tensors: made on the current stream and read by work (kept alive for it)."""
+        ready = self.recorded()
+        self.keep(*tensors)
+        with self.on_copy():
+            self.wait(ready)
+            work()
+            return self.recorded()
+
     def keep(self, *tensors: torch.Tensor) -> None:
         """Tensors made on the compute stream and used on the copy stream stay alive until the copy stream is done."""
         if self.cuda and not torch.cuda.is_current_stream_capturing():  # a graph's pool outlives its replays anyway

@@ -37,6 +37,11 @@ def layer_modes(ess: EssArgs, num_layers: int, plan: list[str] | None) -> list[s
     return [mode] * num_layers
 
 
+def _per_request(x: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """Per query row values [B*S] as the LRU step takes own positions: [B], or [B, S] with S rows per request."""
+    return x.long().reshape(B, S) if S > 1 else x.long()
+
+
 class EssRuntime:
     def __init__(
         self,
@@ -96,14 +101,11 @@ class EssRuntime:
         if positions.shape[0] != top_k.shape[0] or top_k.shape[0] % B:  # padded rows: leave it to the attention call
             return False
         S = top_k.shape[0] // B
-        own = positions.long().reshape(B, S) if S > 1 else positions.long()
+        own = _per_request(positions, B, S)
         r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own)
-        ready = self.streams.recorded()
-        self.streams.keep(r.miss_pos, r.miss_slot, req_pool_indices)
-        with self.streams.on_copy():
-            self.streams.wait(ready)
-            self.cache.fetch(layer, req_pool_indices, self.token_table, r)
-            fetched = self.streams.recorded()
+        fetched = self.streams.copy_after(
+            lambda: self.cache.fetch(layer, req_pool_indices, self.token_table, r), r.miss_pos, r.miss_slot, req_pool_indices
+        )
         self._pending[(layer, req_pool_indices.data_ptr(), B)] = (r, fetched)
         return True
 
@@ -118,7 +120,7 @@ class EssRuntime:
         S = top_k.shape[1] if top_k.dim() == 3 else 1
         pending = self._pending.pop((layer, req_pool_indices.data_ptr(), B), None)
         if pending is None:  # mode none (or no indexer call seen): the whole step here
-            own = seq_lens.reshape(B, S).long() - 1 if S > 1 else seq_lens.long() - 1
+            own = _per_request(seq_lens, B, S) - 1
             r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own)
             self.cache.fetch(layer, req_pool_indices, self.token_table, r)
         else:
@@ -126,7 +128,7 @@ class EssRuntime:
         own_rows = self._own_rows[layer]
         self._own_rows[layer] = None
         if own_rows is not None:
-            self.cache.store_own(layer, r, own_rows.reshape(B, S, -1) if S > 1 else own_rows)
+            self.cache.store_own(layer, r, own_rows)
         if pending is not None:
             self.streams.wait(pending[1])
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
