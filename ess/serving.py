@@ -27,7 +27,6 @@ def whole_pages(rows: int) -> int:
     return max(1, -(-rows // FLASHMLA_PAGE)) * FLASHMLA_PAGE
 
 
-
 class ServingLatentCache:
     def __init__(
         self,

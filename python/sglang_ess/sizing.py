@@ -12,6 +12,7 @@ import logging
 from ess import layout
 from ess.config import GIB
 from ess.memory import cache_bytes
+from ess.serving import whole_pages
 
 logger = logging.getLogger("sglang_ess")
 
@@ -108,4 +109,4 @@ def scratch_bytes(max_requests: int, query_rows: int) -> int:
 
 def stage_bytes(context_len: int) -> int:
     """The prefill staging buffer ESS starts with: one request's rows at full context (it grows for bigger batches)."""
-    return context_len * layout.LATENT_ROW_BYTES
+    return whole_pages(context_len) * layout.LATENT_ROW_BYTES
