@@ -69,6 +69,19 @@ class ServingLatentCache:
         pos, slots = self.sparse.resident_slots(layer, req)
         flashtrans.gather(self.host[layer], self.host_rows(token_table, req, pos).flatten(), self.gpu[layer], slots.flatten(), self.backend)
 
+    def load_warm(self, req: int, token_table: torch.Tensor, pos: torch.Tensor, stamps: torch.Tensor) -> None:
+        """Request slot req's LRU state on every layer from another node's warm-up (SparseMemoryPool.load: pos and
+        stamps [layers, M]), then one gather of the resident rows of all layers from the host pool."""
+        self.sparse.load(req, pos, stamps)
+        L, slots = self.gpu.shape[:2]
+        C = self.capacity
+        held = self.sparse.slot_pos[:, req, :C].long()  # [L, C]
+        loc = token_table[req, held.clamp(min=0)].long().to(held.device)
+        layer = torch.arange(L, device=held.device).unsqueeze(1)
+        src = torch.where(held >= 0, layer * self.host.shape[1] + loc, -1).flatten()
+        dst = torch.where(held >= 0, layer * slots + req * C + torch.arange(C, device=held.device), -1).flatten()
+        flashtrans.gather(self.host.view(-1, layout.LATENT_ROW_BYTES), src, self.gpu.view(-1, layout.LATENT_ROW_BYTES), dst, self.backend)
+
     # -- the decode step ------------------------------------------------------------------------------------------
     def next_step(self) -> None:
         """Advance the LRU stamp once per forward pass (a device op, so a captured graph advances it too). One global

@@ -51,6 +51,23 @@ class SparseMemoryPool:
         for w in range(sets.shape[1]):
             lru_update(sp, st, ps, req, sets[:, w], none, first_stamp + w)
 
+    def load(self, req: int, pos: torch.Tensor, stamps: torch.Tensor) -> None:
+        """Set request req's LRU state on every layer at once: pos [layers, M] positions (-1: none; distinct per
+        layer, M <= C) go to the request's first M slots with last-use stamps [layers, M]. This is how a PD decode node
+        takes the state LRU-Warmup left on the prefill node (sglang_ess.pd_warmup): which slot holds a position is
+        immaterial to the policy, which only compares stamps and positions."""
+        L, M = pos.shape
+        if M > self.capacity:
+            raise ValueError(f"cannot load {M} rows into {self.capacity} slots")
+        self.reset(req)
+        pos = pos.to(self.slot_pos.device).long()
+        held = pos >= 0
+        self.slot_pos[:, req, :M] = torch.where(held, pos, -1).to(self.slot_pos.dtype)
+        self.slot_stamp[:, req, :M] = torch.where(held, stamps.to(pos.device).long(), 0).to(self.slot_stamp.dtype)
+        layer = torch.arange(L, device=pos.device).unsqueeze(1).expand(L, M)
+        slot = torch.arange(M, device=pos.device).expand(L, M)
+        self.pos_slot[layer, req, torch.where(held, pos, self.max_positions)] = torch.where(held, slot, -1).to(self.pos_slot.dtype)
+
     def resident_slots(self, layer: int, req: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [B, C] held by requests req's slots (-1 empty), and those slots' pool indices (-1 where empty)."""
         C = self.capacity

@@ -28,7 +28,10 @@ def test_compose_flags_are_the_plugins():
     assert "--dsa-prefill-backend flashmla_kv --dsa-decode-backend flashmla_kv" in flags["MODEL_FLAGS"]  # its backends
     cmds = {name: " ".join(s["command"]) for name, s in doc["services"].items()}
     assert "$$ESS_FLAGS" in cmds["decode"] and "--disaggregation-mode decode" in cmds["decode"]
-    assert "ESS_FLAGS" not in cmds["prefill"] and "--disaggregation-mode prefill" in cmds["prefill"]
+    assert "$$ESS_FLAGS" not in cmds["prefill"] and "--disaggregation-mode prefill" in cmds["prefill"]
+    # the prefill node only sends warm-up state: the flags a prefill node accepts (sglang_ess.validate)
+    assert "$$ESS_PREFILL_FLAGS" in cmds["prefill"]
+    assert shlex.split(flags["ESS_PREFILL_FLAGS"]) == ["--enable-ess", "--ess-warmup-windows", "32"]
     for s in doc["services"].values():
         assert s["environment"] == flags
 

@@ -22,18 +22,6 @@ ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess
              "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace"]
 
 
-@pytest.fixture(scope="module")
-def plugin():
-    """SGLang's own loader, restricted to this plugin."""
-    os.environ["SGLANG_PLUGINS"] = "ess"
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    from sglang_ess import hooks
-
-    return hooks
-
-
 @pytest.fixture
 def hopper(monkeypatch):
     """SGLang resolves DSA defaults from the GPU's compute capability; answer as an H100/H200 would."""
@@ -96,8 +84,11 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces")
     facts = validate_server_args(sa)
     assert facts["topk"] == 2048 and facts["layers"] == 61 and facts["buffer"] == 6400
-    assert facts["plan"] == ["da"] * 30 + ["dba"] * 31
+    assert facts["plan"] == ["da"] * 30 + ["dba"] * 31 and facts["role"] == "co-located"
     assert ess_args(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).enable is False
+    prefill = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "24",
+                           "--disaggregation-mode", "prefill"))
+    assert validate_server_args(prefill) == {"role": "pd-prefill", "topk": 2048, "layers": 61, "context": 163840, "windows": 24}
 
 
 BAD = [
@@ -111,7 +102,10 @@ BAD = [
     ("hisparse", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--enable-hisparse"], "--enable-hisparse both"),
     ("both", {}, ["--enable-ess", "--ess-buffer-tokens", "4096", "--ess-sparse-ratio", "0.2"], "not both"),
     ("no-enable", {}, ["--ess-buffer-tokens", "4096"], "--ess-buffer-tokens given without --enable-ess"),
-    ("prefill-node", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"], "not on a prefill node"),
+    ("prefill-node-cache-flag", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "6400",
+                                     "--disaggregation-mode", "prefill"], "--ess-buffer-tokens shape\\(s\\) the decode node's cache"),
+    ("pd-windows", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "64",
+                        "--disaggregation-mode", "decode"], "--ess-warmup-windows 64: PD nodes exchange at most 32"),
     ("ragged-prefill", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--dsa-prefill-backend", "flashmla_sparse"],
      "--dsa-prefill-backend flashmla_kv \(got flashmla_sparse\)"),
     ("kpool", dict(index_kpool=4), ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess"], "pools them \\(index_kpool 4\\)"),
@@ -167,3 +161,39 @@ def test_ess_target_workers_build_the_ess_pool(plugin, hopper, tmp_path):
     off = types.SimpleNamespace(server_args=resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3")), is_draft_worker=False)
     assert plugin.around_build_dsa_kv_pool(build, off, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
+
+
+def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_path, monkeypatch):
+    """--enable-ess on a PD prefill node: SGLang's own pool class, no runtime, a warm-up sender for the target model
+    (not for its MTP draft worker), and the PD metadata row sized by the model."""
+    import types
+
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    from sglang_ess import pd_warmup
+
+    for name in ("_runtime", "_sender", "_sender_pool", "_wire"):
+        monkeypatch.setattr(plugin, name, None)
+    build = lambda kvc, **kw: kw["dsa_pool_class"]  # noqa: E731
+    sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"))
+    kvc = types.SimpleNamespace(server_args=sa, is_draft_worker=False)
+    assert plugin.around_build_dsa_kv_pool(build, kvc, max_total_num_tokens=1, max_running_requests=9,
+                                           dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
+    pool = types.SimpleNamespace(size=4096, page_size=64, start_layer=0)
+    runner = types.SimpleNamespace(server_args=sa, is_draft_worker=True, token_to_kv_pool=pool,
+                                   req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32)))
+    plugin.after_init_sparse_coordinator(None, runner)
+    assert plugin._sender is None  # the draft worker
+    runner.is_draft_worker = False
+    plugin.after_init_sparse_coordinator(None, runner)
+    assert isinstance(plugin._sender, pd_warmup.WarmupSender) and plugin._sender_pool is pool and plugin._runtime is None
+    assert plugin._wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
+    other = types.SimpleNamespace(token_to_kv_pool=object(), use_fused_topk=False)  # the draft worker's backend
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([1]),
+                                  seq_lens_cpu=torch.tensor([5]), extend_prefix_lens_cpu=[0])
+    plugin.after_init_forward_metadata(None, other, batch)
+    assert not plugin._sender._forwards
+    plugin.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
+    assert len(plugin._sender._forwards) == 1

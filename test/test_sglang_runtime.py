@@ -181,16 +181,21 @@ def prefill_rows(rng, pool, ext):
     return torch.tensor(topk), torch.tensor(loc)
 
 
+def prefill_setup(seed, W):
+    """A runtime with W warm-up windows, and the prefill forward of both requests (request 0 all CTX tokens, request
+    1 its last 3): (runtime, token pool, request slots, extend lengths, top-k positions, top-k locations)."""
+    rt, pool = setup_runtime(warmup=W)
+    ext = [CTX, 3]
+    topk, topk_loc = prefill_rows(random.Random(seed), pool, ext)
+    return rt, pool, torch.tensor(SLOTS), ext, topk, topk_loc
+
+
 def test_prefill_top_k_warms_decode_up():
     """LRU-Warmup from the last W prefill query rows, against the oracle LRU: request 0 prefills CTX tokens, request
     1 only its last 3 (a cached prefix), fewer than W. Planning forgets earlier GPU rows. Then the same with SGLang's
     fused top-k (locations) split between two TBO micro-batches inside request 0's windows: same tables."""
     W = 4
-    rng = random.Random(5)
-    rt, pool = setup_runtime(warmup=W)
-    req = torch.tensor(SLOTS)
-    ext = [CTX, 3]
-    topk, topk_loc = prefill_rows(rng, pool, ext)
+    rt, pool, req, ext, topk, topk_loc = prefill_setup(5, W)
     rt.swap_in_selected_pages(req, torch.full((2,), CTX + 1), topk[:2], 0)  # earlier GPU rows, to be forgotten
     rt.plan_prefill(req, ext)
     for layer in range(L):

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from sglang_ess import args as ess_args_mod
-from sglang_ess import sizing
+from sglang_ess import pd_warmup, sizing
 from sglang_ess.args import EssArgs
 from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
@@ -24,10 +24,15 @@ DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend
 INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
+METADATA_BUFFERS = "sglang.srt.disaggregation.utils.MetadataBuffers"
+DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
 RESOLUTION_STEP = "handle_other_validations"
 
 _installed = False
 _runtime: EssRuntime | None = None  # this process's (one model runner per scheduler process)
+_sender: pd_warmup.WarmupSender | None = None  # a PD prefill node's, instead of a runtime
+_sender_pool = None  # the target model's KV pool on that node (its MTP draft worker has another)
+_wire: tuple[int, int] | None = None  # (layers, top-k) of the PD warm-up rows, once this process has ESS
 
 
 # -- flags -----------------------------------------------------------------------------------------------------
@@ -45,7 +50,8 @@ def _ess_target(kvc) -> tuple[EssArgs, dict] | None:
     ess = ess_args_mod.ess_args(kvc.server_args)
     if not ess.enable or getattr(kvc, "is_draft_worker", False):
         return None
-    return ess, runtime_facts(kvc.server_args)
+    facts = runtime_facts(kvc.server_args)
+    return None if facts["role"] == "pd-prefill" else (ess, facts)  # a prefill node keeps SGLang's pool
 
 
 def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, **kw):
@@ -70,15 +76,24 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     """Build this rank's EssRuntime once the memory pools exist, where SGLang builds HiSparse's coordinator, and
     install it as the runner's sparse-offload coordinator: the DSA backend (built later) then asks it for the selected
     rows in decode and verify, takes un-fused top-k positions, and keeps the token-granular page table."""
-    global _runtime
+    global _runtime, _sender, _sender_pool, _wire
     server_args = model_runner.server_args
     ess = ess_args_mod.ess_args(server_args)
     if not ess.enable or getattr(model_runner, "is_draft_worker", False):
         return
+    facts = runtime_facts(server_args)
     pool = model_runner.token_to_kv_pool
+    if facts["role"] == "pd-prefill":
+        if facts["windows"]:
+            _sender = pd_warmup.WarmupSender(
+                facts["layers"], facts["topk"], facts["windows"], model_runner.req_to_token_pool.req_to_token,
+                pool.size + pool.page_size + 1, start_layer=pool.start_layer,
+            )
+            _sender_pool, _wire = pool, (facts["layers"], facts["topk"])
+            logger.info("ESS on a PD prefill node: sends %d warm-up windows per request", facts["windows"])
+        return
     if not isinstance(pool, EssDSATokenToKVPool):
         raise RuntimeError(f"--enable-ess: the KV pool is {type(pool).__name__}, not ESS's (a pool hook did not apply)")
-    facts = runtime_facts(server_args)
     _runtime = EssRuntime(
         ess,
         facts,
@@ -91,6 +106,8 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     pool.ess_runtime = _runtime
     model_runner.hisparse_coordinator = _runtime
     model_runner.ess_runtime = _runtime
+    if facts["role"] == "pd-decode" and ess.warmup_windows:
+        _wire = (facts["layers"], facts["topk"])
     logger.info("ESS runtime: %s", _runtime.stats())
 
 
@@ -104,12 +121,16 @@ def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     A TBO micro-batch is skipped: its parent forward, planned first by SGLang's TBO backend, was staged whole."""
     pool = _ess_pool(backend)
     mode = forward_batch.forward_mode
-    if pool is None or not mode.is_extend() or mode.is_target_verify():
+    sending = _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool
+    if (pool is None and not sending) or not mode.is_extend() or mode.is_target_verify():
         return
     if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
         return
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))
+    if sending:
+        _sender.plan(forward_batch.req_pool_indices, seq_lens, prefix_lens, backend.use_fused_topk)
+        return
     pool.stage_extend(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, prefix_lens)
     if pool.ess_runtime is not None:
         pool.ess_runtime.plan_prefill(forward_batch.req_pool_indices, [s - p for s, p in zip(seq_lens, prefix_lens)])
@@ -137,6 +158,8 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, 
     out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
     pool = _ess_pool(backend)
     top_k = kw.get("topk_indices")
+    if _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool and not verify and top_k is not None:
+        _sender.record(layer.layer_id, top_k, getattr(forward_batch, "tbo_parent_token_range", None))
     if pool is not None and pool.ess_runtime is not None and not verify and top_k is not None:
         to_positions = pool.stage_positions if backend.use_fused_topk else None  # fused: token locations
         token_range = getattr(forward_batch, "tbo_parent_token_range", None)
@@ -175,6 +198,42 @@ def before_release_kv_cache(req, *a, **kw):
             logger.info("ESS trace written: %s", path)
 
 
+# -- PD: the warm-up state travels in an extra metadata buffer (sglang_ess.pd_warmup) -----------------------------
+def after_metadata_buffers_init(result, buffers, size, *a, **kw):
+    """Both PD nodes append the same buffer (its size depends on the model only), so Mooncake / NIXL send it with the
+    rest of a request's metadata."""
+    if _wire is not None:
+        ints = pd_warmup.row_ints(*_wire)
+        buffers.ess_warmup = torch.zeros((size, ints), dtype=torch.int32, device=buffers.output_ids.device)
+        logger.info("ESS PD warm-up metadata: %d slots x %.2f MB", size, ints * 4 / 2**20)
+
+
+def after_get_buf_infos(result, buffers, *a, **kw):
+    buf = getattr(buffers, "ess_warmup", None)
+    if buf is None:
+        return None
+    ptrs, lens, item_lens = result
+    return [*ptrs, buf.data_ptr()], [*lens, buf.nbytes], [*item_lens, buf[0].nbytes]
+
+
+def after_set_buf(result, buffers, req, *a, **kw):
+    """Prefill node, a request's last chunk: its warm-up state into its metadata row."""
+    buf = getattr(buffers, "ess_warmup", None)
+    if buf is not None and _sender is not None:
+        _sender.write(buf[req.metadata_buffer_index], int(req.req_pool_idx), req.bootstrap_room)
+
+
+def after_commit_transfer(result, queue, decode_req, *a, **kw):
+    """Decode node, a request's KV and metadata arrived: load the warm-up state the prefill node sent."""
+    buf = getattr(queue.metadata_buffers, "ess_warmup", None)
+    req = decode_req.req
+    if buf is None or _runtime is None or req.finished_reason is not None or req.req_pool_idx is None:
+        return
+    entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *_wire)
+    if entries is not None:
+        _runtime.admit_transferred(int(req.req_pool_idx), entries)
+
+
 def _hook_table():
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -189,6 +248,10 @@ def _hook_table():
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
         (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
+        (f"{METADATA_BUFFERS}.__init__", HookType.AFTER, after_metadata_buffers_init),
+        (f"{METADATA_BUFFERS}.get_buf_infos", HookType.AFTER, after_get_buf_infos),
+        (f"{METADATA_BUFFERS}.set_buf", HookType.AFTER, after_set_buf),
+        (f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req", HookType.AFTER, after_commit_transfer),
     ]
 
 
@@ -205,6 +268,10 @@ EXPECTED_PARAMS = {
                                       "k_rope", "topk_indices"],
     f"{INDEXER}.forward_cuda": INDEXER_PARAMS,
     RELEASE_KV: ["req", "tree_cache"],
+    f"{METADATA_BUFFERS}.__init__": ["self", "size"],
+    f"{METADATA_BUFFERS}.get_buf_infos": ["self"],
+    f"{METADATA_BUFFERS}.set_buf": ["self", "req"],
+    f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req": ["self", "decode_req"],
 }
 
 

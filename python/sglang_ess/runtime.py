@@ -12,19 +12,21 @@ Overlap (ess-design.md section 2), per layer from the plan or --ess-overlap:
               micro-batch's work between op_prepare and op_core (its indexer included): that is DBA's schedule. A
               dba layer without TBO runs as da (SGLang's indexer is one call for the whole batch).
 LRU-Warmup: a prefill forward's last W query rows per request give its warm-up sets (`plan_prefill`,
-`warm_from_prefill`), so decode starts with the rows prefill attended to last.
+`warm_from_prefill`), so decode starts with the rows prefill attended to last. On a PD decode node the prefill node
+sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ess.policy import PolicyResult
 from ess.serving import ServingLatentCache
 from ess.streams import Streams
+from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs
 from sglang_ess.recorder import TraceRecorder
+from sglang_ess.warmup_plan import WarmupPlan
 
 OVERLAP_EARLY = ("da", "dba")  # modes whose H2D starts at the indexer
 
@@ -71,9 +73,7 @@ class EssRuntime:
         # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the
         # attention call of the same (micro-)batch; the address tells TBO's two micro-batches apart
         self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object]] = {}
-        self._warm_req: torch.Tensor | None = None  # the prefill forward's requests [R]
-        self._warm_rows: np.ndarray | None = None  # their last W query rows [R, W] in the forward (-1: none)
-        self._warm_plans: dict = {}  # token range (None: the whole forward) -> its device plan (_warm_plan)
+        self._warm: WarmupPlan | None = None  # the prefill forward's warm-up windows
 
     # -- the step's own rows (the ESS KV pool wrote them to the host pool already) --------------------------------
     def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
@@ -143,35 +143,11 @@ class EssRuntime:
     # -- LRU-Warmup from prefill --------------------------------------------------------------------------------
     def plan_prefill(self, req: torch.Tensor, extend_lens: list[int]) -> None:
         """Before layer 0 of a prefill forward whose requests req [R] extend by extend_lens tokens (host ints, in
-        batch order; their query rows are consecutive in that order). Their GPU rows are forgotten: a new request has
-        none, and a chunked one warms up again from its newest chunk. Each request's warm-up windows are its last W
-        query rows (fewer if the chunk is shorter: the missing oldest windows stay empty)."""
+        batch order). Their GPU rows are forgotten: a new request has none, and a chunked one warms up again from its
+        newest chunk (see WarmupPlan for the windows)."""
         self.cache.release(req)
-        self._warm_req, self._warm_rows, self._warm_plans = None, None, {}
         W = self.ess.warmup_windows
-        if W == 0 or req.shape[0] == 0:
-            return
-        lens = np.asarray(extend_lens, dtype=np.int64)
-        ends = np.cumsum(lens)
-        rows = ends[:, None] - W + np.arange(W)[None, :]
-        self._warm_rows = np.where(rows >= (ends - lens)[:, None], rows, -1)
-        self._warm_req = req
-
-    def _warm_plan(self, token_range) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(requests [R'], query rows [R', W] of this forward, -1 for none) for the whole planned forward
-        (token_range None) or one TBO micro-batch; made on the first layer and reused (one small H2D per forward)."""
-        if token_range in self._warm_plans:
-            return self._warm_plans[token_range]
-        rows, req = self._warm_rows, self._warm_req
-        if token_range is not None:
-            start, end = token_range
-            inside = (rows >= start) & (rows < end)
-            keep = np.flatnonzero(inside.any(axis=1))
-            rows = np.where(inside, rows - start, -1)[keep]
-            req = req[torch.from_numpy(keep).to(req.device)]
-        plan = (req, torch.from_numpy(rows).to(req.device)) if rows.shape[0] else None
-        self._warm_plans[token_range] = plan
-        return plan
+        self._warm = WarmupPlan(req, extend_lens, W) if W and req.shape[0] else None
 
     def warm_from_prefill(self, layer_id: int, top_k: torch.Tensor, to_positions=None, token_range=None) -> None:
         """After layer layer_id's prefill attention: LRU-Warmup of the planned requests from top_k [rows, K] (the
@@ -179,13 +155,17 @@ class EssRuntime:
         holds positions. token_range (start, end): this forward is a TBO micro-batch holding those query rows of the
         planned forward; windows outside it are left to the other micro-batch (an empty window changes nothing, and
         the earlier micro-batch holds the older windows, so the order of insertion is kept)."""
-        if self._warm_rows is None or (plan := self._warm_plan(token_range)) is None:
-            return
-        req, idx = plan
-        sets = torch.where(idx.unsqueeze(-1) >= 0, top_k[idx.clamp(min=0)].long(), -1)
-        if to_positions is not None:
-            sets = to_positions(sets)
-        self.cache.warmup(layer_id - self.start_layer, req, self.token_table, sets)
+        got = None if self._warm is None else self._warm.sets(top_k, token_range, to_positions)
+        if got is not None:
+            self.cache.warmup(layer_id - self.start_layer, got[0], self.token_table, got[1])
+
+    def admit_transferred(self, req_slot: int, entries: torch.Tensor) -> None:
+        """PD decode: a request whose KV arrived from a prefill node, with the warm-up state that node sent
+        (entries [layers, N], sglang_ess.pd_warmup's wire format): its GPU slots start as a co-located warm-up
+        would leave them, the most recently used rows first when the union exceeds the slots."""
+        pos, window = pd_warmup.unpack(entries.to(self.cache.gpu.device), self.cache.capacity)
+        stamps = self.cache.stamp - pd_warmup.WINDOWS + window
+        self.cache.load_warm(req_slot, self.token_table, pos, stamps)
 
     # -- request lifecycle (scheduler side) --------------------------------------------------------------------------
     def release(self, req_slot: int, rid: str = "") -> str | None:

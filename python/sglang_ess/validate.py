@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ess.plan import PlanError, load_plan
+from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs, EssArgsError, ess_args
 
 # The decode backend whose indices address the latent cache as flat 656-byte FP8 rows, which is what ESS translates
@@ -45,10 +46,10 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
             f"--enable-ess keeps FlashMLA's 656-byte FP8 latent rows; launch with --kv-cache-dtype {LATENT_KV_DTYPE} "
             f"(got --kv-cache-dtype {cfg.kv_cache_dtype})"
         )
+    if cfg.disaggregation_mode == "prefill":
+        return validate_prefill_node(ess, cfg, hf_config)
     if cfg.dsa_decode_backend not in ESS_DECODE_BACKENDS:
         raise EssArgsError(f"--enable-ess supports --dsa-decode-backend {' or '.join(ESS_DECODE_BACKENDS)}, got {cfg.dsa_decode_backend}")
-    if cfg.disaggregation_mode == "prefill":
-        raise EssArgsError("--enable-ess belongs on decode nodes (--disaggregation-mode decode) or co-located servers, not on a prefill node")
     if cfg.dsa_prefill_backend not in ESS_PREFILL_BACKENDS:
         raise EssArgsError(
             f"--enable-ess stages prefill rows behind the paged prefill route; launch with --dsa-prefill-backend "
@@ -70,6 +71,8 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
     if buffer > context:
         buffer = context  # more slots than tokens buys nothing
 
+    if cfg.disaggregation_mode == "decode":  # the prefill node sends the warm-up state
+        _check_pd_warmup(ess, context)
     layers = int(hf_config.num_hidden_layers)
     modes = None
     if ess.layer_plan is not None:
@@ -77,7 +80,33 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
             modes = load_plan(ess.layer_plan, layers, mtp_layer=rows > 1)
         except PlanError as e:
             raise EssArgsError(f"--ess-layer-plan: {e}") from e
-    return {"topk": topk, "layers": layers, "context": context, "buffer": buffer, "query_rows": rows, "plan": modes}
+    role = "pd-decode" if cfg.disaggregation_mode == "decode" else "co-located"
+    return {"role": role, "topk": topk, "layers": layers, "context": context, "buffer": buffer, "query_rows": rows,
+            "plan": modes}
+
+
+# Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd_warmup).
+DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "layer_plan", "record_trace")
+
+
+def _check_pd_warmup(ess: EssArgs, context: int) -> None:
+    if ess.warmup_windows > pd_warmup.WINDOWS:
+        raise EssArgsError(f"--ess-warmup-windows {ess.warmup_windows}: PD nodes exchange at most {pd_warmup.WINDOWS} windows")
+    if context > pd_warmup.MAX_POSITION:
+        raise EssArgsError(f"--enable-ess with PD: context {context} exceeds the warm-up wire's {pd_warmup.MAX_POSITION} positions")
+
+
+def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
+    """--enable-ess on a PD prefill node: the node keeps SGLang's own KV cache and sends each request's warm-up state
+    to the decode node with its metadata; only --ess-warmup-windows applies."""
+    given = [EssArgs.FLAGS[f] for f in DECODE_ONLY if getattr(ess, f) != EssArgs.__dataclass_fields__[f].default]
+    if given:
+        raise EssArgsError(f"{', '.join(given)} shape(s) the decode node's cache; on a prefill node (--disaggregation-mode "
+                           "prefill) --enable-ess only sends warm-up state (--ess-warmup-windows)")
+    context = int(cfg.context_length or hf_config.max_position_embeddings)
+    _check_pd_warmup(ess, context)
+    return {"role": "pd-prefill", "topk": int(hf_config.index_topk), "layers": int(hf_config.num_hidden_layers),
+            "context": context, "windows": ess.warmup_windows}
 
 
 def validate_server_args(server_args: Any) -> dict | None:
