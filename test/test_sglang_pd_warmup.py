@@ -116,7 +116,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
             hooks.around_forward_extend(lambda *a, **kw: None, backend, None, None, None,
                                         types.SimpleNamespace(layer_id=layer), child, topk_indices=topk_loc[rows])
     prefill_meta = metadata_buffers(4)  # SGLang's class, through the plugin's hook on its constructor
-    reqs = [types.SimpleNamespace(metadata_buffer_index=i + 1, req_pool_idx=s, bootstrap_room=1000 + i)
+    reqs = [types.SimpleNamespace(metadata_buffer_index=i + 1, req_pool_idx=s, bootstrap_room=2**63 + 1000 if i else 1000)  # unsigned 64-bit ids
             for i, s in enumerate(SLOTS)]
     for r in reqs:
         hooks.after_set_buf(None, prefill_meta, r)

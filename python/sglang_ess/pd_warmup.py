@@ -86,7 +86,9 @@ def unpack(entries: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Te
 
 # -- the metadata row ---------------------------------------------------------------------------------------------
 def _room_ints(room) -> list[int]:
-    return torch.tensor([int(room or 0)], dtype=torch.int64).view(torch.int32).tolist()
+    """A bootstrap room (an unsigned 64-bit id) as two int32."""
+    r = int(room or 0) & (2**64 - 1)
+    return torch.tensor([r - 2**64 if r >= 2**63 else r], dtype=torch.int64).view(torch.int32).tolist()
 
 
 def write_row(row: torch.Tensor, layers: int, n: int, entries: torch.Tensor | None, windows: int, room) -> None:
