@@ -118,7 +118,8 @@ def _ess_pool(backend) -> EssDSATokenToKVPool | None:
 
 def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     """Before layer 0 of a prefill forward: stage its requests' rows (see sglang_ess.pool) and plan their LRU-Warmup.
-    A TBO micro-batch is skipped: its parent forward, planned first by SGLang's TBO backend, was staged whole."""
+    A TBO micro-batch is skipped: its parent forward, planned first by SGLang's TBO backend, was staged whole. On a PD
+    prefill node (SGLang's pool) only the warm-up windows are planned, for the sender."""
     pool = _ess_pool(backend)
     mode = forward_batch.forward_mode
     sending = _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool
@@ -153,7 +154,8 @@ def around_forward_decode(original, backend, *a, **kw):
 
 def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, **kw):
     """MTP target-verify reads the ESS GPU slots like decode; a prefill reads the staging buffer, and its top-k
-    (SGLang passes it as the keyword topk_indices) then warms the requests' GPU rows up for decode."""
+    (SGLang passes it as the keyword topk_indices) then warms the requests' GPU rows up for decode, or, on a PD
+    prefill node, is recorded for the decode node."""
     verify = forward_batch.forward_mode.is_target_verify()
     out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
     pool = _ess_pool(backend)
