@@ -27,6 +27,16 @@ def whole_pages(rows: int) -> int:
     return max(1, -(-rows // FLASHMLA_PAGE)) * FLASHMLA_PAGE
 
 
+def batch_tokens(token_table: torch.Tensor, req: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of a batch's requests req [R] (positions [0, seq_len) of each, host lengths, in batch order): their
+    locations and positions [sum(seq_lens)] int64. Fixed by the host lengths, so nothing syncs."""
+    n = int(sum(seq_lens))
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=req.device)
+    owner = torch.repeat_interleave(req.long(), lens, output_size=n)
+    pos = torch.arange(n, device=req.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=n)
+    return token_table[owner, pos].long(), pos
+
+
 class ServingLatentCache:
     def __init__(
         self,
@@ -76,9 +86,10 @@ class ServingLatentCache:
         L, slots = self.gpu.shape[:2]
         C = self.capacity
         held = self.sparse.slot_pos[:, req, :C].long()  # [L, C]
-        loc = token_table[req, held.clamp(min=0)].long().to(held.device)
+        r = torch.tensor([req], device=held.device)
+        rows = self.host_rows(token_table, r, held.reshape(1, -1)).reshape(L, C)  # the sink row where empty
         layer = torch.arange(L, device=held.device).unsqueeze(1)
-        src = torch.where(held >= 0, layer * self.host.shape[1] + loc, -1).flatten()
+        src = (layer * self.host.shape[1] + rows).flatten()
         dst = torch.where(held >= 0, layer * slots + req * C + torch.arange(C, device=held.device), -1).flatten()
         flashtrans.gather(self.host.view(-1, layout.LATENT_ROW_BYTES), src, self.gpu.view(-1, layout.LATENT_ROW_BYTES), dst, self.backend)
 

@@ -116,25 +116,31 @@ def _ess_pool(backend) -> EssDSATokenToKVPool | None:
     return pool if isinstance(pool, EssDSATokenToKVPool) else None
 
 
+def _sending(backend) -> bool:
+    """This backend serves the target model of a PD prefill node that sends warm-up state."""
+    return _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool
+
+
 def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     """Before layer 0 of a prefill forward: stage its requests' rows (see sglang_ess.pool) and plan their LRU-Warmup.
     A TBO micro-batch is skipped: its parent forward, planned first by SGLang's TBO backend, was staged whole. On a PD
     prefill node (SGLang's pool) only the warm-up windows are planned, for the sender."""
     pool = _ess_pool(backend)
     mode = forward_batch.forward_mode
-    sending = _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool
+    sending = _sending(backend)
     if (pool is None and not sending) or not mode.is_extend() or mode.is_target_verify():
         return
     if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
         return
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))
+    extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
     if sending:
-        _sender.plan(forward_batch.req_pool_indices, seq_lens, prefix_lens, backend.use_fused_topk)
+        _sender.plan(forward_batch.req_pool_indices, seq_lens, extend_lens, backend.use_fused_topk)
         return
     pool.stage_extend(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, prefix_lens)
     if pool.ess_runtime is not None:
-        pool.ess_runtime.plan_prefill(forward_batch.req_pool_indices, [s - p for s, p in zip(seq_lens, prefix_lens)])
+        pool.ess_runtime.plan_prefill(forward_batch.req_pool_indices, extend_lens)
 
 
 def _in_phase(original, backend, phase, *a, **kw):
@@ -160,7 +166,7 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, 
     out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
     pool = _ess_pool(backend)
     top_k = kw.get("topk_indices")
-    if _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool and not verify and top_k is not None:
+    if _sending(backend) and not verify and top_k is not None:
         _sender.record(layer.layer_id, top_k, getattr(forward_batch, "tbo_parent_token_range", None))
     if pool is not None and pool.ess_runtime is not None and not verify and top_k is not None:
         to_positions = pool.stage_positions if backend.use_fused_topk else None  # fused: token locations

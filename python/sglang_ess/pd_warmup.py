@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from ess.serving import batch_tokens
 from sglang_ess.warmup_plan import WarmupPlan
 
 logger = logging.getLogger("sglang_ess")
@@ -124,28 +125,25 @@ class WarmupSender:
 
     def __init__(self, layers: int, topk: int, windows: int, token_table: torch.Tensor, locations: int,
                  start_layer: int = 0):
-        self.layers, self.topk, self.windows = layers, topk, min(windows, WINDOWS)
+        self.layers, self.windows = layers, windows  # windows: 1 .. WINDOWS (checked at launch; encode checks too)
         self.n = entries_per_layer(topk)
         self.start_layer = start_layer
         self.token_table = token_table
         self._pos_of_loc = torch.full((locations,), -1, dtype=torch.int64, device=token_table.device)
         self._forwards: collections.deque = collections.deque(maxlen=self.KEEP_FORWARDS)
 
-    def plan(self, req: torch.Tensor, seq_lens: list[int], prefix_lens: list[int], fused: bool) -> None:
+    def plan(self, req: torch.Tensor, seq_lens: list[int], extend_lens: list[int], fused: bool) -> None:
         """Before layer 0 of a prefill forward (host lengths). fused: SGLang's top-k holds token locations, mapped
         back to positions through this forward's requests' token table rows."""
-        if req.shape[0] == 0 or self.windows == 0:
+        if req.shape[0] == 0:
             return
-        plan = WarmupPlan(req, [s - p for s, p in zip(seq_lens, prefix_lens)], self.windows)
         if fused:
-            lens = torch.tensor(seq_lens, device=req.device)
-            total = int(sum(seq_lens))
-            owner = torch.repeat_interleave(req.long(), lens, output_size=total)
-            pos = torch.arange(total, device=req.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=total)
+            locs, pos = batch_tokens(self.token_table, req, seq_lens)
             self._pos_of_loc.fill_(-1)
-            self._pos_of_loc[self.token_table[owner, pos].long()] = pos
+            self._pos_of_loc[locs] = pos
         staging = torch.full((self.layers, req.shape[0], self.n), -1, dtype=torch.int32, device=req.device)
-        self._forwards.append({"plan": plan, "entries": staging, "fused": fused, "done": None})
+        done = torch.cuda.Event() if req.is_cuda else None  # recorded after each layer's record
+        self._forwards.append({"plan": WarmupPlan(req, extend_lens, self.windows), "entries": staging, "fused": fused, "done": done})
 
     def _to_positions(self, loc: torch.Tensor) -> torch.Tensor:
         return torch.where(loc >= 0, self._pos_of_loc[loc.clamp(min=0)], -1)
@@ -162,8 +160,7 @@ class WarmupSender:
         _, sets, keep = got
         staged = fwd["entries"][layer, keep].long()
         fwd["entries"][layer, keep] = compact(torch.cat([staged, encode(sets)], dim=1), self.n)
-        if top_k.is_cuda:
-            fwd["done"] = torch.cuda.Event()
+        if fwd["done"] is not None:
             fwd["done"].record()
 
     def write(self, row: torch.Tensor, req_slot: int, room) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ess import flashtrans, layout
-from ess.serving import whole_pages
+from ess.serving import batch_tokens, whole_pages
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
 EXTEND, DECODE = "extend", "decode"
@@ -67,11 +67,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         n = int(sum(seq_lens_cpu))
         if n > self.ess_stage.shape[0]:  # grow: the batch holds more tokens than any before
             self.ess_stage = torch.zeros(whole_pages(n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
-        lens = torch.tensor(seq_lens_cpu, dtype=torch.int64, device=req.device)
-        row_req = torch.repeat_interleave(req.long(), lens, output_size=n)
-        starts = torch.cumsum(lens, 0) - lens
-        pos = torch.arange(n, device=req.device) - torch.repeat_interleave(starts, lens, output_size=n)
-        locs = token_table[row_req, pos].long()
+        locs, pos = batch_tokens(token_table, req, seq_lens_cpu)
         self.ess_stage_of_loc.fill_(-1)
         self.ess_stage_of_loc[locs] = torch.arange(n, dtype=torch.int32, device=locs.device)
         self._stage_locs, self._stage_pos = locs, pos
