@@ -82,10 +82,10 @@ class EssLatentCache:
         """The LRU policy for the batch rows in `part` (device only)."""
         return self.serving.update(layer, self.slots[part], topk, pos)
 
-    def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None)) -> None:
-        """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots."""
-        self.streams.keep(r.miss_pos, r.miss_slot)  # made on the compute stream, read here on either
-        self.serving.fetch(layer, self.slots[part], self.token_table, r)
+    def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None), overlapped: bool = False) -> None:
+        """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots (current stream; overlapped: the
+        copy stream, beside compute)."""
+        self.serving.fetch(layer, self.slots[part], self.token_table, r, overlapped)
 
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """Write the step's own rows into their GPU slots (compute stream)."""

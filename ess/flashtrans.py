@@ -24,23 +24,36 @@ from ess import layout
 
 WORDS = layout.LATENT_ROW_BYTES // 4  # 164 int32 words per row
 BLOCK = 256  # next power of two
+# The Triton kernel's grid: each program moves `rows` pairs per iteration, and `programs` programs loop over the list
+# (0: one program per `rows` pairs). A copy kernel holds the SMs it runs on: a serial copy takes the whole GPU, while a
+# copy beside compute (on the copy stream, DA / DBA) runs on a small persistent grid, which leaves the other SMs to
+# the compute stream at about the same bandwidth (measured on an H100, docs/gpu.md).
+ROWS, PROGRAMS = 1, 0
+OVERLAP_ROWS, OVERLAP_PROGRAMS = 16, 32
 
 
 try:  # torch's Linux wheels bring Triton; without it only the torch backend exists
     import triton
     import triton.language as tl
 
-    def _copy_rows_kernel(src, src_idx, dst, dst_idx, WORDS: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0)
-        s = tl.load(src_idx + i)
-        d = tl.load(dst_idx + i)
-        offs = tl.arange(0, BLOCK)
-        m = (offs < WORDS) & (s >= 0) & (d >= 0)
-        v = tl.load(src + s * WORDS + offs, mask=m)
-        tl.store(dst + d * WORDS + offs, v, mask=m)
+    def _copy_rows_kernel(src, src_idx, dst, dst_idx, n, iters, WORDS: tl.constexpr, BLOCK: tl.constexpr,
+                          ROWS: tl.constexpr):
+        offs = tl.arange(0, BLOCK)[None, :]
+        first = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        for it in range(iters):  # iteration it: pairs it * programs * ROWS + [pid * ROWS, (pid + 1) * ROWS)
+            i = first + it * tl.num_programs(0) * ROWS
+            s = tl.load(src_idx + i, mask=i < n, other=-1)[:, None]
+            d = tl.load(dst_idx + i, mask=i < n, other=-1)[:, None]
+            m = (offs < WORDS) & (s >= 0) & (d >= 0)
+            v = tl.load(src + s * WORDS + offs, mask=m)
+            tl.store(dst + d * WORDS + offs, v, mask=m)
 
 except ImportError:  # pragma: no cover
     triton = None
+
+# Triton's CPU interpreter runs the kernel from Triton 3.8 on (the pinned torch's). Triton 3.6's hands scalar kernel
+# arguments over as one-element arrays and fails on the kernel's loop (seen on the GPU machine, which has 3.6).
+INTERPRETER_OK = triton is not None and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
 
 
 @functools.lru_cache(maxsize=2)
@@ -69,22 +82,44 @@ class _UvaPointer:
         return self._t.data_ptr()
 
 
+def uva_view(host: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the same bytes as a pinned host tensor (unified virtual addressing): CUDA kernels that take
+    only device tensors (torch indexing, FlashMLA) then read host memory in place, over the interconnect. The view
+    does not own the memory: keep `host` alive while it is used."""
+    if not host.is_pinned():
+        raise ValueError("uva_view: the host tensor must be in pinned memory")
+    if host.dtype != torch.uint8 or not host.is_contiguous():
+        raise ValueError(f"uva_view: expected a contiguous uint8 host tensor, got {host.dtype}")
+
+    class _Interface:  # torch.as_tensor accepts objects with __cuda_array_interface__ (numba / CuPy's protocol)
+        __cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "version": 3,
+        }
+
+    return torch.as_tensor(_Interface(), device=torch.device("cuda", torch.cuda.current_device()))
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     if t.dtype != torch.uint8 or t.dim() != 2 or t.shape[1] != layout.LATENT_ROW_BYTES or not t.is_contiguous():
         raise ValueError(f"FlashTrans: expected contiguous uint8 [N, 656] rows, got {t.dtype} {tuple(t.shape)}")
     return t.view(torch.int32)
 
 
-def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor, backend: str = "auto") -> None:
-    """dst[dst_idx[i]] = src[src_idx[i]] for every i where both indices are >= 0 (1-D int64 index lists)."""
+def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor, backend: str = "auto",
+              rows: int | None = None, programs: int | None = None) -> None:
+    """dst[dst_idx[i]] = src[src_idx[i]] for every i where both indices are >= 0 (1-D int64 index lists).
+    rows, programs: the Triton kernel's grid (default ROWS, PROGRAMS: a serial copy)."""
     if src_idx.shape != dst_idx.shape or src_idx.dim() != 1:
         raise ValueError("FlashTrans: src_idx and dst_idx must be 1-D and of one length")
     if backend == "auto":
         backend = "triton" if (src.is_cuda or dst.is_cuda) else "torch"
     if backend == "torch":
         valid = (src_idx >= 0) & (dst_idx >= 0)
-        rows = src[torch.where(valid, src_idx, 0).to(src.device)].to(dst.device)
-        dst.index_copy_(0, torch.where(valid, dst_idx, dst.shape[0] - 1).to(dst.device), rows)
+        picked = src[torch.where(valid, src_idx, 0).to(src.device)].to(dst.device)
+        dst.index_copy_(0, torch.where(valid, dst_idx, dst.shape[0] - 1).to(dst.device), picked)
         return
     if backend not in ("triton", "interpret"):
         raise ValueError(f"FlashTrans: unknown backend {backend!r}")
@@ -92,15 +127,25 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     if n == 0:
         return
     sw, dw = _words(src), _words(dst)
+    if backend == "interpret" and not INTERPRETER_OK:
+        raise RuntimeError("FlashTrans: the 'interpret' backend needs Triton >= 3.8")
     if backend == "triton":
         sw = _UvaPointer(sw) if not sw.is_cuda else sw
         dw = _UvaPointer(dw) if not dw.is_cuda else dw
-    _kernel(backend == "interpret")[(n,)](sw, src_idx, dw, dst_idx, WORDS=WORDS, BLOCK=BLOCK)
+    rows = rows or ROWS
+    grid = -(-n // rows)
+    programs = programs if programs is not None else PROGRAMS
+    if programs:
+        grid = min(grid, programs)
+    iters = -(-n // (grid * rows))
+    _kernel(backend == "interpret")[(grid,)](sw, src_idx, dw, dst_idx, n, iters, WORDS=WORDS, BLOCK=BLOCK, ROWS=rows)
 
 
-def gather(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor, gpu_slots: torch.Tensor, backend: str = "auto") -> None:
-    """H2D: fetch host rows into GPU pool slots."""
-    copy_rows(host, host_rows, gpu, gpu_slots, backend)
+def gather(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor, gpu_slots: torch.Tensor, backend: str = "auto",
+           overlapped: bool = False) -> None:
+    """H2D: fetch host rows into GPU pool slots. overlapped: the copy runs beside compute (the small grid)."""
+    grid = (OVERLAP_ROWS, OVERLAP_PROGRAMS) if overlapped else (None, None)
+    copy_rows(host, host_rows, gpu, gpu_slots, backend, *grid)
 
 
 def scatter(gpu: torch.Tensor, gpu_slots: torch.Tensor, host: torch.Tensor, host_rows: torch.Tensor, backend: str = "auto") -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ess.cache import EssLatentCache
+from ess.flashmla import sparse_decode, split_decode
 from ess.policy import PolicyResult
 from ess.reference import attention as A
 from ess.reference.config import ModelConfig
@@ -27,16 +28,6 @@ def _cat(parts: list[PolicyResult]) -> PolicyResult:
     return PolicyResult(*(torch.cat([getattr(p, f) for p in parts]) for f in PolicyResult.__dataclass_fields__))
 
 
-def split_attention(q_nope_abs, q_pe, read_rows, valid, hit, scale: float, before_attn1=lambda: None):
-    """Attn0 over the rows already on the GPU (valid & hit), then `before_attn1()` (DA: wait for the H2D), then
-    Attn1 over the fetched rows (valid & ~hit), merged by log-sum-exp: the result of one attention call over all
-    valid rows, up to float32 rounding. read_rows() is called once per part, so Attn1 reads the rows after the wait."""
-    o0, lse0 = A.sparse_attention(q_nope_abs, q_pe, read_rows(), valid & hit, scale)
-    before_attn1()
-    o1, lse1 = A.sparse_attention(q_nope_abs, q_pe, read_rows(), valid & ~hit, scale)
-    return A.merge_attention(o0, lse0, o1, lse1)[0]
-
-
 def batch_parts(batch: int, mode: str) -> list[slice]:
     if mode == "dba" and batch > 1:
         return [slice(0, batch // 2), slice(batch // 2, batch)]
@@ -44,8 +35,9 @@ def batch_parts(batch: int, mode: str) -> list[slice]:
 
 
 def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer,
-                        cache: EssLatentCache, layer: int):
-    """Returns (o_latent [B, H, 512], topk [B, K]). The cache's stamp must be set (cache.set_step)."""
+                        cache: EssLatentCache, layer: int, attention: str = "reference"):
+    """Returns (o_latent [B, H, 512], topk [B, K]). The cache's stamp must be set (cache.set_step).
+    attention: the sparse MLA backend of ess.flashmla ("reference", "flashmla" or "auto")."""
     if mode not in MODES:
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
     streams = cache.streams
@@ -57,7 +49,7 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
         if mode == "none":
             cache.fetch(layer, r, part)  # on the compute stream: attention waits for it
         else:  # the copy stream runs in order: the last part's event covers every H2D of the step
-            fetched = streams.copy_after(lambda: cache.fetch(layer, r, part))
+            fetched = streams.copy_after(lambda: cache.fetch(layer, r, part, overlapped=True), r.miss_pos, r.miss_slot)
         topks.append(topk)
         results.append(r)
     r = _cat(results)
@@ -66,12 +58,10 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
     backed_up = cache.backup_own(layer, r, pos)  # D2H overlaps PreAttn and the attention below
     cache.record(layer, r)
     q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
-    valid = topk >= 0
-    scale = cfg.softmax_scale
+    pool, scale = cache.serving.gpu[layer], cfg.softmax_scale
     if mode == "none":
-        o, _ = A.sparse_attention(q_nope_abs, q_pe, cache.rows(layer, r), valid, scale)
-    else:
-        o = split_attention(q_nope_abs, q_pe, lambda: cache.rows(layer, r), valid, r.hit, scale,
-                            lambda: streams.wait(fetched))
+        o, _ = sparse_decode(q_nope_abs, q_pe, pool, r.attn_slot, scale, attention)
+    else:  # Attn0 over hits and the own row, wait for the H2D, Attn1 over the fetched rows
+        o, _ = split_decode(q_nope_abs, q_pe, pool, r.attn_slot, r.hit, scale, lambda: streams.wait(fetched), attention)
     streams.wait(backed_up)
     return o, topk

@@ -106,8 +106,9 @@ def lru_update(
         own_resident, own_pre, torch.where(need_own, victims.gather(1, n_miss.unsqueeze(1) + need_rank), C)
     )
 
-    # Apply: evict (those positions are neither in S nor own), insert, stamp.
-    pos_slot[r2, torch.where(evict, old, P)] = -1
+    # Apply: evict (those positions are neither in S nor own), insert, stamp. Values are device tensors: a Python
+    # scalar in an indexed assignment is copied from the host, which CUDA graph capture refuses.
+    pos_slot[r2, torch.where(evict, old, P)] = torch.full((), -1, dtype=pos_slot.dtype, device=dev)
     pos_slot[r2, torch.where(umiss, srt, P)] = miss_local.to(pos_slot.dtype)
     pos_slot[r2, torch.where(has_own, own, P)] = own_local.to(pos_slot.dtype)
     slot_pos[r2, miss_local] = srt.to(slot_pos.dtype)

@@ -103,11 +103,12 @@ class ServingLatentCache:
         sp, st, ps = self.sparse.layer_state(layer)
         return lru_update(sp, st, ps, req, topk, own_pos, self.stamp)
 
-    def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> None:
-        """H2D of the misses into their GPU slots (FlashTrans, current stream)."""
+    def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult, overlapped: bool = False) -> None:
+        """H2D of the misses into their GPU slots (FlashTrans, current stream; overlapped: on the copy stream, beside
+        compute)."""
         rows = self.host_rows(token_table, req, r.miss_pos).flatten()
         slots = torch.where(r.miss_slot >= 0, r.miss_slot, torch.full_like(r.miss_slot, self.sink_slot)).flatten()
-        flashtrans.gather(self.host[layer], rows, self.gpu[layer], slots, self.backend)
+        flashtrans.gather(self.host[layer], rows, self.gpu[layer], slots, self.backend, overlapped)
 
     def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:
         """The selected rows [B, K, 656] after a step (rows of -1 entries are garbage: mask them)."""

@@ -7,7 +7,7 @@ from ess.cache import EssLatentCache
 from ess.config import EssConfig
 from ess.reference import attention as A
 from ess.replay import replay_misses
-from ess.overlap import split_attention
+from ess.flashmla import split_decode
 from ess.trace import Trace
 from helpers import TINY, dense, tiny_model, tiny_prompts
 
@@ -42,6 +42,13 @@ def test_warmup_cuts_the_first_step_misses(baseline):
     assert warm.miss_counts()[:, 0].sum() < cold.miss_counts()[:, 0].sum()
 
 
+def split_over_rows(qn, qp, rows, valid, hit, scale):
+    """ess.flashmla.split_decode over gathered rows [N, K, 656]: the rows as a pool, entry k of row n at n * K + k."""
+    N, K = valid.shape
+    idx = torch.where(valid, torch.arange(N * K).reshape(N, K), -1)
+    return split_decode(qn, qp, rows.reshape(N * K, -1), idx, hit, scale, backend="reference")[0]
+
+
 def test_split_attention_equals_unsplit_and_fully_resident(baseline):
     base_out, ess_out, unsplit_out = [], [], []
     scale = TINY.softmax_scale
@@ -53,7 +60,7 @@ def test_split_attention_equals_unsplit_and_fully_resident(baseline):
 
     def record_split(layer, qn, qp, dr):
         unsplit_out.append(A.sparse_attention(qn, qp, dr.rows, dr.valid, scale)[0])
-        o = split_attention(qn, qp, lambda: dr.rows, dr.valid, dr.hit, scale)
+        o = split_over_rows(qn, qp, dr.rows, dr.valid, dr.hit, scale)
         ess_out.append(o)
         return o
 
@@ -78,5 +85,5 @@ def test_split_attention_op_level():
     hit[1] = False  # a row with no hits
     qn, qp = torch.randn(N, H, 512, generator=g), torch.randn(N, H, 64, generator=g)
     full, _ = A.sparse_attention(qn, qp, rows, valid, 0.05)
-    split = split_attention(qn, qp, lambda: rows, valid, hit, 0.05)
+    split = split_over_rows(qn, qp, rows, valid, hit, 0.05)
     torch.testing.assert_close(split, full, rtol=1e-5, atol=1e-5)

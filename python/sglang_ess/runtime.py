@@ -104,7 +104,8 @@ class EssRuntime:
         own = _per_request(positions, B, S)
         r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own)
         fetched = self.streams.copy_after(
-            lambda: self.cache.fetch(layer, req_pool_indices, self.token_table, r), r.miss_pos, r.miss_slot, req_pool_indices
+            lambda: self.cache.fetch(layer, req_pool_indices, self.token_table, r, overlapped=True),
+            r.miss_pos, r.miss_slot, req_pool_indices,
         )
         self._pending[(layer, req_pool_indices.data_ptr(), B)] = (r, fetched)
         return True

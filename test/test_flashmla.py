@@ -1,0 +1,76 @@
+"""ess.flashmla: the sparse decode over a pool by indices, its split, and FlashMLA against the reference (GPU)."""
+
+import pytest
+import torch
+
+from ess import flashmla, layout
+from ess.reference import attention as A
+
+
+def _case(seed=0, N=3, H=4, K=40, rows=128):
+    g = torch.Generator().manual_seed(seed)
+    pool = layout.quantize_latent(torch.randn(rows, 512, generator=g), torch.randn(rows, 64, generator=g))
+    idx = torch.stack([torch.randperm(rows, generator=g)[:K] for _ in range(N)])
+    idx[0, -7:] = -1
+    qn, qp = torch.randn(N, H, 512, generator=g), torch.randn(N, H, 64, generator=g)
+    return qn, qp, pool, idx
+
+
+def test_reference_reads_the_indexed_rows_and_skips_minus_one():
+    qn, qp, pool, idx = _case()
+    o, lse = flashmla.sparse_decode(qn, qp, pool, idx, 0.05, backend="reference")
+    o_ref, lse_ref = A.sparse_attention(qn, qp, pool[idx.clamp(min=0)], idx >= 0, 0.05)
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    unused = torch.ones(pool.shape[0], dtype=torch.bool)
+    unused[idx[idx >= 0]] = False
+    poisoned = pool.clone()
+    poisoned[unused] = 0xFF  # NaN bytes in every row that no valid entry names (-1 entries included)
+    o2, _ = flashmla.sparse_decode(qn, qp, poisoned, idx, 0.05, backend="reference")
+    assert torch.equal(o2, o)
+
+
+def test_split_equals_one_call():
+    qn, qp, pool, idx = _case(1)
+    hit = torch.rand(idx.shape, generator=torch.Generator().manual_seed(2)) < 0.6
+    hit[1] = True  # a row with no misses
+    hit[2] = False  # a row with no hits
+    waited = []
+    o, lse = flashmla.split_decode(qn, qp, pool, idx, hit, 0.05, lambda: waited.append(1), backend="reference")
+    o_ref, lse_ref = flashmla.sparse_decode(qn, qp, pool, idx, 0.05, backend="reference")
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+    assert waited == [1]
+
+
+def test_bad_backend_and_pool_are_refused():
+    qn, qp, pool, idx = _case()
+    with pytest.raises(ValueError, match="attention backend"):
+        flashmla.sparse_decode(qn, qp, pool, idx, 0.05, backend="flash")
+    with pytest.raises(ValueError, match="uint8"):
+        flashmla.sparse_decode(qn, qp, pool.float(), idx, 0.05)
+    if not flashmla.available():
+        with pytest.raises(RuntimeError, match="sgl-flash-mla"):
+            flashmla.sparse_decode(qn, qp, pool, idx, 0.05, backend="flashmla")
+
+
+@pytest.mark.skipif(not flashmla.available(), reason="needs a CUDA device and the sgl-flash-mla wheel")
+def test_flashmla_matches_the_reference_and_reads_any_pool_by_index():
+    qn, qp, pool, idx = (t.cuda() for t in _case(3, N=4, H=128, K=2048, rows=8192))
+    o, lse = flashmla.sparse_decode(qn, qp, pool, idx, 576**-0.5, backend="flashmla")
+    o_ref, lse_ref = flashmla.sparse_decode(qn, qp, pool, idx, 576**-0.5, backend="reference")
+    assert float((o - o_ref).norm() / o_ref.norm()) < 1e-2  # bf16 query and output
+    assert float((lse - lse_ref).abs().max()) < 1e-2  # natural log, as the reference
+    # the same rows at other places of another pool, the indices moved with them: bit for bit the same result
+    perm = torch.randperm(8192, device="cuda")
+    moved = torch.empty_like(pool)
+    moved[perm] = pool
+    o2, lse2 = flashmla.sparse_decode(qn, qp, moved, torch.where(idx >= 0, perm[idx.clamp(min=0)], -1), 576**-0.5)
+    assert torch.equal(o2, o) and torch.equal(lse2, lse)
+    hit = torch.rand(idx.shape, device="cuda") < 0.7
+    o3, _ = flashmla.split_decode(qn, qp, pool, idx, hit, 576**-0.5)
+    assert float((o3 - o).norm() / o.norm()) < 1e-2
+    # a row with no valid entry: the kernel returns lse = +inf there; ess.flashmla's contract is o = 0, lse = -inf
+    idx[1] = -1
+    o4, lse4 = flashmla.sparse_decode(qn, qp, pool, idx, 576**-0.5)
+    assert torch.equal(o4[1], torch.zeros_like(o4[1])) and bool((lse4[1] == -torch.inf).all())
+    assert torch.equal(o4[0], o[0])
