@@ -1,8 +1,8 @@
 """Median time of a piece of device work, for the benchmarks: eager, or as replays of a captured CUDA graph.
 
 A decode server replays its step as a CUDA graph, so graph replays are what a layer's ESS work costs there: eager
-timings of many small ops measure Python's launch overhead instead (on an H100 the eager LRU step of one layer took
-about ten times its graph replay, docs/gpu.md). On the CPU both fall back to the wall clock, in program order.
+timings of many small ops measure Python's launch overhead as well (on an H100 one layer's eager LRU step and H2D
+took 1.3 to 3.7 times its graph replay, docs/gpu.md). On the CPU both fall back to the wall clock, in program order.
 """
 
 from __future__ import annotations
