@@ -4,9 +4,13 @@ Latent (MLA) row, 656 bytes per token per layer, the FP8 layout of FlashMLA's sp
     bytes [  0, 512)  512 float8_e4m3fn NoPE values, 4 tiles of 128
     bytes [512, 528)  4 float32 scales, one per tile (dequant: value = fp8 * scale)
     bytes [528, 656)  64 bfloat16 RoPE values, stored unquantised
-Scale convention: SGLang 0.5.23 `sglang/kernels/ops/quantization/dsa_quant_k_cache.py`,
-`_quantize_k_cache_fast_kernel` (called by `quantize_k_cache` / `quantize_k_cache_separate`):
-    scale = amax(|tile|) / 448  (no epsilon);  q = clamp(x * (1 / scale), -448, 448) cast to e4m3fn.
+Scale convention (LATENT_SCALE_FMT, a named choice so that following a later SGLang is one line):
+    "amax"   SGLang 0.5.23's, which writes the bytes ESS moves: `sglang/kernels/ops/quantization/dsa_quant_k_cache.py`,
+             `_quantize_k_cache_fast_kernel` (called by `quantize_k_cache` / `quantize_k_cache_separate`):
+             scale = amax(|tile|) / 448 (no epsilon), stored as float32
+    "ue8m0"  a power of two, scale = 2 ** ceil(log2(amax / 448)): DeepSeek's official inference code and FlashMLA's
+             newer tests
+    q = clamp(x * (1 / scale), -448, 448) cast to e4m3fn in both.
 An all-zero tile gives scale 0 and 0 * inf = NaN there; we store zeros for such a tile instead (our only
 deviation, and SGLang's NaN row would be unusable anyway).
 
@@ -43,19 +47,31 @@ INDEX_PAGE_TOKENS = 64
 
 assert LATENT_ROW_BYTES == 656 and INDEX_ROW_BYTES == 132
 
+LATENT_SCALE_FMTS = ("amax", "ue8m0")
+LATENT_SCALE_FMT = "amax"  # SGLang 0.5.23's (see the module docstring)
+
+
+def latent_scale(amax: torch.Tensor, fmt: str = LATENT_SCALE_FMT) -> torch.Tensor:
+    """The FP8 scale of latent tiles whose largest magnitude is amax, in the named convention (0 for an all-zero tile)."""
+    if fmt == "amax":
+        return amax / FP8_MAX
+    if fmt == "ue8m0":
+        return torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX))), torch.zeros_like(amax))
+    raise ValueError(f"latent scale format must be one of {LATENT_SCALE_FMTS}, got {fmt!r}")
+
 
 def _check_last_dim(x: torch.Tensor, dim: int, name: str) -> None:
     if x.shape[-1] != dim:
         raise ValueError(f"{name}: expected last dimension {dim}, got shape {tuple(x.shape)}")
 
 
-def quantize_latent(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+def quantize_latent(nope: torch.Tensor, rope: torch.Tensor, scale_fmt: str = LATENT_SCALE_FMT) -> torch.Tensor:
     """Pack [..., 512] NoPE and [..., 64] RoPE values into [..., 656] uint8 latent rows."""
     _check_last_dim(nope, NOPE_DIM, "nope")
     _check_last_dim(rope, ROPE_DIM, "rope")
     lead = nope.shape[:-1]
     tiles = nope.float().reshape(*lead, NUM_TILES, TILE)
-    scale = tiles.abs().amax(dim=-1) / FP8_MAX  # [..., 4] float32
+    scale = latent_scale(tiles.abs().amax(dim=-1), scale_fmt)  # [..., 4] float32
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
     q = (tiles * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     out = torch.empty(*lead, LATENT_ROW_BYTES, dtype=torch.uint8, device=nope.device)

@@ -66,3 +66,20 @@ def test_bad_shapes_are_named():
         layout.quantize_latent(torch.zeros(1, 500), torch.zeros(1, 64))
     with pytest.raises(TypeError, match="uint8"):
         layout.dequantize_latent(torch.zeros(1, 656))
+
+
+def test_latent_scale_conventions_are_a_named_choice():
+    g = torch.Generator().manual_seed(3)
+    nope, rope = torch.randn(5, 512, generator=g) * 3, torch.randn(5, 64, generator=g)
+    nope[0, :128] = 0  # an all-zero tile: scale 0 in both conventions
+    _, amax_scales, _ = layout.latent_fields(layout.quantize_latent(nope, rope))
+    _, pow2_scales, _ = layout.latent_fields(layout.quantize_latent(nope, rope, scale_fmt="ue8m0"))
+    assert layout.LATENT_SCALE_FMT == "amax"  # SGLang 0.5.23's: the bytes ESS moves
+    amax = nope.reshape(5, 4, 128).abs().amax(-1)
+    assert torch.equal(amax_scales, amax / 448)
+    assert torch.equal(pow2_scales[amax == 0], torch.zeros_like(pow2_scales[amax == 0]))
+    live = pow2_scales[amax > 0]
+    assert torch.equal(torch.exp2(torch.log2(live).round()), live)  # powers of two
+    assert bool((live >= amax[amax > 0] / 448).all()) and bool((live < 2 * amax[amax > 0] / 448).all())
+    with pytest.raises(ValueError, match="latent scale format"):
+        layout.quantize_latent(nope, rope, scale_fmt="e8m0")

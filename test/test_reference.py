@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 
 from ess import layout
 from ess.reference import attention as A
-from ess.reference.config import FULL, get_config
+from ess.reference.config import FULL, from_hf, get_config
 from helpers import TINY, dense, tiny_model, tiny_prompts
 
 
@@ -102,3 +103,63 @@ def test_prefill_topk_is_causal():
     assert torch.all(topk[0, 1:] == -1) and topk[0, 0] == 0
     scores = A.index_scores(q, w, k_rows.unsqueeze(0).expand(50, -1, -1))
     assert torch.equal(topk, brute_topk(scores, torch.arange(50), 8))
+
+
+def test_yarn_rotary_table_against_closed_form_values():
+    # DeepSeek-V3.2: rope dim 64, base 1e4, original 4096 positions, factor 40, beta 32 / 1. The correction range is
+    # floor(64 ln(4096 / (32 * 2 pi)) / (2 ln 1e4)) = 10 to ceil(64 ln(4096 / (2 pi)) / (2 ln 1e4)) = 23.
+    assert FULL.yarn and not get_config("mini").yarn and get_config("mini", original_seq_len=4096).yarn
+    f = A.rope_freqs(FULL, torch.device("cpu")).double()
+    base = 1e4 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    ramp = ((torch.arange(32, dtype=torch.float64) - 10) / 13).clamp(0, 1)
+    torch.testing.assert_close(f, base / 40 * ramp + base * (1 - ramp), rtol=1e-6, atol=0)
+    torch.testing.assert_close(f[:11], base[:11], rtol=1e-6, atol=0)  # fast dimensions kept
+    torch.testing.assert_close(f[23:], base[23:] / 40, rtol=1e-6, atol=0)  # slow ones stretched 40 times
+    assert f[16] == pytest.approx(float(base[16]) * (1 - 6 / 13 * 39 / 40), rel=1e-6)
+    off = A.rope_freqs(get_config("mini"), torch.device("cpu")).double()
+    torch.testing.assert_close(off, base, rtol=1e-6, atol=0)  # no YaRN: the plain table
+
+
+def test_softmax_scale_carries_yarn_mscale_squared():
+    assert FULL.softmax_scale == pytest.approx(192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
+    assert get_config("mini").softmax_scale == pytest.approx(128**-0.5)
+    assert get_config("full", mscale=0.5).softmax_scale == pytest.approx(192**-0.5 * (0.05 * math.log(40) + 1) ** 2)
+    with pytest.raises(ValueError, match="YaRN"):
+        get_config("full", rope_factor=0.5)
+
+
+def test_hugging_face_config_maps_to_the_full_model():
+    hf = {"num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536,
+          "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_n_heads": 64,
+          "index_head_dim": 128, "index_topk": 2048, "vocab_size": 129280, "intermediate_size": 18432,
+          "max_position_embeddings": 163840, "rope_theta": 10000,
+          "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                           "original_max_position_embeddings": 4096, "type": "yarn"}}
+    assert from_hf(hf, name="full") == FULL
+    plain = from_hf({k: v for k, v in hf.items() if k != "rope_scaling"})
+    assert not plain.yarn
+    with pytest.raises(ValueError, match="hidden_size"):
+        from_hf({k: v for k, v in hf.items() if k != "hidden_size"})
+
+
+def test_index_k_norm_uses_eps_1e6_and_its_bias():
+    cfg = get_config("mini")
+    g = torch.Generator().manual_seed(4)
+    w = A.AttentionWeights.random(cfg, g)
+    # small key activations (variance about 1e-6): eps 1e-5 and 1e-6 give different keys
+    x = torch.randn(8, cfg.hidden, generator=g) * 2e-3 / torch.linalg.matrix_norm(w.idx_wk, ord=2)
+    k = x @ w.idx_wk.T
+    ours = torch.nn.functional.layer_norm(k, (128,), w.idx_k_norm, w.idx_k_norm_bias, 1e-6)
+    torch_default = torch.nn.functional.layer_norm(k, (128,), w.idx_k_norm, w.idx_k_norm_bias, 1e-5)
+    assert float((ours - torch_default).abs().max()) > 0.1
+    pos = torch.arange(8)
+    freqs = A.rope_freqs(cfg, torch.device("cpu"))
+    pe, nope = ours.split([64, 64], -1)
+    expected = layout.quantize_index_k(A.hadamard(torch.cat([A.rope(pe, pos, freqs, interleaved=False), nope], -1)))
+    assert torch.equal(A.index_key_rows(w, cfg, x, pos), expected)
+    # the bias moves the keys, and with them the index scores
+    biased = dataclasses.replace(w, idx_k_norm_bias=torch.randn(128, generator=g))
+    assert not torch.equal(A.index_key_rows(biased, cfg, x, pos), expected)
+    q, weights = A.index_query(w, cfg, x, A.q_lora_of(w, x), pos)
+    scores = A.index_scores(q, weights, expected.expand(8, -1, -1))
+    assert not torch.equal(A.index_scores(q, weights, A.index_key_rows(biased, cfg, x, pos).expand(8, -1, -1)), scores)

@@ -35,7 +35,8 @@ class AttentionWeights:
     o_proj: torch.Tensor  # [hidden, H * v]
     idx_wq_b: torch.Tensor  # [index_heads * index_dim, q_lora]
     idx_wk: torch.Tensor  # [index_dim, hidden]
-    idx_k_norm: torch.Tensor  # [index_dim]
+    idx_k_norm: torch.Tensor  # [index_dim] LayerNorm weight
+    idx_k_norm_bias: torch.Tensor  # [index_dim] LayerNorm bias (zeros where a checkpoint has none)
     idx_weights_proj: torch.Tensor  # [index_heads, hidden]
 
     @staticmethod
@@ -56,20 +57,43 @@ class AttentionWeights:
             idx_wq_b=lin(cfg.index_heads * cfg.index_head_dim, cfg.q_lora_rank),
             idx_wk=lin(cfg.index_head_dim, cfg.hidden),
             idx_k_norm=torch.ones(cfg.index_head_dim),
+            idx_k_norm_bias=torch.zeros(cfg.index_head_dim),
             idx_weights_proj=lin(cfg.index_heads, cfg.hidden),
         )
         return AttentionWeights(**{f.name: getattr(w, f.name).to(device) for f in dataclasses.fields(w)})
+
+
+K_NORM_EPS = 1e-6  # the indexer's k_norm LayerNorm, as the official code (torch's default, 1e-5, differs at small keys)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
-    """Rotary embedding of x [..., D] at integer positions pos (broadcast over x's leading dims but the last)."""
+@functools.lru_cache(maxsize=8)
+def rope_freqs(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """The rotary frequencies [qk_rope_head_dim / 2] float32, every RoPE call site's one table (cached per device, so
+    nothing is copied inside a captured step). Under YaRN (cfg.yarn) the official precompute_freqs_cis's correction:
+    dimensions rotating fewer than beta_slow times over original_seq_len positions are divided by rope_factor, those
+    rotating more than beta_fast times are kept, a linear ramp in between. The angle at position p is p * freqs."""
+    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if cfg.yarn:
+        def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times in original_seq_len
+            return d * math.log(cfg.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(dim_of(cfg.beta_fast)), 0)
+        high = min(math.ceil(dim_of(cfg.beta_slow)), d - 1)
+        smooth = 1 - ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+        freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth  # the official expression, rounding included
+    return freqs.to(device)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x [..., D] at integer positions pos (broadcast over x's leading dims but the last), with
+    the frequencies of rope_freqs."""
     d = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [..., D/2]
+    ang = pos.to(torch.float32).unsqueeze(-1) * freqs  # [..., D/2]
     cos, sin = ang.cos(), ang.sin()
     if interleaved:  # pairs (x[2i], x[2i+1]): DeepSeek MLA's layout (is_neox_style=False)
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -106,21 +130,21 @@ def pre_attn(w: AttentionWeights, cfg: ModelConfig, q_lora: torch.Tensor, pos: t
     q = (q_lora @ w.q_b.T).view(-1, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     q_nope_abs = torch.einsum("nhd,hdr->nhr", q_nope, w.w_kc)
-    return q_nope_abs, rope(q_pe, pos.unsqueeze(-1), cfg.rope_theta, interleaved=True)
+    return q_nope_abs, rope(q_pe, pos.unsqueeze(-1), rope_freqs(cfg, q_pe.device), interleaved=True)
 
 
 def kv_latent_rows(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The 656-byte latent rows [N, 656] of tokens x [N, hidden] at positions pos [N]."""
     kv = x @ w.kv_a.T
     c_kv, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    return layout.quantize_latent(rms_norm(c_kv, w.kv_a_norm), rope(k_pe, pos, cfg.rope_theta, interleaved=True))
+    return layout.quantize_latent(rms_norm(c_kv, w.kv_a_norm), rope(k_pe, pos, rope_freqs(cfg, k_pe.device), interleaved=True))
 
 
 def index_key_rows(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The 132-byte index-K rows [N, 132]."""
-    k = torch.nn.functional.layer_norm(x @ w.idx_wk.T, (cfg.index_head_dim,), w.idx_k_norm)
+    k = torch.nn.functional.layer_norm(x @ w.idx_wk.T, (cfg.index_head_dim,), w.idx_k_norm, w.idx_k_norm_bias, K_NORM_EPS)
     k_pe, k_nope = k.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
-    k = torch.cat([rope(k_pe, pos, cfg.rope_theta, interleaved=False), k_nope], dim=-1)
+    k = torch.cat([rope(k_pe, pos, rope_freqs(cfg, k_pe.device), interleaved=False), k_nope], dim=-1)
     return layout.quantize_index_k(hadamard(k))
 
 
@@ -128,7 +152,7 @@ def index_query(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, q_lora: 
     """Indexer queries [N, Hi, 128] (through FP8, as the real kernel sees them) and head weights [N, Hi]."""
     q = (q_lora @ w.idx_wq_b.T).view(-1, cfg.index_heads, cfg.index_head_dim)
     q_pe, q_nope = q.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
-    q = torch.cat([rope(q_pe, pos.unsqueeze(-1), cfg.rope_theta, interleaved=False), q_nope], dim=-1)
+    q = torch.cat([rope(q_pe, pos.unsqueeze(-1), rope_freqs(cfg, q_pe.device), interleaved=False), q_nope], dim=-1)
     q = fp8_round_trip(hadamard(q))
     weights = (x @ w.idx_weights_proj.T) * (cfg.index_heads**-0.5 * cfg.index_head_dim**-0.5)
     return q, weights
