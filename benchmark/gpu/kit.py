@@ -331,20 +331,26 @@ def plot(kit: dict, out_dir: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def finish(ax, xlabel: str, ylabel: str, title: str) -> None:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+
     ft = kit["flashtrans"]["rows"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, d in zip(axes, ("h2d", "d2h")):
         for key in [k for k in ft[0] if k.endswith(f"{d}_gbps")]:
             ax.plot([r["rows"] for r in ft], [r[key] for r in ft], marker="o", label=key.replace(f"_{d}_gbps", ""))
         ax.set_xscale("log")
-        ax.set_xlabel("random 656-byte rows per copy")
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"{d.upper()}: {kit['device']}", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "flashtrans.png", dpi=110)
-    plt.close(fig)
+        finish(ax, "random 656-byte rows per copy", "GB/s", f"{d.upper()}: {kit['device']}")
+    save(fig, "flashtrans.png")
 
     da = kit["da_split"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -352,14 +358,8 @@ def plot(kit: dict, out_dir: pathlib.Path) -> None:
     for key in ("attn0_us", "attn1_us", "split_total_us"):
         ax.plot(f, [r[key] for r in da["by_hit_fraction"]], marker="o", label=key[:-3])
     ax.axhline(da["unsplit_us"], color="k", ls="--", label="one call")
-    ax.set_xlabel("hit fraction")
-    ax.set_ylabel("us")
-    ax.set_title(f"DA split on {kit['flashmla']['backend']}: batch {da['batch']}, top-k {da['topk']}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "da_split.png", dpi=110)
-    plt.close(fig)
+    finish(ax, "hit fraction", "us", f"DA split on {kit['flashmla']['backend']}: batch {da['batch']}, top-k {da['topk']}")
+    save(fig, "da_split.png")
 
 
 def main(argv=None) -> int:
