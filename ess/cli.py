@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from rich.console import Console
@@ -47,6 +48,52 @@ class _Progress:
         if phase not in self.tasks:
             self.tasks[phase] = self.bar.add_task(phase, total=total)
         self.bar.update(self.tasks[phase], completed=done)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (the usage is a --help away), exit code 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _at_least(minimum: int):
+    """An argparse type: an integer >= minimum."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _at_least(1), _at_least(0)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _output(path: str | None) -> str | None:
+    """An output file's path, its folder created."""
+    if path:
+        pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def _emit(args, doc: dict, table: Table | None) -> None:
@@ -165,7 +212,7 @@ def cmd_sim_sweep(args) -> int:
     batches = list(range(args.batch_min, args.batch_max + 1, args.batch_step))
     result = sweep(batches, args.context, args.mtp, args.accept, args.model, args.hardware, args.tbo, args.ep, _profile_arg(args))
     if args.plot:
-        plot_sweep(result, args.plot, f"{args.model} on {args.hardware}, context {args.context}, MTP {args.mtp} "
+        plot_sweep(result, _output(args.plot), f"{args.model} on {args.hardware}, context {args.context}, MTP {args.mtp} "
                    f"(accept {args.accept}), EP {args.ep}, TBO {'on' if args.tbo else 'off'}")
     rows = result["baseline"] + result["hisparse"] + result["ess"]
     _emit(args, result, _sim_table(rows, f"sweep (memory wall at batch {result['memory_wall_batch']})"))
@@ -234,7 +281,7 @@ def cmd_profile(args) -> int:
         for path in plot_profile(prof, args.plot):
             say(f"wrote {path}")
     if args.out:
-        with open(args.out, "w") as f:
+        with open(_output(args.out), "w") as f:
             json.dump(prof, f)
     table = Table(title=f"miss profile of {args.traces[0]} (mean misses per request-step)")
     table.add_column("layer")
@@ -254,7 +301,7 @@ def cmd_plan(args) -> int:
     plan = make_plan(load_profile(args.profile), args.hardware, args.context, args.batch_size, args.mtp, args.accept,
                      args.sparse_ratio, args.model, args.ep, args.tbo)
     if args.out:
-        with open(args.out, "w") as f:
+        with open(_output(args.out), "w") as f:
             json.dump(plan, f)
     table = Table(title=f"layer plan: {plan['counts']} (ratio {plan['sparse_ratio']:.3f}); predicted {plan['predicted']}")
     for c in ("layer", "mode", "mean misses", "exposed us"):
@@ -268,39 +315,61 @@ def cmd_plan(args) -> int:
 def _add_sim_args(p, profile: bool = True) -> None:
     p.add_argument("--model", default="dsv32", choices=["dsv32", "dsv3"])
     p.add_argument("--hardware", default="H200", help="H20, H20-141G, H800, H100, H200, B200 (ess/sim/data/hardware.json)")
-    p.add_argument("--context", type=int, default=32768, help="KV length per request")
-    p.add_argument("--mtp", type=int, default=2, help="MTP draft tokens per step")
-    p.add_argument("--accept", type=float, default=1.7, help="mean tokens accepted per step (1 .. mtp + 1)")
-    p.add_argument("--ep", type=int, default=32, help="expert-parallel GPUs")
+    p.add_argument("--context", type=POSITIVE, default=32768, help="KV length per request")
+    p.add_argument("--mtp", type=NON_NEGATIVE, default=2, help="MTP draft tokens per step")
+    p.add_argument("--accept", type=_positive_float, default=1.7, help="mean tokens accepted per step (1 .. mtp + 1)")
+    p.add_argument("--ep", type=POSITIVE, default=32, help="expert-parallel GPUs")
     p.add_argument("--tbo", action=argparse.BooleanOptionalAction, default=True, help="Two-Batch Overlap")
     if profile:
         p.add_argument("--profile", help="miss profile JSON from `ess profile` (default: the synthetic one)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+JSON_HELP = "print one JSON document on stdout instead of a table"
+SEED_HELP = "seed of the random weights and prompts"
+SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in ess/synth.py
+    ("requests", POSITIVE, "requests in the trace"),
+    ("steps", POSITIVE, "decode steps"),
+    ("layers", POSITIVE, "layers"),
+    ("topk", POSITIVE, "top-k set size"),
+    ("context", POSITIVE, "prompt length in tokens"),
+    ("sinks", NON_NEGATIVE, "first positions, always selected (attention sinks)"),
+    ("window", NON_NEGATIVE, "last positions, always selected (local window)"),
+    ("churn_min", NON_NEGATIVE, "fewest positions a step draws anew from the working-set pool (layers spread "
+                                "log-uniformly up to --churn-max)"),
+    ("churn_max", NON_NEGATIVE, "most positions a step draws anew"),
+    ("drift_min", float, "smallest per-layer share of the hot set that moves each step"),
+    ("drift_max", float, "largest per-layer share of the hot set that moves each step"),
+    ("pool", POSITIVE, "working-set positions per (request, layer) that churn draws from"),
+    ("fresh", float, "share of churn drawn from the whole context instead of the pool"),
+    ("seed", int, "seed of the trace"),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ess", description="ESS: offloaded sparse KV cache for DeepSeek-V3.2 decode")
+    p = _Parser(prog="ess", description="ESS: offloaded sparse KV cache for DeepSeek-V3.2 decode")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="prefill and greedy-decode the reference mini model, with or without ESS")
     d.add_argument("--config", default="mini", choices=["mini", "full"], help="model configuration (full needs a GPU)")
-    d.add_argument("--layers", type=int, help="override the number of layers")
-    d.add_argument("--topk", type=int, help="override the indexer's top-k")
-    d.add_argument("--batch", type=int, default=4)
-    d.add_argument("--context", type=int, default=2048, help="prompt length in tokens")
-    d.add_argument("--steps", type=int, default=32, help="decode steps")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--layers", type=POSITIVE, help="override the number of layers")
+    d.add_argument("--topk", type=POSITIVE, help="override the indexer's top-k")
+    d.add_argument("--batch", type=POSITIVE, default=4, help="prompts decoded together")
+    d.add_argument("--context", type=POSITIVE, default=2048, help="prompt length in tokens")
+    d.add_argument("--steps", type=NON_NEGATIVE, default=32, help="decode steps")
+    d.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     d.add_argument("--ess", action="store_true", help="also decode with ESS and compare with the baseline")
     g = d.add_mutually_exclusive_group()
-    g.add_argument("--buffer-tokens", type=int, help="ESS GPU slots per request and layer")
-    g.add_argument("--sparse-ratio", type=float, help="ESS GPU share of the cache (default 0.2)")
-    d.add_argument("--no-warmup", action="store_true", help="start decode with an empty GPU buffer")
-    d.add_argument("--device-mem-gib", type=float, help="report the largest batch whose caches fit this budget")
+    g.add_argument("--buffer-tokens", type=NON_NEGATIVE, help="ESS GPU slots per request and layer (with --ess)")
+    g.add_argument("--sparse-ratio", type=_positive_float, help="ESS GPU share of the cache (with --ess; default 0.2)")
+    d.add_argument("--no-warmup", action="store_true", help="start decode with an empty GPU buffer (with --ess)")
+    d.add_argument("--device-mem-gib", type=_positive_float, help="report the largest batch whose caches fit this budget")
     d.add_argument("--overlap", default="none", choices=["none", "da", "dba", "plan"],
-                   help="ESS overlap mode for every layer, or plan: per layer from --layer-plan")
+                   help="ESS overlap mode for every layer, or plan: per layer from --layer-plan, which it requires "
+                        "(with --ess)")
     d.add_argument("--layer-plan", help="layer plan JSON (format ess-layer-plan/1) with one mode per layer")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help=JSON_HELP)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)
 
@@ -308,10 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="cache_command", required=True)
     r = csub.add_parser("replay", help="replay a trace file through the ESS cache policy and count misses")
     r.add_argument("trace", help="trace .npz (format: ess-design.md section 6)")
-    r.add_argument("--buffer", type=int, required=True, help="GPU slots per (request, layer)")
+    r.add_argument("--buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
     r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
-    r.add_argument("--warmup-windows", type=int, default=32)
-    r.add_argument("--json", action="store_true")
+    r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=32, help="LRU-Warmup windows (with --warmup)")
+    r.add_argument("--json", action="store_true", help=JSON_HELP)
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_cache_replay)
 
@@ -319,33 +388,33 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = s.add_subparsers(dest="sim_command", required=True)
     run = ssub.add_parser("run", help="one configuration")
     _add_sim_args(run)
-    run.add_argument("--batch-size", type=int, required=True, help="requests per GPU")
-    run.add_argument("--sparse-ratio", type=float, help="ESS GPU share of the latent cache (omit: baseline)")
+    run.add_argument("--batch-size", type=POSITIVE, required=True, help="requests per GPU")
+    run.add_argument("--sparse-ratio", type=_positive_float, help="ESS GPU share of the latent cache (omit: baseline)")
     run.add_argument("--overlap", default="plan", choices=["none", "da", "dba", "plan"])
     run.set_defaults(func=cmd_sim_run)
     paper = ssub.add_parser("paper", help="the ESS paper's evaluation table, predicted")
-    paper.add_argument("--json", action="store_true")
+    paper.add_argument("--json", action="store_true", help=JSON_HELP)
     paper.set_defaults(func=cmd_sim_paper)
     sw = ssub.add_parser("sweep", help="throughput and OTPS against batch size, with a plot")
     _add_sim_args(sw)
-    sw.add_argument("--batch-min", type=int, default=8)
-    sw.add_argument("--batch-max", type=int, default=192)
-    sw.add_argument("--batch-step", type=int, default=8)
+    sw.add_argument("--batch-min", type=POSITIVE, default=8, help="smallest batch per GPU")
+    sw.add_argument("--batch-max", type=POSITIVE, default=192, help="largest batch per GPU")
+    sw.add_argument("--batch-step", type=POSITIVE, default=8, help="batch increment")
     sw.add_argument("--plot", help="PNG path")
     sw.set_defaults(func=cmd_sim_sweep)
     tr = sub.add_parser("trace", help="record or synthesise top-k trace files")
     tsub = tr.add_subparsers(dest="trace_command", required=True)
     rec = tsub.add_parser("record", help="run the reference model and write its trace")
-    rec.add_argument("--out", required=True)
-    rec.add_argument("--config", default="mini", choices=["mini", "full"])
-    rec.add_argument("--layers", type=int)
-    rec.add_argument("--topk", type=int)
-    rec.add_argument("--batch", type=int, default=2)
-    rec.add_argument("--context", type=int, default=2048)
-    rec.add_argument("--steps", type=int, default=32)
-    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--out", required=True, help="trace file to write (its folder is created)")
+    rec.add_argument("--config", default="mini", choices=["mini", "full"], help="model configuration")
+    rec.add_argument("--layers", type=POSITIVE, help="override the number of layers")
+    rec.add_argument("--topk", type=POSITIVE, help="override the indexer's top-k")
+    rec.add_argument("--batch", type=POSITIVE, default=2, help="prompts (requests in the trace)")
+    rec.add_argument("--context", type=POSITIVE, default=2048, help="prompt length in tokens")
+    rec.add_argument("--steps", type=POSITIVE, default=32, help="decode steps")
+    rec.add_argument("--seed", type=int, default=0, help=SEED_HELP)
     rec.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    rec.add_argument("--quiet", action="store_true")
+    rec.add_argument("--quiet", action="store_true", help="no progress bar")
     rec.set_defaults(func=cmd_trace_record)
     syn = tsub.add_parser(
         "synth",
@@ -356,37 +425,35 @@ def build_parser() -> argparse.ArgumentParser:
         "'fresh' from anywhere). Defaults give, at ratio 0.2 and 32K, layer means of tens to hundreds of misses per "
         "request-step. See ess/synth.py.",
     )
-    syn.add_argument("--out", required=True)
+    syn.add_argument("--out", required=True, help="trace file to write (its folder is created)")
     from ess.synth import SynthOptions
 
     d = SynthOptions()
-    for name in ("requests", "steps", "layers", "topk", "context", "sinks", "window", "churn_min", "churn_max", "pool", "seed"):
-        syn.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("drift_min", "drift_max", "fresh"):
-        syn.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    for name, kind, text in SYNTH_OPTIONS:
+        syn.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(d, name), help=text)
     syn.set_defaults(func=cmd_trace_synth)
 
     pr = sub.add_parser("profile", help="miss profile of traces through the ESS cache policy, with plots")
     pr.add_argument("traces", nargs="+", help="trace files; several of different context lengths add misses vs context")
     pr.add_argument("--ratios", type=_floats, default=[0.1, 0.2, 0.3, 0.5], help="Sparse Memory Ratios, comma-separated")
     pr.add_argument("--buffer-tokens", type=_ints, help="GPU slots instead of ratios, comma-separated")
-    pr.add_argument("--plot", help="directory for PNG plots")
+    pr.add_argument("--plot", help="directory for PNG plots (created)")
     pr.add_argument("--out", help="write the profile JSON here too")
-    pr.add_argument("--json", action="store_true")
-    pr.add_argument("--quiet", action="store_true")
+    pr.add_argument("--json", action="store_true", help=JSON_HELP)
+    pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)
 
     pl = sub.add_parser("plan", help="per-layer overlap plan (none / da / dba) from a miss profile and the cost model")
     pl.add_argument("--profile", required=True)
     _add_sim_args(pl, profile=False)
-    pl.add_argument("--batch-size", type=int, required=True)
-    pl.add_argument("--sparse-ratio", type=float, help="default: the largest that fits the batch")
+    pl.add_argument("--batch-size", type=POSITIVE, required=True, help="requests per GPU")
+    pl.add_argument("--sparse-ratio", type=_positive_float, help="default: the largest that fits the batch")
     pl.add_argument("--out", help="write the plan JSON here too")
     pl.set_defaults(func=cmd_plan)
 
     cal = ssub.add_parser("calibrate", help="refit the efficiency constants on the paper's baseline rows")
     cal.add_argument("--hardware", default="H200")
-    cal.add_argument("--json", action="store_true")
+    cal.add_argument("--json", action="store_true", help=JSON_HELP)
     cal.set_defaults(func=cmd_sim_calibrate)
     return p
 

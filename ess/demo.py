@@ -9,7 +9,7 @@ import torch
 
 from ess import memory
 from ess.cache import EssLatentCache
-from ess.config import GIB, EssConfig
+from ess.config import GIB, EssConfig, EssConfigError
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.model import GenerateResult, MiniModel, random_prompts
@@ -88,10 +88,40 @@ def _setup(opt: DemoOptions):
     return cfg, device, MiniModel(cfg, seed=opt.seed, device=device), random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
 
 
+ESS_ONLY = {"buffer_tokens": "--buffer-tokens", "sparse_ratio": "--sparse-ratio", "layer_plan": "--layer-plan"}
+
+
+def ess_config(opt: DemoOptions, topk: int, tokens: int) -> EssConfig:
+    """The ESS settings of a demo run, checked before any work; errors name the demo's flags."""
+    ratio = None if opt.buffer_tokens is not None else (0.2 if opt.sparse_ratio is None else opt.sparse_ratio)
+    try:
+        cfg = EssConfig(topk=topk, buffer_tokens=opt.buffer_tokens, sparse_ratio=ratio,
+                        warmup_windows=32 if opt.warmup else 0)
+        cfg.capacity(tokens)
+    except EssConfigError as e:  # EssConfig names its fields; here they are the demo's flags
+        raise ValueError(str(e).replace("buffer_tokens", "--buffer-tokens").replace("sparse_ratio", "--sparse-ratio")) from e
+    return cfg
+
+
+def check_options(opt: DemoOptions) -> None:
+    """What a demo run can refuse before any work."""
+    if not opt.ess:
+        given = [flag for field, flag in ESS_ONLY.items() if getattr(opt, field) is not None]
+        given += ["--no-warmup"] if not opt.warmup else []
+        given += [f"--overlap {opt.overlap}"] if opt.overlap != "none" else []
+        if given:
+            raise ValueError(f"{', '.join(given)}: ESS settings, used only with --ess")
+    if opt.device_mem_gib is not None and not opt.device_mem_gib > 0:
+        raise ValueError(f"--device-mem-gib must be positive, got {opt.device_mem_gib}")
+
+
 def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    check_options(opt)
     modes = layer_modes(opt, opt.layers or get_config(opt.config).num_layers) if opt.ess else None
-    cfg, device, model, prompts = _setup(opt)
     tokens = opt.context + opt.steps
+    topk = opt.topk or get_config(opt.config).index_topk
+    ess_cfg = ess_config(opt, topk, tokens) if opt.ess else None
+    cfg, device, model, prompts = _setup(opt)
 
     base, base_cache = _run(
         model, prompts, opt.steps, lambda ctx, max_len: DenseLatentCache(cfg.num_layers, len(ctx), max_len, device), progress, "baseline"
@@ -117,14 +147,6 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
     if not opt.ess:
         return report
 
-    if opt.buffer_tokens is None and opt.sparse_ratio is None:
-        opt = dataclasses.replace(opt, sparse_ratio=0.2)
-    ess_cfg = EssConfig(
-        topk=cfg.index_topk,
-        buffer_tokens=opt.buffer_tokens,
-        sparse_ratio=opt.sparse_ratio,
-        warmup_windows=32 if opt.warmup else 0,
-    )
     res, cache = _run(
         model,
         prompts,

@@ -84,6 +84,6 @@ def load_plan(path, num_layers: int | None = None, mtp_layer: bool = False) -> l
     try:
         with open(path) as f:
             plan = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"{path}: not a readable layer plan ({e})") from e
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, or not JSON
+        raise PlanError(f"{path}: not a readable layer plan ({type(e).__name__}: {e})") from e
     return validate_plan(plan, num_layers, str(path), mtp_layer)

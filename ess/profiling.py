@@ -49,6 +49,9 @@ def profile_traces(
         raise ValueError("give --ratios or --buffer-tokens")
     first_name, first = traces[0]
     R, steps, layers, K = first.topk.shape
+    for name, tr in traces:
+        if tr.topk.shape[1] == 0:
+            raise ValueError(f"{name}: no decode steps to profile")
     for name, tr in traces[1:]:
         if tr.topk.shape[2:] != (layers, K):
             raise ValueError(f"{name}: {tr.topk.shape[2]} layers and top-k {tr.topk.shape[3]}, the first trace has {layers} and {K}")
@@ -56,6 +59,9 @@ def profile_traces(
     if buffer_tokens is not None:
         if min(buffer_tokens) < K + 1:
             raise ValueError(f"--buffer-tokens: each must be at least top-k + 1 = {K + 1}")
+        if max(buffer_tokens) > ctx0:
+            raise ValueError(f"--buffer-tokens {max(buffer_tokens)}: more than the mean context of {first_name} "
+                             f"({ctx0:.0f} tokens), a ratio above 1")
         pairs = sorted((b / ctx0, b) for b in buffer_tokens)
     else:
         if any(not 0 < r <= 1 for r in ratios):

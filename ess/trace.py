@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -59,29 +61,37 @@ class Trace:
 
 
 def save_trace(path, trace: Trace) -> None:
+    """Writes exactly `path` (numpy would append .npz to a name without it), creating its folder."""
     trace.validate(str(path))
     arrays = {"topk": trace.topk, "context_len": trace.context_len, "meta": np.array(json.dumps(trace.meta))}
     if trace.prefill_topk is not None:
         arrays["prefill_topk"] = trace.prefill_topk
-    np.savez_compressed(path, **arrays)
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
 
 
 def load_trace(path) -> Trace:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy file: one array
+            raise TraceError(f"{path}: a single array, not a trace (an .npz archive of named fields)")
+        with z:
             files = set(z.files)
             for key in ("topk", "context_len"):
                 if key not in files:
                     raise TraceError(f"{path}: missing field '{key}' (has {sorted(files)})")
             meta = json.loads(str(z["meta"])) if "meta" in files else {}
+            if not isinstance(meta, dict):
+                raise TraceError(f"{path}: 'meta' must be a JSON object, got {type(meta).__name__}")
             trace = Trace(
                 topk=z["topk"],
                 context_len=z["context_len"],
                 prefill_topk=z["prefill_topk"] if "prefill_topk" in files else None,
                 meta=meta,
             )
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
-        if isinstance(e, TraceError):
-            raise
-        raise TraceError(f"{path}: not a readable trace file ({e})") from e
+    except TraceError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as e:  # ValueError: pickled data, bad JSON
+        raise TraceError(f"{path}: not a readable trace file ({type(e).__name__}: {e})") from e
     return trace.validate(str(path))

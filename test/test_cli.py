@@ -78,3 +78,73 @@ def test_corrupt_traces_are_rejected_with_the_problem_named(tmp_path, capsys):
         load_trace(tmp_path / "missing.npz")
     assert main(["cache", "replay", str(truncated), "--buffer", "6", "--quiet"]) == 2
     assert "not a readable trace" in capsys.readouterr().err
+
+
+SYNTH = ["--requests", "1", "--steps", "2", "--layers", "2", "--topk", "16", "--context", "64", "--window", "4",
+         "--sinks", "2", "--pool", "32", "--churn-min", "1", "--churn-max", "2"]
+
+
+def _fail(capsys, argv) -> str:
+    """Runs a command that must refuse: exit code 2, one line on stderr (no traceback); returns that line."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    return err[0]
+
+
+@pytest.fixture
+def bad_files(tmp_path, capsys):
+    good = tmp_path / "good.npz"
+    assert main(["trace", "synth", "--out", str(good), *SYNTH]) == 0
+    raw = good.read_bytes()
+    (tmp_path / "corrupt.npz").write_bytes(raw[: len(raw) // 2] + b"\0" * 100 + raw[len(raw) // 2 + 100 :])
+    (tmp_path / "text.npz").write_text("hello")
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    (tmp_path / "plan.json").write_bytes(b"\xff\xfe\x00not utf-8")
+    fields = dict(np.load(good))
+    np.savez(tmp_path / "meta_list.npz", **{**fields, "meta": np.array("[1, 2]")})
+    np.savez(tmp_path / "no_steps.npz", **{**fields, "topk": fields["topk"][:, :0]})
+    capsys.readouterr()
+    return tmp_path
+
+
+DEMO = ["demo", "--quiet", "--steps", "1", "--context", "64"]
+BAD = [  # (argv, with {d} the files' folder; what the one line must name)
+    (DEMO + ["--layers", "0"], "--layers"),
+    (DEMO + ["--topk", "0"], "--topk"),
+    (DEMO + ["--device-mem-gib", "-1"], "--device-mem-gib"),
+    (DEMO + ["--ess", "--buffer-tokens", "3"], "--buffer-tokens"),
+    (DEMO + ["--overlap", "da", "--buffer-tokens", "30"], "used only with --ess"),
+    (DEMO + ["--no-warmup"], "--no-warmup"),
+    (DEMO + ["--ess", "--overlap", "plan"], "--layer-plan"),
+    (DEMO + ["--ess", "--overlap", "plan", "--layer-plan", "{d}/plan.json"], "plan.json"),
+    (["cache", "replay", "{d}/corrupt.npz", "--buffer", "20"], "corrupt.npz"),
+    (["cache", "replay", "{d}/text.npz", "--buffer", "20"], "text.npz"),
+    (["cache", "replay", "{d}/array.npy", "--buffer", "20"], "array.npy"),
+    (["cache", "replay", "{d}/good.npz", "--buffer", "20", "--warmup-windows", "-3"], "--warmup-windows"),
+    (["profile", "{d}/meta_list.npz", "--quiet"], "meta_list.npz"),
+    (["profile", "{d}/no_steps.npz", "--quiet"], "no_steps.npz"),
+    (["profile", "{d}/good.npz", "--buffer-tokens", "100", "--quiet"], "--buffer-tokens"),
+    (["sim", "run", "--profile", "{d}/good.npz", "--batch-size", "8"], "good.npz"),
+    (["sim", "run", "--ep", "0", "--batch-size", "8"], "--ep"),
+    (["sim", "sweep", "--batch-step", "0"], "--batch-step"),
+]
+
+
+@pytest.mark.parametrize("argv, names", BAD, ids=[" ".join(a[:2] + a[-2:]) for a, _ in BAD])
+def test_bad_input_is_one_line_naming_the_flag_or_file(bad_files, capsys, argv, names):
+    line = _fail(capsys, [a.format(d=bad_files) for a in argv])
+    assert names in line and "Traceback" not in line
+
+
+def test_outputs_go_exactly_where_asked_folders_created(tmp_path, capsys):
+    out = tmp_path / "new" / "dir" / "trace"  # no .npz: written as given, not as trace.npz
+    assert main(["trace", "synth", "--out", str(out), *SYNTH]) == 0
+    assert f"wrote {out}" in capsys.readouterr().err
+    assert load_trace(out).topk.shape == (1, 2, 2, 16)
+    plot = tmp_path / "plots" / "sweep.png"
+    assert main(["sim", "sweep", "--batch-max", "16", "--plot", str(plot), "--json"]) == 0
+    assert plot.stat().st_size > 0

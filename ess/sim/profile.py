@@ -53,8 +53,8 @@ def load_profile(path) -> dict:
     try:
         with open(path) as f:
             p = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ProfileError(f"{path}: not a readable miss profile ({e})") from e
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 (a trace given as --profile, say), or not JSON
+        raise ProfileError(f"{path}: not a readable miss profile ({type(e).__name__}: {e})") from e
     return validate_profile(p, str(path))
 
 
