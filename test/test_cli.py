@@ -148,3 +148,21 @@ def test_outputs_go_exactly_where_asked_folders_created(tmp_path, capsys):
     plot = tmp_path / "plots" / "sweep.png"
     assert main(["sim", "sweep", "--batch-max", "16", "--plot", str(plot), "--json"]) == 0
     assert plot.stat().st_size > 0
+
+
+def test_sim_tables_say_which_system_and_why_a_batch_does_not_fit(capsys):
+    assert main(["sim", "sweep", "--batch-min", "48", "--batch-max", "56", "--batch-step", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "baseline" in table and "hisparse" in table and "ess" in table
+    assert "0.9999999" not in table
+    assert main(["sim", "paper"]) == 0
+    assert "no (max " in capsys.readouterr().out
+    doc = run_json(capsys, ["sim", "paper"])
+    assert len(doc["rows"]) == 18 and doc["dsv3_check"]["throughput"] > 0
+
+
+def test_sim_calibrate_prints_a_table_and_saves_with_out(tmp_path, capsys):
+    out = tmp_path / "cal" / "fit.json"
+    assert main(["sim", "calibrate", "--out", str(out)]) == 0
+    assert "written to" in capsys.readouterr().out
+    assert json.loads(out.read_text())["eta_compute"] > 0

@@ -120,8 +120,9 @@ def simulate(
         "h2d_mb_per_step": round(r.h2d_bytes / 1e6, 3),
         "d2h_mb_per_step": round(r.d2h_bytes / 1e6, 3),
         "max_batch_baseline": cost.max_batch(spec, hw, cal, dep, context),
-        "fits_memory": batch <= cost.max_batch(spec, hw, cal, dep, context, sparse_ratio),
+        "max_batch": cost.max_batch(spec, hw, cal, dep, context, sparse_ratio),  # at this ratio (or the baseline's)
     }
+    row["fits_memory"] = batch <= row["max_batch"]
     if modes is not None:
         row["plan"] = {m: modes.count(m) for m in ("none", "da", "dba")}
     return row
@@ -160,11 +161,11 @@ def sweep(batches: list[int], context: int, mtp: int, accept: float, model: str 
     common = dict(model=model, hardware=hardware, context=context, mtp=mtp, accept=accept, tbo=tbo, ep=ep, profile=profile, cal=cal)
     for b in batches:
         if b <= wall:
-            out["baseline"].append(simulate(batch=b, **common))
+            out["baseline"].append({"system": "baseline", **simulate(batch=b, **common)})
         r = ratio_for_batch(spec, hw, cal, dep, b, context)
         if spec.index_topk and r * context >= spec.index_topk + 1:  # the buffer must hold top-k + 1
-            out["hisparse"].append(simulate(batch=b, sparse_ratio=r, overlap="none", **common))
-            out["ess"].append(simulate(batch=b, sparse_ratio=r, overlap="plan", **common))
+            out["hisparse"].append({"system": "hisparse", **simulate(batch=b, sparse_ratio=r, overlap="none", **common)})
+            out["ess"].append({"system": "ess", **simulate(batch=b, sparse_ratio=r, overlap="plan", **common)})
     return out
 
 
