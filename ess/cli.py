@@ -152,7 +152,7 @@ def cmd_cache_replay(args) -> int:
     trace = load_trace(args.trace)
     with _Progress(not args.quiet) as progress:
         misses = replay_misses(
-            trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("layers", d, t)
+            trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("decode steps", d, t)
         )
     doc = {"trace": args.trace, "buffer": args.buffer, "warmup": args.warmup, "shape": list(misses.shape),
            "misses": misses.tolist()}

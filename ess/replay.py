@@ -12,6 +12,11 @@ from ess.sparse_pool import SparseMemoryPool
 from ess.trace import Trace
 
 
+# Requests x layers of one trace replay together, one table row each (rows are independent in lru_update), in groups
+# of layers whose position -> slot tables fit this many bytes.
+TABLE_BYTES = 1 << 29
+
+
 def replay_misses(
     trace: Trace,
     buffer_tokens: int,
@@ -19,28 +24,34 @@ def replay_misses(
     warmup_windows: int = 32,
     device: torch.device | str = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    table_bytes: int = TABLE_BYTES,
 ) -> np.ndarray:
-    """Misses [R, steps, layers] int32 of every request, decode step and layer at `buffer_tokens` slots."""
+    """Misses [R, steps, layers] int32 of every request, decode step and layer at `buffer_tokens` slots.
+    progress(done, total) counts decode steps over all groups of layers."""
     R, steps, layers, K = trace.topk.shape
     if buffer_tokens < K + 1:
         raise ValueError(f"--buffer: {buffer_tokens} slots is below top-k + 1 = {K + 1}")
     if warmup and trace.prefill_topk is None:
         raise ValueError("--warmup: this trace has no 'prefill_topk' sets")
-    ctx = torch.as_tensor(trace.context_len, device=device)
     max_pos = int(trace.context_len.max()) + steps
-    req = torch.arange(R, device=device)
+    group = max(1, min(layers, table_bytes // (R * (max_pos + 1) * 4)))
+    total = steps * -(-layers // group)
     out = np.zeros((R, steps, layers), dtype=np.int32)
-    for layer in range(layers):
-        pool = SparseMemoryPool(1, R, buffer_tokens, max_pos, device)
+    for first in range(0, layers, group):
+        ls = slice(first, min(layers, first + group))
+        G = ls.stop - ls.start
+        rows = torch.arange(R * G, device=device)  # row r * G + g: request r, layer first + g
+        pool = SparseMemoryPool(1, R * G, buffer_tokens, max_pos, device)
         sp, st, ps = pool.layer_state(0)
         if warmup:
-            sets = torch.as_tensor(trace.prefill_topk[:, :, layer], device=device)
-            W = min(warmup_windows, sets.shape[1])
-            pool.warm(0, req, sets[:, sets.shape[1] - W :], -W)
-        topk = torch.as_tensor(trace.topk[:, :, layer], device=device)
-        misses = [lru_update(sp, st, ps, req, topk[:, t], ctx + t, t).n_miss for t in range(steps)]
-        if steps:
-            out[:, :, layer] = torch.stack(misses, dim=1).cpu().numpy()
-        if progress:
-            progress(layer + 1, layers)
+            sets = torch.as_tensor(trace.prefill_topk[:, :, ls], device=device).permute(0, 2, 1, 3)  # [R, G, W, K]
+            W = min(warmup_windows, sets.shape[2])
+            pool.warm(0, rows, sets[:, :, sets.shape[2] - W :].reshape(R * G, W, K), -W)
+        topk = torch.as_tensor(trace.topk[:, :, ls], device=device)  # [R, steps, G, K]
+        own = torch.as_tensor(trace.context_len, device=device).repeat_interleave(G)
+        for t in range(steps):
+            r = lru_update(sp, st, ps, rows, topk[:, t].reshape(R * G, K), own + t, t)
+            out[:, t, ls] = r.n_miss.reshape(R, G).cpu().numpy()
+            if progress:
+                progress(first // group * steps + t + 1, total)
     return out

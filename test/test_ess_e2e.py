@@ -34,6 +34,8 @@ def test_ess_tokens_equal_baseline_and_replay_agrees(baseline, warmup):
     # `ess cache replay` runs the same policy code on the recorded trace: the same misses, step by step.
     trace = Trace(res.decode_topk.numpy(), res.context_len.numpy(), res.prefill_topk.numpy())
     assert np.array_equal(replay_misses(trace.validate(), BUFFER, warmup=warmup), live)
+    # all layers at once (the default here) or one layer at a time: rows of the tables are independent
+    assert np.array_equal(replay_misses(trace, BUFFER, warmup=warmup, table_bytes=1), live)
 
 
 def test_warmup_cuts_the_first_step_misses(baseline):
