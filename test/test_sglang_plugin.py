@@ -70,6 +70,31 @@ def test_launcher_help_lists_the_flags():
         assert flag in out.stdout, flag
 
 
+def test_refused_launch_prints_the_ess_message_alone():
+    """The real launcher: a flag-only refusal comes at parsing (before the model is read), and the plugin's
+    excepthook prints it as one line instead of a traceback."""
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", "unused", "--enable-ess",
+                          "--enable-hisparse"], capture_output=True, text=True,
+                         env={**os.environ, "SGLANG_PLUGINS": "ess"}, timeout=300)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "sglang: error: --enable-ess and --enable-hisparse both offload the sparse KV cache; choose one")
+
+
+def test_launch_error_hook_passes_other_exceptions_on(plugin, capsys):
+    from sglang_ess.args import EssArgsError
+
+    seen = []
+    hook = plugin.launch_error_hook(lambda *exc: seen.append(exc[1]))
+    hook(EssArgsError, EssArgsError("--ess-sparse-ratio must be in (0, 1], got 2.0"), None)
+    assert capsys.readouterr().err == "sglang: error: --ess-sparse-ratio must be in (0, 1], got 2.0\n" and not seen
+    other = RuntimeError("not ours")
+    hook(RuntimeError, other, None)
+    assert seen == [other]
+    assert getattr(sys.excepthook, "ess", False)  # installed by the plugin's loader
+
+
 def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 61, "modes": ["da"] * 30 + ["dba"] * 31}))

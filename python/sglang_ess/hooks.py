@@ -6,6 +6,7 @@ target in the installed sglang and checks the parameters each hook relies on, so
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -283,6 +284,20 @@ EXPECTED_PARAMS = {
 }
 
 
+def launch_error_hook(previous):
+    """sys.excepthook for the launcher: a refused ESS launch ends with its message alone, one line, as SGLang's
+    argument errors do, not as the last line of a traceback; every other exception goes to `previous`."""
+
+    def hook(kind, value, tb):
+        if isinstance(value, ess_args_mod.EssArgsError):
+            print(f"sglang: error: {value}", file=sys.stderr)
+            return
+        previous(kind, value, tb)
+
+    hook.ess = True
+    return hook
+
+
 def install() -> list[str]:
     """Register every hook (SGLang applies them after all plugins ran). Returns the targets."""
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
@@ -294,6 +309,8 @@ def install() -> list[str]:
         for target, kind, hook in table:
             HookRegistry.register(target, hook, kind)
         register_resolution_hook(RESOLUTION_STEP)(resolution_step)
+        if not getattr(sys.excepthook, "ess", False):
+            sys.excepthook = launch_error_hook(sys.excepthook)
         _installed = True
     return [t for t, _, _ in table]
 
