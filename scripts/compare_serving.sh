@@ -3,8 +3,17 @@
 # Each server is started in turn, benchmarked at several max-concurrency values, and stopped.
 #   MODEL=/models/DeepSeek-V3.2 TP=8 bash scripts/compare_serving.sh
 # Output: $OUT/results.jsonl, $OUT/compare.csv, $OUT/compare.png (output throughput, TPOT, ITL, TTFT).
+#
+# Environment (defaults in brackets): MODEL (required), TP [8], PORT [30000], INPUT_LEN [32768], OUTPUT_LEN [1024],
+# CONCURRENCY ["8 16 32 64 128 256"], PROMPTS_PER_CLIENT [4], OUT [benchmark/results/serving/DATE],
+# PY [the project's .venv/bin/python where it exists, else python3].
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+  "") ;;
+  *) echo "compare_serving.sh: no arguments (settings are environment variables; --help)" >&2; exit 2 ;;
+esac
 MODEL=${MODEL:?set MODEL to the DeepSeek-V3.2 checkpoint directory}
 TP=${TP:-8}
 PORT=${PORT:-30000}
@@ -13,7 +22,9 @@ OUTPUT_LEN=${OUTPUT_LEN:-1024}
 CONCURRENCY=${CONCURRENCY:-"8 16 32 64 128 256"}
 PROMPTS_PER_CLIENT=${PROMPTS_PER_CLIENT:-4}
 OUT=${OUT:-benchmark/results/serving/$(date +%Y-%m-%d)}
-PY=${PY:-python3}
+if [ -z "${PY:-}" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi  # the environment scripts/setup.sh made
+fi
 COMMON=(--model-path "$MODEL" --tp-size "$TP" --kv-cache-dtype fp8_e4m3 --trust-remote-code --port "$PORT")
 declare -A SYSTEM_FLAGS=(
   [baseline]=""
@@ -29,7 +40,11 @@ for system in baseline hisparse ess; do
   server=$!
   trap 'kill $server 2>/dev/null || true' EXIT
   until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
-    kill -0 $server 2>/dev/null || { echo "$system server died; see $OUT/server-$system.log" >&2; exit 1; }
+    if ! kill -0 $server 2>/dev/null; then
+      echo "$system server died; the end of $OUT/server-$system.log:" >&2
+      tail -n 20 "$OUT/server-$system.log" >&2
+      exit 1
+    fi
     sleep 10
   done
   for c in $CONCURRENCY; do

@@ -60,3 +60,19 @@ def test_serving_comparison_writes_csv_and_png(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"tag": "ess"}\n')
     with pytest.raises(SystemExit, match="missing"):
         load_rows(str(tmp_path / "bad.jsonl"))
+
+
+def test_compare_serving_script_help_and_a_dying_server(tmp_path):
+    import os
+    import subprocess
+
+    script = ROOT / "scripts" / "compare_serving.sh"
+    out = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "MODEL (required)" in out.stdout
+    fake = tmp_path / "python"  # a "server" that fails at start-up
+    fake.write_text("#!/bin/sh\necho 'loading the model'\necho 'ValueError: the last words of the server'\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "MODEL": "unused", "PY": str(fake), "OUT": str(tmp_path / "out"), "PORT": "39187"}
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 1
+    assert "baseline server died" in out.stderr and "the last words of the server" in out.stderr
