@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs ESS with its test extras. Idempotent; run from anywhere.
+# A line per phase; pip shows each package as it goes (about 11 GB in all, mostly torch, CUDA libraries and sglang).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+if [ -x .venv/bin/python ]; then
+  echo "setup: using .venv ($(.venv/bin/python --version))"
+else
+  echo "setup: creating .venv with $("$PY" --version)"
+  "$PY" -m venv .venv
+fi
+echo "setup: installing ESS, torch==2.14.1 and sglang==0.5.23 into .venv (a few minutes on a fresh machine)"
+# pip's own lines, less the noise (with pipefail a failed install still fails here)
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e '.[test]' \
+  | { grep -E --line-buffered -v '^(Requirement already satisfied|WARNING: Location|  )' || true; }
+.venv/bin/python -c "import ess, sglang, torch; print(f'setup: done: torch {torch.__version__}, sglang {sglang.__version__}')"
