@@ -74,8 +74,13 @@ def save_trace(path, trace: Trace) -> None:
 def load_trace(path) -> Trace:
     try:
         z = np.load(path, allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy file: one array
-            raise TraceError(f"{path}: a single array, not a trace (an .npz archive of named fields)")
+    except ValueError as e:  # numpy takes what is neither .npz nor .npy for a pickle, and says so
+        raise TraceError(f"{path}: not a trace (an .npz archive of named fields)") from e
+    except (zipfile.BadZipFile, EOFError, OSError) as e:
+        raise TraceError(f"{path}: not a readable trace file ({type(e).__name__}: {e})") from e
+    if not isinstance(z, np.lib.npyio.NpzFile):  # a .npy file: one array
+        raise TraceError(f"{path}: a single array, not a trace (an .npz archive of named fields)")
+    try:
         with z:
             files = set(z.files)
             for key in ("topk", "context_len"):
@@ -92,6 +97,6 @@ def load_trace(path) -> Trace:
             )
     except TraceError:
         raise
-    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as e:  # ValueError: pickled data, bad JSON
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError) as e:  # ValueError: bad JSON in meta
         raise TraceError(f"{path}: not a readable trace file ({type(e).__name__}: {e})") from e
     return trace.validate(str(path))

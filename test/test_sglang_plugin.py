@@ -124,6 +124,8 @@ BAD = [
     ("ratio", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-sparse-ratio", "0.01", "--context-length", "32768"],
      "--ess-sparse-ratio 0.01 x context 32768 gives 328 GPU slots"),
     ("plan", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-layer-plan", "PLAN10"], "--ess-layer-plan: .*plan for 10 layers, the model has 61"),
+    ("plan-not-utf8", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-layer-plan", "PLANBIN"],
+     "--ess-layer-plan: .*plan.bin: not a readable layer plan \\(UnicodeDecodeError"),
     ("hisparse", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--enable-hisparse"], "--enable-hisparse both"),
     ("both", {}, ["--enable-ess", "--ess-buffer-tokens", "4096", "--ess-sparse-ratio", "0.2"], "not both"),
     ("no-enable", {}, ["--ess-buffer-tokens", "4096"], "--ess-buffer-tokens given without --enable-ess"),
@@ -144,7 +146,8 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
 
     plan = tmp_path / "plan10.json"
     plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 10, "modes": ["da"] * 10}))
-    flags = [str(plan) if f == "PLAN10" else f for f in flags]
+    (tmp_path / "plan.bin").write_bytes(b"\xff\xfe\x00 not UTF-8")
+    flags = [{"PLAN10": str(plan), "PLANBIN": str(tmp_path / "plan.bin")}.get(f, f) for f in flags]
     with pytest.raises(EssArgsError, match=message):
         resolve(base(tmp_path, *flags, **model))
 
