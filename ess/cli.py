@@ -50,11 +50,20 @@ class _Progress:
         self.bar.update(self.tasks[phase], completed=done)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line (the usage is a --help away), exit code 2."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _Help)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -365,19 +374,24 @@ SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in
 ]
 
 
+def _add_model_args(p, batch: int, steps_type) -> None:
+    """The reference model run's options, shared by `demo` and `trace record`."""
+    p.add_argument("--config", default="mini", choices=["mini", "full"], help="model configuration (full needs a GPU)")
+    p.add_argument("--layers", type=POSITIVE, help="override the number of layers")
+    p.add_argument("--topk", type=POSITIVE, help="override the indexer's top-k")
+    p.add_argument("--batch", type=POSITIVE, default=batch, help="prompts decoded together")
+    p.add_argument("--context", type=POSITIVE, default=2048, help="prompt length in tokens")
+    p.add_argument("--steps", type=steps_type, default=32, help="decode steps")
+    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (auto: CUDA if present)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ess", description="ESS: offloaded sparse KV cache for DeepSeek-V3.2 decode")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="prefill and greedy-decode the reference mini model, with or without ESS")
-    d.add_argument("--config", default="mini", choices=["mini", "full"], help="model configuration (full needs a GPU)")
-    d.add_argument("--layers", type=POSITIVE, help="override the number of layers")
-    d.add_argument("--topk", type=POSITIVE, help="override the indexer's top-k")
-    d.add_argument("--batch", type=POSITIVE, default=4, help="prompts decoded together")
-    d.add_argument("--context", type=POSITIVE, default=2048, help="prompt length in tokens")
-    d.add_argument("--steps", type=NON_NEGATIVE, default=32, help="decode steps")
-    d.add_argument("--seed", type=int, default=0, help=SEED_HELP)
-    d.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    _add_model_args(d, batch=4, steps_type=NON_NEGATIVE)
     d.add_argument("--ess", action="store_true", help="also decode with ESS and compare with the baseline")
     g = d.add_mutually_exclusive_group()
     g.add_argument("--buffer-tokens", type=NON_NEGATIVE, help="ESS GPU slots per request and layer (with --ess)")
@@ -425,14 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = tr.add_subparsers(dest="trace_command", required=True)
     rec = tsub.add_parser("record", help="run the reference model and write its trace")
     rec.add_argument("--out", required=True, help="trace file to write (its folder is created)")
-    rec.add_argument("--config", default="mini", choices=["mini", "full"], help="model configuration")
-    rec.add_argument("--layers", type=POSITIVE, help="override the number of layers")
-    rec.add_argument("--topk", type=POSITIVE, help="override the indexer's top-k")
-    rec.add_argument("--batch", type=POSITIVE, default=2, help="prompts (requests in the trace)")
-    rec.add_argument("--context", type=POSITIVE, default=2048, help="prompt length in tokens")
-    rec.add_argument("--steps", type=POSITIVE, default=32, help="decode steps")
-    rec.add_argument("--seed", type=int, default=0, help=SEED_HELP)
-    rec.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    _add_model_args(rec, batch=2, steps_type=POSITIVE)
     rec.add_argument("--quiet", action="store_true", help="no progress bar")
     rec.set_defaults(func=cmd_trace_record)
     syn = tsub.add_parser(
