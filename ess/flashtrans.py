@@ -6,8 +6,9 @@ Pairs with a -1 on either side are skipped. Both are `copy_rows(src, src_idx, ds
 
 Backends:
   "triton"  one Triton kernel that reads and writes pinned host memory in place through unified virtual addressing
-            (the host tensor's address is valid on the device): no cudaMemcpyAsync per row, no staging buffer. Each
-            program moves one row as 164 int32 lanes, which the compiler packs into 16-byte accesses (656 = 41 x 16).
+            (the host tensor's address is valid on the device): no cudaMemcpyAsync per row, no staging buffer. A row
+            is 164 int32 lanes, which the compiler packs into 16-byte accesses (656 = 41 x 16); the grid is below.
+            On an H100 it moved 48.6 GB/s H2D and 43.6 GB/s D2H for random rows (docs/gpu.md).
   "torch"   a fallback with the same result for CPU tensors; padded pairs go to dst's last row, which every ESS
             pool keeps as a sink.
   "interpret"  the Triton kernel run by Triton's CPU interpreter: how CI checks the kernel against the fallback.
