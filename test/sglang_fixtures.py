@@ -24,3 +24,21 @@ def model_dir(tmp_path, name="dsv32", **changes):
     d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg))
     return str(d)
+
+
+def sglang_req(slot: int | None, room: int = 0, metadata_index: int = -1):
+    """A real SGLang Req holding request-table row `slot` (0.5.23 keeps it in req.kv), as the scheduler leaves it."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(f"r{slot}-{room}", "", [1, 2, 3], SamplingParams(max_new_tokens=4), bootstrap_room=room)
+    req.kv.req_pool_idx = slot
+    req.metadata_buffer_index = metadata_index
+    return req
+
+
+def decode_request(req, metadata_index: int):
+    """SGLang's DecodeRequest of a PD decode node for `req` (no receiver: the transfer is over when the hook runs)."""
+    from sglang.srt.disaggregation.decode import DecodeRequest
+
+    return DecodeRequest(req=req, kv_receiver=None, metadata_buffer_index=metadata_index)

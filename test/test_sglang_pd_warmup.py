@@ -19,6 +19,7 @@ from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from sglang_ess import hooks  # noqa: E402
+from sglang_fixtures import decode_request, sglang_req  # noqa: E402
 from test_sglang_runtime import CTX, K, L, SLOTS, prefill_setup, rows_of, setup_runtime  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
             hooks.around_forward_extend(lambda *a, **kw: None, backend, None, None, None,
                                         types.SimpleNamespace(layer_id=layer), child, topk_indices=topk_loc[rows])
     prefill_meta = metadata_buffers(4)  # SGLang's class, through the plugin's hook on its constructor
-    reqs = [types.SimpleNamespace(metadata_buffer_index=i + 1, req_pool_idx=s, bootstrap_room=2**63 + 1000 if i else 1000)  # unsigned 64-bit ids
+    reqs = [sglang_req(s, 2**63 + 1000 if i else 1000, metadata_index=i + 1)  # bootstrap rooms: unsigned 64-bit ids
             for i, s in enumerate(SLOTS)]
     for r in reqs:
         hooks.after_set_buf(None, prefill_meta, r)
@@ -128,8 +129,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     assert decode_meta.get_buf_infos()[0][-1] == decode_meta.ess_warmup.data_ptr()  # appended by the plugin's hook
     for i, r in enumerate(reqs):
         send_aux(prefill_meta, r.metadata_buffer_index, decode_meta, 5 + i)
-        decode_req = types.SimpleNamespace(metadata_buffer_index=5 + i, req=types.SimpleNamespace(
-            finished_reason=None, req_pool_idx=r.req_pool_idx, bootstrap_room=r.bootstrap_room))
+        decode_req = decode_request(sglang_req(r.kv.req_pool_idx, r.bootstrap_room), 5 + i)
         hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), decode_req)
 
     for slot in SLOTS:
@@ -144,8 +144,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
 
     stale, _ = setup_runtime(warmup=W, pool=pool)
     monkeypatch.setattr(hooks, "_runtime", stale)
-    other = types.SimpleNamespace(metadata_buffer_index=5, req=types.SimpleNamespace(
-        finished_reason=None, req_pool_idx=SLOTS[0], bootstrap_room=77))  # row 5 holds room 1000's state
+    other = decode_request(sglang_req(SLOTS[0], 77), 5)  # row 5 holds room 1000's state
     hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), other)
     monkeypatch.setattr(hooks, "_wire", None)
     plain = metadata_buffers(4)  # a prefill node without ESS: one buffer fewer, so row 5 is not written

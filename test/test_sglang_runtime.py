@@ -269,3 +269,35 @@ def test_layer_modes_come_from_the_plan_or_the_flag():
     assert layer_modes(EssArgs(enable=True), 3, None) == ["da"] * 3
     assert layer_modes(EssArgs(enable=True, overlap="none"), 3, None) == ["none"] * 3
     assert layer_modes(EssArgs(enable=True), 3, ["none", "da", "dba", "da"]) == ["none", "da", "dba"]  # MTP entry dropped
+
+
+def test_top_k_past_a_request_is_masked_and_an_empty_batch_is_empty():
+    """Entries at or past seq_len are -1 (no slot, no stale row, no index past the tables); B = 0 gives nothing."""
+    rt, pool = setup_runtime()
+    req = torch.tensor(SLOTS[:1])
+    own_loc = pool.req_to_token[SLOTS[:1], 30]
+    for layer in range(L):
+        store(rt, layer, own_loc, rows_of(own_loc, layer), True)
+        slots = rt.swap_in_selected_pages(req, torch.tensor([31]), torch.tensor([[1, 2, 3, 50, 31, 30, 10**6, -1]]), layer)
+        assert slots[0, 3:5].tolist() == [-1, -1] and slots[0, 6:].tolist() == [-1, -1]  # 50, 31, 10^6: future
+        assert (slots[0, :3] >= 0).all() and slots[0, 5] >= 0  # 1, 2, 3 and the own position 30
+        assert torch.equal(rt.latent_buffer(layer)[slots[0, :3].long(), 0], rows_of(pool.req_to_token[SLOTS[0], 1:4], layer))
+    empty = rt.swap_in_selected_pages(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                      torch.zeros(0, K, dtype=torch.int32), 0)
+    assert empty.shape == (0, K) and empty.dtype == torch.int32
+
+
+def test_release_through_the_scheduler_hook_reads_sglangs_req(plugin, monkeypatch):
+    """SGLang 0.5.23 keeps a request's table row in req.kv: the release hook frees that row's GPU state."""
+    from sglang_fixtures import sglang_req
+
+    rt, pool = setup_runtime()
+    monkeypatch.setattr(plugin, "_runtime", rt)
+    for layer in range(L):
+        own_loc = pool.req_to_token[SLOTS, CTX]
+        store(rt, layer, own_loc, rows_of(own_loc, layer), True)
+        rt.swap_in_selected_pages(torch.tensor(SLOTS), torch.full((2,), CTX + 1), torch.arange(K).repeat(2, 1).int(), layer)
+    assert rt.cache.sparse.resident(0, SLOTS[0])
+    plugin.before_release_kv_cache(sglang_req(SLOTS[0]))
+    assert not rt.cache.sparse.resident(0, SLOTS[0]) and rt.cache.sparse.resident(0, SLOTS[1])
+    plugin.before_release_kv_cache(sglang_req(None))  # a request that never held a row

@@ -198,9 +198,14 @@ def after_indexer(result, indexer, *a, **kw):
     return None
 
 
+def request_slot(req) -> int | None:
+    """A Req's row of SGLang's request table: 0.5.23 keeps it in the Req's KV record (`req.kv`), no longer on the Req."""
+    return req.kv.req_pool_idx
+
+
 def before_release_kv_cache(req, *a, **kw):
     rt = _runtime
-    idx = getattr(req, "req_pool_idx", None)
+    idx = request_slot(req)
     if rt is not None and idx is not None:
         path = rt.release(int(idx), str(getattr(req, "rid", "")))
         if path:
@@ -229,18 +234,18 @@ def after_set_buf(result, buffers, req, *a, **kw):
     """Prefill node, a request's last chunk: its warm-up state into its metadata row."""
     buf = getattr(buffers, "ess_warmup", None)
     if buf is not None and _sender is not None:
-        _sender.write(buf[req.metadata_buffer_index], int(req.req_pool_idx), req.bootstrap_room)
+        _sender.write(buf[req.metadata_buffer_index], int(request_slot(req)), req.bootstrap_room)
 
 
 def after_commit_transfer(result, queue, decode_req, *a, **kw):
     """Decode node, a request's KV and metadata arrived: load the warm-up state the prefill node sent."""
     buf = getattr(queue.metadata_buffers, "ess_warmup", None)
     req = decode_req.req
-    if buf is None or _runtime is None or req.finished_reason is not None or req.req_pool_idx is None:
+    if buf is None or _runtime is None or req.finished_reason is not None or request_slot(req) is None:
         return
     entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *_wire)
     if entries is not None:
-        _runtime.admit_transferred(int(req.req_pool_idx), entries)
+        _runtime.admit_transferred(int(request_slot(req)), entries)
 
 
 def _hook_table():

@@ -84,6 +84,10 @@ class EssRuntime:
         """The LRU step of one layer for a (micro-)batch: sets [B, S*K] positions, own [B] or [B, S]."""
         if layer == 0:
             self.cache.next_step()
+        # Entries past the request's newest own position (stale or padded top-k; SGLang's HiSparse had the same hole,
+        # its issue 32771) would translate to another token's slot or index past the tables: mask them (device op).
+        newest = own if own.dim() == 1 else own.max(dim=1).values
+        sets = torch.where(sets > newest.unsqueeze(1), -1, sets)
         r = self.cache.update(layer, req, sets, own)
         if self.recorder is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
             self.recorder.record(layer, req.cpu().numpy(), sets.cpu().numpy(), own.cpu().numpy())
@@ -118,6 +122,8 @@ class EssRuntime:
         request, whose union is one LRU step with S own tokens). Returns int32 slots of the same shape, -1 kept."""
         layer = layer_id - self.start_layer
         B = req_pool_indices.shape[0]
+        if B == 0:  # an empty batch: nothing to translate
+            return torch.full(top_k.shape, -1, dtype=torch.int32, device=top_k.device)
         S = top_k.shape[1] if top_k.dim() == 3 else 1
         pending = self._pending.pop((layer, req_pool_indices.data_ptr(), B), None)
         if pending is None:  # mode none (or no indexer call seen): the whole step here
