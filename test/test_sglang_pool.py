@@ -89,6 +89,25 @@ def test_prefill_reads_through_staging_equal_the_stock_pool(pools):
     assert ptrs == [ess.ess_host[i].data_ptr() for i in range(L)] and items == [656 * 64] * L
 
 
+def decode_batch(req, pos, mode=None):
+    """SGLang's own ForwardBatch of a decode step (the fields the indexer hook reads are real)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    return ForwardBatch(forward_mode=mode or ForwardMode.DECODE, batch_size=len(req), input_ids=torch.zeros_like(req),
+                        req_pool_indices=req, seq_lens=pos + 1, out_cache_loc=torch.zeros_like(req),
+                        seq_lens_sum=int((pos + 1).sum()))
+
+
+def in_forward(pool):
+    """SGLang's forward context around a forward whose attention backend serves `pool`. The backend is a stand-in:
+    the real DeepseekSparseAttnBackend needs a ModelRunner on a GPU, and the plugin reads only its token_to_kv_pool."""
+    import types
+
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    return forward_context(ForwardContext(attn_backend=types.SimpleNamespace(token_to_kv_pool=pool)))
+
+
 def make_runtime(ess, tokens, **flags):
     facts = {"topk": K, "layers": L, "buffer": C, "query_rows": 1, "plan": None}
     rt = EssRuntime(EssArgs(enable=True, buffer_tokens=C, **flags), facts, tokens.req_to_token, host=ess.ess_host,
@@ -100,10 +119,6 @@ def make_runtime(ess, tokens, **flags):
 @pytest.mark.parametrize("overlap", ["none", "da"])
 def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatch, overlap):
     """Decode through the pool and the runtime; with DA the step starts in the plugin's indexer hook."""
-    import types
-
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     from sglang_ess import hooks
 
     stock, ess, tokens = pools
@@ -112,14 +127,14 @@ def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatc
     rt = make_runtime(ess, tokens, overlap=overlap)
     monkeypatch.setattr(hooks, "_runtime", rt)
     req, pos = torch.tensor(REQ), torch.tensor([40, 33])
-    batch = types.SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=req,
-                                  attn_backend=types.SimpleNamespace(token_to_kv_pool=ess))
+    batch = decode_batch(req, pos)
     for step in range(15):  # C = 12 slots against top-8 sets over 40+ positions: misses and evictions every step
         ess.ess_phase = DECODE
         seq_lens = pos + 1
         topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
         for layer in range(L):
-            hooks.after_indexer(topk, None, None, None, positions=pos, forward_batch=batch, layer_id=layer)
+            with in_forward(ess):
+                hooks.after_indexer(topk, None, None, None, positions=pos, forward_batch=batch, layer_id=layer)
             assert len(rt._pending) == (overlap == "da")
             write(stock, ess, layer, tokens.req_to_token[req, pos], salt=step)
             slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
@@ -222,8 +237,6 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
 
 
 def test_indexer_hook_skips_prefill_and_the_draft_worker(pools, monkeypatch):
-    import types
-
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from sglang_ess import hooks
@@ -233,11 +246,15 @@ def test_indexer_hook_skips_prefill_and_the_draft_worker(pools, monkeypatch):
     monkeypatch.setattr(hooks, "_runtime", rt)
     topk, pos = torch.zeros(2, K, dtype=torch.int32), torch.tensor([5, 5])
     for mode, pool in [(ForwardMode.EXTEND, ess), (ForwardMode.DECODE, stock)]:  # prefill; the MTP draft's pool
-        batch = types.SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor(REQ),
-                                      attn_backend=types.SimpleNamespace(token_to_kv_pool=pool))
-        hooks.after_indexer(topk, None, None, None, pos, batch, 0)
-    hooks.after_indexer(topk, None, None, None, pos, batch, L)  # a layer outside the target's (the NextN layer)
+        with in_forward(pool):
+            hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos, mode), 0)
+    with in_forward(ess):
+        hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), L)  # the NextN layer
+    hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)  # outside a forward
     assert not rt._pending
+    with in_forward(ess):  # the target's decode forward: the step starts at its indexer
+        hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)
+    assert len(rt._pending) == 1
 
 
 def test_prefill_top_k_warms_up_through_the_hooks(pools):

@@ -117,6 +117,14 @@ def _ess_pool(backend) -> EssDSATokenToKVPool | None:
     return pool if isinstance(pool, EssDSATokenToKVPool) else None
 
 
+def _forward_backend():
+    """The attention backend of the forward in flight: SGLang 0.5.23 publishes it in its forward context
+    (ForwardBatch has no attn_backend); None outside a forward."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend, has_forward_context
+
+    return get_attn_backend() if has_forward_context() else None
+
+
 def _sending(backend) -> bool:
     """This backend serves the target model of a PD prefill node that sends warm-up state."""
     return _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool
@@ -190,7 +198,7 @@ def after_indexer(result, indexer, *a, **kw):
     mode = forward_batch.forward_mode
     if not (mode.is_decode() or mode.is_target_verify()):
         return None
-    if _ess_pool(getattr(forward_batch, "attn_backend", None)) is None:  # the MTP draft worker's forward
+    if _ess_pool(_forward_backend()) is None:  # the MTP draft worker's forward (its own backend and pool)
         return None
     if not 0 <= layer_id - rt.start_layer < rt.num_layers:
         return None
