@@ -137,6 +137,15 @@ BAD = [
      "--dsa-prefill-backend flashmla_kv \(got flashmla_sparse\)"),
     ("kpool", dict(index_kpool=4), ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess"], "pools them \\(index_kpool 4\\)"),
     ("mixed-chunk", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--enable-mixed-chunk"], "--enable-mixed-chunk yet"),
+    ("pipeline", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--pp-size", "2"], "--pp-size 2 yet"),
+    ("tree-verify", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--speculative-algorithm", "EAGLE",
+                         "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                         "--speculative-num-draft-tokens", "6", "--attention-backend", "triton"], "--speculative-eagle-topk 1 \\(got 2\\)"),
+    ("adaptive-spec", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--speculative-algorithm", "EAGLE",
+                           "--speculative-adaptive"], "--speculative-adaptive yet"),
+    ("decode-offload", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
+                            "--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend", "file"],
+     "--disaggregation-decode-enable-offload-kvcache yet"),
 ]
 
 

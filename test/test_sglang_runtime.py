@@ -301,3 +301,22 @@ def test_release_through_the_scheduler_hook_reads_sglangs_req(plugin, monkeypatc
     plugin.before_release_kv_cache(sglang_req(SLOTS[0]))
     assert not rt.cache.sparse.resident(0, SLOTS[0]) and rt.cache.sparse.resident(0, SLOTS[1])
     plugin.before_release_kv_cache(sglang_req(None))  # a request that never held a row
+
+
+def test_a_row_handed_to_a_new_request_starts_empty(plugin):
+    """SGLang frees request rows outside release_kv_cache too; admission (its on-alloc-rows callback) resets them."""
+    from sglang_fixtures import sglang_req
+
+    rt, pool = setup_runtime()
+    for layer in range(L):
+        own_loc = pool.req_to_token[SLOTS, CTX]
+        store(rt, layer, own_loc, rows_of(own_loc, layer), True)
+        rt.swap_in_selected_pages(torch.tensor(SLOTS), torch.full((2,), CTX + 1), torch.arange(K).repeat(2, 1).int(), layer)
+    seen = []
+    pool.register_on_alloc_rows(seen.append)  # a callback SGLang registered first keeps running, ahead of ESS's
+    plugin.reset_on_admit(pool, rt)
+    assert pool.alloc([sglang_req(None)]) == [4]  # SGLang hands out its free rows from the tail: 4, then 3
+    assert pool.alloc([sglang_req(None)]) == [SLOTS[0]]
+    assert seen == [[4], [SLOTS[0]]]
+    assert all(not rt.cache.sparse.resident(layer, SLOTS[0]) for layer in range(L))
+    assert rt.cache.sparse.resident(0, SLOTS[1])  # the other request keeps its rows

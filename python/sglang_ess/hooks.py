@@ -105,6 +105,7 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
         model=str(server_args.model_path),
     )
     pool.ess_runtime = _runtime
+    reset_on_admit(model_runner.req_to_token_pool, _runtime)
     model_runner.hisparse_coordinator = _runtime
     model_runner.ess_runtime = _runtime
     if facts["role"] == "pd-decode" and ess.warmup_windows:
@@ -209,6 +210,23 @@ def after_indexer(result, indexer, *a, **kw):
 def request_slot(req) -> int | None:
     """A Req's row of SGLang's request table: 0.5.23 keeps it in the Req's KV record (`req.kv`), no longer on the Req."""
     return req.kv.req_pool_idx
+
+
+def reset_on_admit(req_pool, rt: EssRuntime) -> None:
+    """Request-table rows handed to new requests start with empty ESS tables (SGLang's on-alloc-rows callback): rows
+    are also freed outside release_kv_cache (the decode node's KV offload, say), and a PD request that gets no warm-up
+    row must not inherit its row's previous LRU state and GPU rows."""
+    previous = req_pool._on_alloc_rows
+
+    def admit(rows: list[int]) -> None:
+        if previous is not None:
+            previous(rows)
+        rt.cache.release(torch.tensor(rows, dtype=torch.int64, device=rt.cache.gpu.device))
+
+    if previous is None:
+        req_pool.register_on_alloc_rows(admit)
+    else:  # SGLang allows one callback per pool: keep the one it registered, ahead of ours
+        req_pool._on_alloc_rows = admit
 
 
 def before_release_kv_cache(req, *a, **kw):

@@ -20,6 +20,9 @@ ESS_PREFILL_BACKENDS = ("flashmla_kv",)
 UNSUPPORTED_WITH_ESS = {
     "enable_mixed_chunk": "a mixed batch is prefill and decode in one forward, and ESS stages them differently",
     "enable_hierarchical_cache": "HiCache copies the device latent buffer, which ESS keeps in host memory already",
+    "disaggregation_decode_enable_offload_kvcache": "it offloads and frees requests' KV outside SGLang's release path, "
+                                                    "from the device latent buffer that ESS keeps in host memory",
+    "speculative_adaptive": "it changes the number of verify rows per step, which sizes ESS's GPU slots",
 }
 
 
@@ -46,6 +49,8 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
             f"--enable-ess keeps FlashMLA's 656-byte FP8 latent rows; launch with --kv-cache-dtype {LATENT_KV_DTYPE} "
             f"(got --kv-cache-dtype {cfg.kv_cache_dtype})"
         )
+    if (getattr(cfg, "pp_size", 1) or 1) > 1:
+        raise EssArgsError(f"--enable-ess does not support --pp-size {cfg.pp_size} yet: its runtime holds every layer")
     if cfg.disaggregation_mode == "prefill":
         return validate_prefill_node(ess, cfg, hf_config)
     if cfg.dsa_decode_backend not in ESS_DECODE_BACKENDS:
@@ -58,6 +63,9 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
     for field, why in UNSUPPORTED_WITH_ESS.items():
         if getattr(cfg, field, False):
             raise EssArgsError(f"--enable-ess does not support --{field.replace('_', '-')} yet: {why}")
+    if query_rows_per_request(cfg) > 1 and (getattr(cfg, "speculative_eagle_topk", 1) or 1) > 1:
+        raise EssArgsError(f"--enable-ess supports --speculative-eagle-topk 1 (got {cfg.speculative_eagle_topk}): a "
+                           "tree verify repeats own positions across branches")
 
     topk = int(hf_config.index_topk)
     context = int(cfg.context_length or hf_config.max_position_embeddings)
