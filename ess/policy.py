@@ -8,6 +8,10 @@ position and stamps w - W.
 
 `lru_update` runs with fixed shapes and no host synchronisation: batch rows without a set are -1 throughout, and
 every write that a row does not need lands in the sink column of the tables.
+
+Stamps are kept modulo STAMP_MOD, and a step compares ages (its stamp minus a slot's, modulo STAMP_MOD): the counter
+can run for the life of a server (it advances once per decode forward), and the order is exact while a row's entries
+are younger than STAMP_MOD steps, which a request would need 2^28 decode forwards of its own lifetime to break.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import dataclasses
 
 import torch
 
-STAMP_BIAS = 1 << 20  # stamps are >= -STAMP_BIAS (warm-up uses -W .. -1)
+STAMP_MOD = 1 << 28  # ages fit the sort key's 29 bits beside the flag bits 61 and 62 and a 32-bit position
 _NONE = torch.iinfo(torch.int64).max
 
 
@@ -60,7 +64,7 @@ def lru_update(
     r2 = req.unsqueeze(1)
     s = sets.long()
     has_own = own >= 0
-    stamp = torch.as_tensor(stamp, dtype=slot_stamp.dtype, device=dev)
+    stamp = torch.remainder(torch.as_tensor(stamp, dtype=torch.int64, device=dev), STAMP_MOD)  # warm-up's may be < 0
 
     # Per entry, in the caller's order, as things stand before the update.
     entry = s >= 0
@@ -84,14 +88,15 @@ def lru_update(
     need_own = has_own & ~own_resident
     n_need = need_own.sum(1)
 
-    # Victims: empty slots first, then (stamp, position) ascending; members of S and a resident own are protected.
+    # Victims: empty slots first, then (stamp, position) ascending, i.e. oldest first; members of S and a resident own
+    # are protected.
     sp = slot_pos[req, :C].long()
-    st = slot_stamp[req, :C].long()
+    age = torch.remainder(stamp - slot_stamp[req, :C].long(), STAMP_MOD)
     protected = torch.zeros(B, C + 1, dtype=torch.bool, device=dev)
     protected.scatter_(1, torch.where(uhit, uslot, C), True)
     protected.scatter_(1, torch.where(own_resident, own_pre, C), True)
     slot_ids = torch.arange(C, device=dev).expand(B, C)
-    key = torch.where(sp >= 0, (1 << 61) | ((st + STAMP_BIAS) << 32) | sp, slot_ids)
+    key = torch.where(sp >= 0, (1 << 61) | ((STAMP_MOD - 1 - age) << 32) | sp, slot_ids)
     key = key | (protected[:, :C].long() << 62)
     # The K + M smallest keys, in order (keys are distinct): enough, as misses + own <= K + M <= C.
     victims = torch.topk(key, K + M, dim=1, largest=False, sorted=True).indices
@@ -113,8 +118,8 @@ def lru_update(
     pos_slot[r2, torch.where(has_own, own, P)] = own_local.to(pos_slot.dtype)
     slot_pos[r2, miss_local] = srt.to(slot_pos.dtype)
     slot_pos[r2, own_local] = own.to(slot_pos.dtype)
-    slot_stamp[r2, torch.where(uhit, uslot, miss_local)] = stamp
-    slot_stamp[r2, own_local] = stamp
+    slot_stamp[r2, torch.where(uhit, uslot, miss_local)] = stamp.to(slot_stamp.dtype)
+    slot_stamp[r2, own_local] = stamp.to(slot_stamp.dtype)
 
     base = req * C
     own_slot = torch.where(has_own, base.unsqueeze(1) + own_local, torch.full_like(own, -1))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ess import flashtrans, layout
-from ess.policy import PolicyResult, lru_update
+from ess.policy import STAMP_MOD, PolicyResult, lru_update
 from ess.sparse_pool import SparseMemoryPool
 
 FLASHMLA_PAGE = 64
@@ -97,7 +97,7 @@ class ServingLatentCache:
     def next_step(self) -> None:
         """Advance the LRU stamp once per forward pass (a device op, so a captured graph advances it too). One global
         counter keeps every request's own order of steps, which is all LRU compares."""
-        self.stamp.add_(1)
+        self.stamp.add_(1).remainder_(STAMP_MOD)  # bounded for the life of a server (ess.policy compares ages)
 
     def update(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
         sp, st, ps = self.sparse.layer_state(layer)

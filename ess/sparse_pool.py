@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ess.policy import lru_update
+from ess.policy import STAMP_MOD, lru_update
 
 
 class SparseMemoryPool:
@@ -63,7 +63,8 @@ class SparseMemoryPool:
         pos = pos.to(self.slot_pos.device).long()
         held = pos >= 0
         self.slot_pos[:, req, :M] = torch.where(held, pos, -1).to(self.slot_pos.dtype)
-        self.slot_stamp[:, req, :M] = torch.where(held, stamps.to(pos.device).long(), 0).to(self.slot_stamp.dtype)
+        stamps = torch.remainder(stamps.to(pos.device).long(), STAMP_MOD)  # the policy's modular stamps
+        self.slot_stamp[:, req, :M] = torch.where(held, stamps, 0).to(self.slot_stamp.dtype)
         layer = torch.arange(L, device=pos.device).unsqueeze(1).expand(L, M)
         slot = torch.arange(M, device=pos.device).expand(L, M)
         self.pos_slot[layer, req, torch.where(held, pos, self.max_positions)] = torch.where(held, slot, -1).to(self.pos_slot.dtype)

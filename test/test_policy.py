@@ -3,13 +3,14 @@ import random
 import pytest
 import torch
 
-from ess.policy import lru_update
+from ess.policy import STAMP_MOD, lru_update
 from ess.sparse_pool import SparseMemoryPool
 from lru_oracle import OracleLRU
 
 
-def run_both(steps_sets, ctx, capacity, warm_sets=(), max_pos=None):
-    """Run the vectorised policy (all requests batched) and one oracle per request; compare every step."""
+def run_both(steps_sets, ctx, capacity, warm_sets=(), max_pos=None, first_stamp=0):
+    """Run the vectorised policy (all requests batched) and one oracle per request; compare every step. Step t has
+    stamp first_stamp + t; the oracle's stamps are unbounded, the policy's are kept modulo STAMP_MOD."""
     R = len(ctx)
     K = len(steps_sets[0][0])
     max_pos = max_pos or max(ctx) + len(steps_sets) + 1
@@ -19,21 +20,21 @@ def run_both(steps_sets, ctx, capacity, warm_sets=(), max_pos=None):
     oracles = [OracleLRU(capacity) for _ in range(R)]
     W = len(warm_sets)
     for w, sets in enumerate(warm_sets):
-        r = lru_update(sp, st, ps, req, torch.tensor(sets, dtype=torch.int32), torch.full((R,), -1), w - W)
+        r = lru_update(sp, st, ps, req, torch.tensor(sets, dtype=torch.int32), torch.full((R,), -1), first_stamp + w - W)
         for i in range(R):
-            assert int(r.n_miss[i]) == oracles[i].step(sets[i], -1, w - W)
+            assert int(r.n_miss[i]) == oracles[i].step(sets[i], -1, first_stamp + w - W)
             assert pool.resident(0, i) == set(oracles[i].stamp)
     for t, sets in enumerate(steps_sets):
         own = torch.tensor([c + t for c in ctx])
-        r = lru_update(sp, st, ps, req, torch.tensor(sets, dtype=torch.int32), own, t)
+        r = lru_update(sp, st, ps, req, torch.tensor(sets, dtype=torch.int32), own, first_stamp + t)
         for i in range(R):
-            assert int(r.n_miss[i]) == oracles[i].step(sets[i], int(own[i]), t), (t, i)
+            assert int(r.n_miss[i]) == oracles[i].step(sets[i], int(own[i]), first_stamp + t), (t, i)
             assert pool.resident(0, i) == set(oracles[i].stamp), (t, i)
             # Tables agree with each other, and every top-k entry maps to the slot holding its position.
             for slot in range(capacity):
                 p = int(sp[i, slot])
                 if p >= 0:
-                    assert int(ps[i, p]) == slot and int(st[i, slot]) == oracles[i].stamp[p]
+                    assert int(ps[i, p]) == slot and int(st[i, slot]) == oracles[i].stamp[p] % STAMP_MOD
             for k, p in enumerate(sets[i]):
                 a = int(r.attn_slot[i, k])
                 assert (a == -1) if p < 0 else int(sp[i, a - i * capacity]) == p
@@ -108,3 +109,21 @@ def test_several_own_tokens_per_step_match_oracle(seed):
                 assert (int(r.own_slot[i, j]) == -1) if o < 0 else int(sp[i, int(r.own_slot[i, j]) - i * C]) == o
     with pytest.raises(ValueError, match="below the set size"):
         lru_update(sp, st, ps, torch.arange(R), torch.zeros(R, 14, dtype=torch.int32), torch.zeros(R, 3, dtype=torch.int64), 99)
+
+
+@pytest.mark.parametrize("first_stamp", [STAMP_MOD - 6, 2**31 - 6])  # the modulus; an int32 counter's limit
+def test_stamps_wrap_around_with_the_oracles_order(first_stamp):
+    """Steps on both sides of a wrap (warm-up windows before it) evict exactly as the oracle's unbounded stamps do."""
+    rng = random.Random(7)
+    R, K, ctx = 3, 8, [30, 40, 50]
+    warm = random_sets(rng, R, 4, K, [c - 5 for c in ctx], 20)
+    run_both(random_sets(rng, R, 12, K, ctx, 25), ctx, capacity=12, warm_sets=warm, first_stamp=first_stamp)
+
+
+def test_the_serving_counter_stays_below_the_modulus():
+    from ess.serving import ServingLatentCache
+
+    sc = ServingLatentCache(1, 1, 10, 20, torch.zeros(1, 21, 656, dtype=torch.uint8), "cpu")
+    sc.stamp.fill_(STAMP_MOD - 1)
+    sc.next_step()
+    assert int(sc.stamp) == 0
