@@ -320,3 +320,21 @@ def test_a_row_handed_to_a_new_request_starts_empty(plugin):
     assert seen == [[4], [SLOTS[0]]]
     assert all(not rt.cache.sparse.resident(layer, SLOTS[0]) for layer in range(L))
     assert rt.cache.sparse.resident(0, SLOTS[1])  # the other request keeps its rows
+
+
+def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_dropped(caplog):
+    rt, pool = setup_runtime(overlap="da")
+    req = torch.tensor([SLOTS[0], 0, 0])  # a graph's batch of 3 holding one request: rows 2 and 3 are padding (slot 0)
+    pos = torch.tensor([CTX, 1, 1])
+    topk = torch.tensor([list(range(K))] * 3, dtype=torch.int32)
+    for layer in range(L):
+        own_loc = pool.req_to_token[req, pos]
+        store(rt, layer, own_loc, rows_of(own_loc, layer), True)
+        slots = rt.swap_in_selected_pages(req, pos + 1, topk, layer)
+        assert (slots[1:] == -1).all() and (slots[0] >= 0).all()
+        assert torch.equal(rt.latent_buffer(layer)[slots[0].long(), 0], rows_of(pool.req_to_token[SLOTS[0], :K], layer))
+        assert not rt.cache.sparse.resident(layer, 0)  # SGLang's padding row holds nothing
+    assert rt.begin(0, req, pos, topk)  # an indexer whose attention call never comes (an aborted forward)
+    with caplog.at_level("WARNING", logger="sglang_ess"):
+        rt.start_forward()
+    assert not rt._pending and "never consumed" in caplog.text

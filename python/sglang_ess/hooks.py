@@ -138,9 +138,12 @@ def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     pool = _ess_pool(backend)
     mode = forward_batch.forward_mode
     sending = _sending(backend)
+    parent = getattr(forward_batch, "tbo_parent_token_range", None) is None  # not a TBO micro-batch
+    if pool is not None and pool.ess_runtime is not None and parent:
+        pool.ess_runtime.start_forward()
     if (pool is None and not sending) or not mode.is_extend() or mode.is_target_verify():
         return
-    if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
+    if not parent:
         return
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))

@@ -18,6 +18,8 @@ sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ess.policy import PolicyResult
@@ -29,6 +31,9 @@ from sglang_ess.recorder import TraceRecorder
 from sglang_ess.warmup_plan import WarmupPlan
 
 OVERLAP_EARLY = ("da", "dba")  # modes whose H2D starts at the indexer
+PADDING_SLOT = 0  # SGLang's request tables keep row 0 for CUDA-graph padding; requests get rows from 1
+
+logger = logging.getLogger("sglang_ess")
 
 
 def layer_modes(ess: EssArgs, num_layers: int, plan: list[str] | None) -> list[str]:
@@ -80,10 +85,20 @@ class EssRuntime:
         """This decode/verify step's new rows [B(*S), 656], which swap_in_selected_pages puts into their GPU slots."""
         self._own_rows[layer_id - self.start_layer] = rows
 
+    def start_forward(self) -> None:
+        """A forward begins (SGLang plans its attention metadata): a step started at an indexer whose attention call
+        never came (an aborted forward) must not be taken for a later one's, whose tensors may sit at the same address."""
+        if self._pending:
+            logger.warning("ESS: %d overlap step(s) started at the indexer were never consumed; dropped", len(self._pending))
+            self._pending.clear()
+
     def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> PolicyResult:
-        """The LRU step of one layer for a (micro-)batch: sets [B, S*K] positions, own [B] or [B, S]."""
+        """The LRU step of one layer for a (micro-)batch: sets [B, S*K] positions, own [B] or [B, S]. Rows of request
+        slot 0 are CUDA-graph padding (SGLang's padding row, never a request's): they take no LRU step."""
         if layer == 0:
             self.cache.next_step()
+        real = req != PADDING_SLOT  # padding rows get no own token, and so (below) no set: they touch only sinks
+        own = torch.where(real.unsqueeze(1) if own.dim() == 2 else real, own, -1)
         # Entries past the request's newest own position (stale or padded top-k; SGLang's HiSparse had the same hole,
         # its issue 32771) would translate to another token's slot or index past the tables: mask them (device op).
         newest = own if own.dim() == 1 else own.max(dim=1).values
