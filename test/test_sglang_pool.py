@@ -173,6 +173,27 @@ def test_move_and_cpu_copy_keep_the_host_rows(pools, monkeypatch):
     assert torch.equal(ess.ess_host[0, free], rows_for(loc, 0))
 
 
+@pytest.mark.parametrize("backend", ["torch", "interpret"])
+def test_move_reads_every_source_before_writing_any_target(pools, monkeypatch, backend):
+    """Overlapping moves (SGLang's own reads before it writes): the host rows go through device memory, every layer
+    in one gather and one scatter (the FlashTrans kernel through Triton's interpreter here, on the GPU's stream there)."""
+    from ess import flashtrans
+
+    if backend == "interpret" and not flashtrans.INTERPRETER_OK:
+        pytest.skip("Triton < 3.8 cannot interpret the FlashTrans kernel")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # SGLang's index-K copy syncs the GPU
+    _, ess, _ = pools
+    monkeypatch.setattr(ess, "backend", backend)
+    ess.ess_host.copy_(torch.randint(0, 256, ess.ess_host.shape, dtype=torch.uint8))
+    before = ess.ess_host.clone()
+    tgt, src = torch.tensor([5, 6, 7, 40]), torch.tensor([6, 7, 8, 5])  # 5, 6 and 7 are both read and written
+    ess.move_kv_cache(tgt, src)
+    assert torch.equal(ess.ess_host[:, tgt], before[:, src])
+    rest = torch.ones(ess.ess_host.shape[1], dtype=torch.bool)
+    rest[tgt] = False
+    assert torch.equal(ess.ess_host[:, rest], before[:, rest])
+
+
 def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     """SGLang's configurator hands ESS its profiled budget and per-token cell (latent + index-K); ESS sizes tokens and
     requests so that index-K of every token, C slots per request slot, staging and scratch fit the budget."""

@@ -126,11 +126,20 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         raise NotImplementedError("--enable-ess: dense MHA prefill reads the latent cache by location; it is off with ESS")
 
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
-        """Move latent rows (host) and index-K (device) together."""
+        """Move latent rows (host) and index-K (device) together. The host rows of every layer go through device
+        memory, gathered then scattered back by FlashTrans on the current stream: ordered after the GPU work that
+        writes host rows (the new rows' D2H), which a CPU copy was not, and every source is read before any target
+        is written, as SGLang's own move reads before it writes."""
         if tgt_loc.numel() == 0:
             return
-        t, s = tgt_loc.reshape(-1).long().cpu(), src_loc.reshape(-1).long().cpu()
-        self.ess_host[:, t] = self.ess_host[:, s]
+        t, s = tgt_loc.reshape(-1).long().to(self.device), src_loc.reshape(-1).long().to(self.device)
+        layers, rows = self.ess_host.shape[:2]
+        base = torch.arange(layers, device=self.device).unsqueeze(1) * rows
+        flat = self.ess_host.view(-1, layout.LATENT_ROW_BYTES)
+        moving = torch.empty(layers * t.numel(), layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        order = torch.arange(moving.shape[0], device=self.device)
+        flashtrans.gather(flat, (base + s).flatten(), moving, order, self.backend)
+        flashtrans.scatter(moving, order, flat, (base + t).flatten(), self.backend)
         self.index_key_cache.move(tgt_loc, src_loc)
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
