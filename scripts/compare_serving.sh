@@ -25,7 +25,9 @@ OUT=${OUT:-benchmark/results/serving/$(date +%Y-%m-%d)}
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi  # the environment scripts/setup.sh made
 fi
-COMMON=(--model-path "$MODEL" --tp-size "$TP" --kv-cache-dtype fp8_e4m3 --trust-remote-code --port "$PORT")
+# --context-length: the longest request served; ESS's --ess-sparse-ratio is a share of it
+COMMON=(--model-path "$MODEL" --tp-size "$TP" --kv-cache-dtype fp8_e4m3 --trust-remote-code --port "$PORT"
+        --context-length $((INPUT_LEN + OUTPUT_LEN)))
 declare -A SYSTEM_FLAGS=(
   [baseline]=""
   [hisparse]="--enable-hisparse --disable-radix-cache"  # HiSparse requires the radix cache off

@@ -210,6 +210,9 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     monkeypatch.setattr(pc, "create_memory_pool_configurator", lambda kvc: stock)
     schedule = types.SimpleNamespace(max_running_requests=None, page_size=64, mem_fraction_static=0.9)
     monkeypatch.setattr("sglang.srt.runtime_context.get_schedule", lambda: schedule)
+    disagg = types.SimpleNamespace(disaggregation_mode="null", enable_pd_role_switch=False,
+                                   disaggregation_decode_extra_slots=None)
+    monkeypatch.setattr("sglang.srt.runtime_context.get_disagg", lambda: disagg)
     kvc = types.SimpleNamespace(layer_info=types.SimpleNamespace(num_effective_layers=layers), attn_dp_size=1,
                                 _profile_available_bytes=lambda pre: avail, _apply_token_constraints=lambda t: t)
     facts = {"context": ctx, "buffer": cap, "query_rows": 1}
@@ -224,6 +227,17 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     schedule.max_running_requests = 40  # a requested count is kept, and tokens fill the rest of the device
     config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
     assert config.max_running_requests == 40 and config.max_total_num_tokens > 40 * ctx
+    # a PD decode node: SGLang's table has size + extra slots + 1 rows (DecodeReqToTokenPool), each with C slots
+    disagg.disaggregation_mode, disagg.disaggregation_decode_extra_slots = "decode", 80
+    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    R, T = config.max_running_requests, config.max_total_num_tokens
+    used = (R + 80 + 1) * cache_bytes(layers, ctx, 656, 0, cap) + T * layers * 132
+    used += sizing.stage_bytes(ctx) + sizing.scratch_bytes(sizing.MAX_REQUESTS, 1)
+    assert R == 40 and used <= avail
+    schedule.max_running_requests = None  # sized to fit: the in-transfer rows are charged before the requests
+    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    assert config.max_running_requests == 138 - 80
+    disagg.disaggregation_mode = "null"
     with pytest.raises(ValueError, match="--ess-host-pool-gib 1"):
         sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=1), facts)
 

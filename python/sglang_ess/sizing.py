@@ -82,10 +82,12 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts: dict
     budget -= stage_bytes(facts["context"]) + scratch_bytes(MAX_REQUESTS, facts["query_rows"])
     requested = get_schedule().max_running_requests
     r = None if requested is None else max(1, requested // kvc.attn_dp_size)
-    # SGLang's request pool has one more slot than requests, and ESS gives every slot its sparse pool
+    # ESS gives every row of SGLang's request table its sparse pool: the requests', the padding row, and on a PD
+    # decode node the rows reserved for requests still in transfer
+    extra = extra_request_rows()
     sizes = ess_pool_sizes(layers, budget, ess.host_pool_gib,
-                           None if r is None else r + 1, facts["context"], facts["buffer"], per_token)
-    max_requests = min(max(1, sizes.max_requests - 1), MAX_REQUESTS)
+                           None if r is None else r + extra, facts["context"], facts["buffer"], per_token)
+    max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
     page = get_schedule().page_size
     tokens = kvc._apply_token_constraints(sizes.tokens) // page * page
     logger.info(
@@ -100,6 +102,18 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts: dict
 
 
 MAX_REQUESTS = 4096  # SGLang's own ceiling on requests per worker; bounds the decode scratch charged up front
+
+
+def extra_request_rows() -> int:
+    """Rows of SGLang's request table beyond the running requests: the padding row, plus on a PD decode node (or one
+    that may switch to decode) the --disaggregation-decode-extra-slots rows for requests still in transfer
+    (DecodeReqToTokenPool: size + pre_alloc_size + 1)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    disagg = get_disagg()
+    if disagg.disaggregation_mode == "decode" or disagg.enable_pd_role_switch:
+        return 1 + (disagg.disaggregation_decode_extra_slots or 0)
+    return 1
 
 
 def scratch_bytes(max_requests: int, query_rows: int) -> int:

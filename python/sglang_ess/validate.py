@@ -68,6 +68,12 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
                            "tree verify repeats own positions across branches")
 
     topk = int(hf_config.index_topk)
+    if ess.buffer_tokens is None and not cfg.context_length:
+        ratio = "--ess-sparse-ratio" if ess.sparse_ratio is not None else "--ess-sparse-ratio (default 0.2)"
+        raise EssArgsError(
+            f"{ratio} is a share of the context length: give --context-length (without it, the model's "
+            f"{hf_config.max_position_embeddings} positions), or --ess-buffer-tokens"
+        )
     context = int(cfg.context_length or hf_config.max_position_embeddings)
     rows = query_rows_per_request(cfg)
     need = rows * (topk + 1)
