@@ -12,6 +12,7 @@ import math
 import torch
 
 from ess import layout
+from ess.pinned import pinned_zeros
 
 PAGE_TOKENS = 64
 
@@ -36,10 +37,8 @@ class TotalMemoryPool:
             pin_memory = torch.cuda.is_available()
         self.num_pages = math.ceil(capacity_tokens / PAGE_TOKENS)
         self.sink_row = self.num_pages * PAGE_TOKENS  # receives padded (-1) entries of fixed-shape copies
-        # [layers, rows + 1 sink, 656]; pinned so that FlashTrans reads and writes it over UVA.
-        self.data = torch.zeros(
-            num_layers, self.sink_row + 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, pin_memory=pin_memory
-        )
+        # [layers, rows + 1 sink, 656]; pinned (at exactly its size) so that FlashTrans reads and writes it over UVA.
+        self.data = pinned_zeros((num_layers, self.sink_row + 1, layout.LATENT_ROW_BYTES), pin=pin_memory)
         self.max_pages_per_request = math.ceil(max_tokens_per_request / PAGE_TOKENS)
         self.page_table = torch.full((max_requests, self.max_pages_per_request), -1, dtype=torch.int64, device=device)
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low pages first

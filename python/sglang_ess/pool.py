@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ess import flashtrans, layout
+from ess.pinned import pinned_zeros
 from ess.serving import batch_tokens, whole_pages
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
@@ -42,7 +43,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         pin = torch.device(self.device).type == "cuda"
         locs = self.size + self.page_size  # SGLang's location space (location 0 is its padding slot)
         # + 1 sink row that fixed-shape gathers read for -1 entries
-        self.ess_host = torch.zeros(self.layer_num, locs + 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, pin_memory=pin)
+        # pinned at exactly its size (ess.pinned: torch's pinned allocator would round it up to a power of two)
+        self.ess_host = pinned_zeros((self.layer_num, locs + 1, layout.LATENT_ROW_BYTES), pin=pin)
         self.kv_buffer = [self.ess_host[i, :locs].unsqueeze(1) for i in range(self.layer_num)]
         self.ess_scratch = torch.zeros(self.scratch_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
         self.ess_scratch_idx = torch.arange(self.scratch_rows, device=self.device)
