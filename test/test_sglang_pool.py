@@ -257,7 +257,8 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
     hooks.after_init_forward_metadata(None, backend, batch)
     staged = tokens.req_to_token[REQ[0], :5].long()
     assert torch.equal(ess.translate_loc_to_hisparse_device(staged), torch.arange(5, dtype=torch.int32))
-    assert ess._stage_gather  # request 0 has a cached prefix
+    locs, rows = ess._stage_cached  # request 0's cached prefix, and only it, comes from the host
+    assert torch.equal(locs, staged[:2]) and rows.tolist() == [0, 1]
     seen = []
     for mode, phase in [(ForwardMode.EXTEND, EXTEND), (ForwardMode.TARGET_VERIFY, DECODE)]:
         batch.forward_mode = mode

@@ -54,7 +54,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self.ess_runtime = None  # set by the plugin once the runtime exists
         self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
         self._stage_pos: torch.Tensor | None = None  # their positions within their requests
-        self._stage_gather = False  # the staged batch has cached rows to bring from the host
+        self._stage_cached: tuple[torch.Tensor, torch.Tensor] | None = None  # cached prefix: (locations, staging rows)
         self._staged_layers: set[int] = set()
 
     def get_kv_size_bytes(self):
@@ -73,7 +73,13 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self.ess_stage_of_loc.fill_(-1)
         self.ess_stage_of_loc[locs] = torch.arange(n, dtype=torch.int32, device=locs.device)
         self._stage_locs, self._stage_pos = locs, pos
-        self._stage_gather = any(p > 0 for p in prefix_lens_cpu)
+        self._stage_cached = None
+        if any(p > 0 for p in prefix_lens_cpu):  # only the cached prefix comes from the host; the layer writes the rest
+            cached_locs, cached_pos = batch_tokens(token_table, req, prefix_lens_cpu)
+            starts = torch.tensor([sum(seq_lens_cpu[:i]) for i in range(len(seq_lens_cpu))], device=locs.device)
+            lens = torch.tensor(prefix_lens_cpu, device=locs.device)
+            rows = torch.repeat_interleave(starts, lens, output_size=cached_locs.shape[0]) + cached_pos
+            self._stage_cached = (cached_locs, rows)
         self._staged_layers = set()
 
     def _stage_layer(self, layer: int) -> None:
@@ -81,10 +87,9 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         if layer in self._staged_layers or self._stage_locs is None:
             return
         self._staged_layers.add(layer)
-        if self._stage_gather:
-            n = self._stage_locs.shape[0]
-            idx = torch.arange(n, device=self._stage_locs.device)
-            flashtrans.gather(self.ess_host[layer], self._stage_locs, self.ess_stage[:, 0], idx, self.backend)
+        if self._stage_cached is not None:
+            flashtrans.gather(self.ess_host[layer], self._stage_cached[0], self.ess_stage[:, 0], self._stage_cached[1],
+                              self.backend)
 
     def translate_loc_to_hisparse_device(self, locs: torch.Tensor) -> torch.Tensor:
         """Token locations -> staging rows (-1 and padding stay -1). The DSA backend calls this on its prefill page
