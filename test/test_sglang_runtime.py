@@ -3,6 +3,7 @@ slots, token locations from a real ReqToTokenPool), MTP verify shapes, own rows,
 pool sizing."""
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -230,21 +231,47 @@ def test_prefill_top_k_warms_decode_up():
     assert rt.cache.sparse.resident(0, SLOTS[0]) == set() and rt.cache.sparse.resident(0, SLOTS[1])
 
 
-def test_record_trace_writes_profileable_files(tmp_path):
+class NoHostCopies:
+    """Inside: a tensor's .cpu(), .numpy(), .tolist() or .item() raises (a host sync on a GPU)."""
+
+    NAMES = ("cpu", "numpy", "tolist", "item")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def refuse(*a, **kw):
+            raise AssertionError("a host copy inside the decode step")
+
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, refuse)
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_record_trace_writes_profileable_files(tmp_path, plugin):
     rng = random.Random(2)
-    rt, _ = setup_runtime(tmp_path)
-    req = torch.tensor(SLOTS)  # no start_request: the first decode step starts each request's trace
+    rt, pool = setup_runtime(tmp_path)
+    req = torch.tensor([*SLOTS, 0])  # a CUDA graph's padding row (slot 0) is not recorded
     sent = []
-    for t in range(3):
-        topk = torch.tensor(random_topk(rng, [CTX + t] * 2), dtype=torch.int32)
-        sent.append(topk)
+    runner = types.SimpleNamespace(ess_runtime=rt)  # SGLang's ModelRunner needs a GPU; the hook reads this only
+
+    def forward(runner, batch):
         for layer in range(L):
-            rt.swap_in_selected_pages(req, torch.full((2,), CTX + t + 1), topk, layer)
+            with NoHostCopies():  # the step appends to the device ring only
+                rt.swap_in_selected_pages(req, batch, topk, layer)
+
+    for t in range(3):
+        topk = torch.tensor(random_topk(rng, [CTX + t] * 3), dtype=torch.int32)
+        sent.append(topk)
+        plugin.around_model_forward(forward, runner, torch.tensor([CTX + t + 1] * 2 + [1]))
     path = rt.release(SLOTS[1], rid="req/1")
     tr = load_trace(path)
     assert tr.topk.shape == (1, 3, L, K) and tr.context_len.tolist() == [CTX]
     assert np.array_equal(tr.topk[0, :, 0], torch.stack([s[1] for s in sent]).numpy())
     assert tr.meta["rid"] == "req/1"
+    assert rt.release(0) is None  # the padding row has no trace
 
 
 def test_pool_sizing_matches_the_memory_arithmetic():

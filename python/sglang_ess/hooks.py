@@ -167,6 +167,18 @@ def _in_phase(original, backend, phase, *a, **kw):
         pool.ess_phase = previous
 
 
+def around_model_forward(original, model_runner, *a, **kw):
+    """Each forward of the target model (eager or a CUDA graph's replay): with --ess-record-trace, the decode rows it
+    selects are appended on the device and drained to the recorder afterwards, outside the graph."""
+    rt = getattr(model_runner, "ess_runtime", None)
+    if rt is None or rt.ring is None:
+        return original(model_runner, *a, **kw)
+    rt.ring.reset()
+    out = original(model_runner, *a, **kw)
+    rt.end_forward()
+    return out
+
+
 def around_forward_decode(original, backend, *a, **kw):
     return _in_phase(original, backend, DECODE, *a, **kw)
 
@@ -286,6 +298,7 @@ def _hook_table():
         (f"{KV_CONFIGURATOR}._resolve_memory_pool_config", HookType.AROUND, around_resolve_memory_pool_config),
         (f"{KV_CONFIGURATOR}._build_dsa_kv_pool", HookType.AROUND, around_build_dsa_kv_pool),
         (f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator", HookType.AFTER, after_init_sparse_coordinator),
+        (f"{MODEL_RUNNER}.forward", HookType.AROUND, around_model_forward),
         (f"{DSA_BACKEND}.init_forward_metadata", HookType.AFTER, after_init_forward_metadata),
         (f"{INDEXER}.forward_cuda", HookType.AFTER, after_indexer),
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
@@ -305,6 +318,7 @@ EXPECTED_PARAMS = {
     f"{KV_CONFIGURATOR}._resolve_memory_pool_config": ["self", "pre_model_load_memory"],
     f"{KV_CONFIGURATOR}._build_dsa_kv_pool": ["self", "max_total_num_tokens", "max_running_requests", "dsa_pool_class"],
     f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator": ["self"],
+    f"{MODEL_RUNNER}.forward": ["self", "forward_batch"],
     f"{DSA_BACKEND}.init_forward_metadata": ["self", "forward_batch"],
     f"{DSA_BACKEND}.forward_decode": ["self", "q", "k", "v", "layer", "forward_batch"],
     f"{DSA_BACKEND}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope",

@@ -1,8 +1,10 @@
 """--ess-record-trace DIR: the top-k sets a server really selects, written as trace files (ess-design.md section 6)
 that `ess profile` reads, one file per finished request.
 
-Recording copies every layer's top-k to the host each step (a host sync): it is for profiling runs, not for
-serving at full speed, and the README says so.
+The decode step only appends its top-k rows to a fixed device buffer (StepRing: a device write pointer, no host
+sync, so CUDA graphs capture it); after each forward, outside any graph, the plugin drains the buffer to the host
+(one sync per forward) and the recorder groups the rows into traces. Still a profiling mode: the drain costs a sync
+and a copy per forward.
 """
 
 from __future__ import annotations
@@ -10,8 +12,44 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 
 from ess.trace import Trace, save_trace
+
+
+class StepRing:
+    """The rows (layer, request slot, own position, top-k [K]) that one forward's decode steps select, in the order the
+    steps ran, in fixed device buffers of `rows` rows (the tables' last row is a sink once they are full)."""
+
+    def __init__(self, rows: int, topk: int, device):
+        self.rows = rows
+        self.layer = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.req = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        self.own = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+        self.topk = torch.full((rows + 1, topk), -1, dtype=torch.int32, device=device)
+        self.head = torch.zeros((), dtype=torch.int64, device=device)
+
+    def append(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own: torch.Tensor) -> None:
+        """Device ops only: the step's rows go to the next free rows."""
+        idx = self.head + torch.arange(req.shape[0], device=req.device)
+        idx = torch.where(idx < self.rows, idx, self.rows)
+        self.layer.index_fill_(0, idx, layer)
+        self.req.index_copy_(0, idx, req.long())
+        self.own.index_copy_(0, idx, own.long())
+        self.topk.index_copy_(0, idx, topk.to(torch.int32))
+        self.head.add_(req.shape[0]).clamp_(max=self.rows)
+
+    def reset(self) -> None:
+        self.head.zero_()
+
+    def drain(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """The rows appended since the last reset, as one (layer, request slots, top-k, own positions) per run of
+        consecutive rows of one layer (a step); then empty. Host sync: call it outside the graphs, after a forward."""
+        n = int(self.head)
+        self.head.zero_()
+        layer, req, topk, own = (t[:n].cpu().numpy() for t in (self.layer, self.req, self.topk, self.own))
+        cuts = np.flatnonzero(np.diff(layer)) + 1
+        return [(int(layer[a]), req[a:b], topk[a:b], own[a:b]) for a, b in zip([0, *cuts], [*cuts, n]) if b > a]
 
 
 class TraceRecorder:

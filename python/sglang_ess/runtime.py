@@ -27,7 +27,7 @@ from ess.serving import ServingLatentCache
 from ess.streams import Streams
 from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs
-from sglang_ess.recorder import TraceRecorder
+from sglang_ess.recorder import StepRing, TraceRecorder
 from sglang_ess.warmup_plan import WarmupPlan
 
 OVERLAP_EARLY = ("da", "dba")  # modes whose H2D starts at the indexer
@@ -73,6 +73,8 @@ class EssRuntime:
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.get("plan"))
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model) if ess.record_trace else None
+        # one forward's decode rows: every layer of every request slot
+        self.ring = StepRing(self.num_layers * token_table.shape[0], facts["topk"], device) if self.recorder else None
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
         # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the
@@ -104,9 +106,19 @@ class EssRuntime:
         newest = own if own.dim() == 1 else own.max(dim=1).values
         sets = torch.where(sets > newest.unsqueeze(1), -1, sets)
         r = self.cache.update(layer, req, sets, own)
-        if self.recorder is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
-            self.recorder.record(layer, req.cpu().numpy(), sets.cpu().numpy(), own.cpu().numpy())
+        if self.ring is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
+            self.ring.append(layer, req, sets, own)
         return r
+
+    def end_forward(self) -> None:
+        """After a forward, outside any graph: the recorded rows go to the trace recorder (SGLang's padding rows,
+        request slot 0, are left out)."""
+        if self.ring is None:
+            return
+        for layer, req, topk, own in self.ring.drain():
+            real = req != PADDING_SLOT
+            if real.any():
+                self.recorder.record(layer, req[real], topk[real], own[real])
 
     # -- DA / DBA: called by the plugin right after the layer's indexer ------------------------------------------
     def begin(self, layer_id: int, req_pool_indices: torch.Tensor, positions: torch.Tensor, top_k: torch.Tensor) -> bool:
