@@ -349,7 +349,7 @@ def test_a_row_handed_to_a_new_request_starts_empty(plugin):
     assert rt.cache.sparse.resident(0, SLOTS[1])  # the other request keeps its rows
 
 
-def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_dropped(caplog):
+def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_dropped(caplog, plugin):
     rt, pool = setup_runtime(overlap="da")
     req = torch.tensor([SLOTS[0], 0, 0])  # a graph's batch of 3 holding one request: rows 2 and 3 are padding (slot 0)
     pos = torch.tensor([CTX, 1, 1])
@@ -362,6 +362,6 @@ def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_droppe
         assert torch.equal(rt.latent_buffer(layer)[slots[0].long(), 0], rows_of(pool.req_to_token[SLOTS[0], :K], layer))
         assert not rt.cache.sparse.resident(layer, 0)  # SGLang's padding row holds nothing
     assert rt.begin(0, req, pos, topk)  # an indexer whose attention call never comes (an aborted forward)
-    with caplog.at_level("WARNING", logger="sglang_ess"):
-        rt.start_forward()
+    with caplog.at_level("WARNING", logger="sglang_ess"):  # the next forward (SGLang's ModelRunner.forward)
+        plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
     assert not rt._pending and "never consumed" in caplog.text

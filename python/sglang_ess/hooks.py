@@ -138,12 +138,9 @@ def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     pool = _ess_pool(backend)
     mode = forward_batch.forward_mode
     sending = _sending(backend)
-    parent = getattr(forward_batch, "tbo_parent_token_range", None) is None  # not a TBO micro-batch
-    if pool is not None and pool.ess_runtime is not None and parent:
-        pool.ess_runtime.start_forward()
     if (pool is None and not sending) or not mode.is_extend() or mode.is_target_verify():
         return
-    if not parent:
+    if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
         return
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))
@@ -168,12 +165,12 @@ def _in_phase(original, backend, phase, *a, **kw):
 
 
 def around_model_forward(original, model_runner, *a, **kw):
-    """Each forward of the target model (eager or a CUDA graph's replay): with --ess-record-trace, the decode rows it
-    selects are appended on the device and drained to the recorder afterwards, outside the graph."""
+    """Each forward of the target model (eager, or a CUDA graph's replay), micro-batches and all: the runtime's
+    start_forward / end_forward around it (stale overlap steps dropped; recorded rows drained, outside the graph)."""
     rt = getattr(model_runner, "ess_runtime", None)
-    if rt is None or rt.ring is None:
+    if rt is None:
         return original(model_runner, *a, **kw)
-    rt.ring.reset()
+    rt.start_forward()
     out = original(model_runner, *a, **kw)
     rt.end_forward()
     return out

@@ -88,11 +88,14 @@ class EssRuntime:
         self._own_rows[layer_id - self.start_layer] = rows
 
     def start_forward(self) -> None:
-        """A forward begins (SGLang plans its attention metadata): a step started at an indexer whose attention call
-        never came (an aborted forward) must not be taken for a later one's, whose tensors may sit at the same address."""
+        """A forward of the target model begins: a step started at an indexer whose attention call never came (an
+        aborted forward) must not be taken for a later one's, whose tensors may sit at the same address; the trace
+        ring starts empty."""
         if self._pending:
             logger.warning("ESS: %d overlap step(s) started at the indexer were never consumed; dropped", len(self._pending))
             self._pending.clear()
+        if self.ring is not None:
+            self.ring.reset()
 
     def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> PolicyResult:
         """The LRU step of one layer for a (micro-)batch: sets [B, S*K] positions, own [B] or [B, S]. Rows of request
