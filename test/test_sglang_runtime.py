@@ -365,3 +365,23 @@ def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_droppe
     with caplog.at_level("WARNING", logger="sglang_ess"):  # the next forward (SGLang's ModelRunner.forward)
         plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
     assert not rt._pending and "never consumed" in caplog.text
+
+
+def test_pd_transfer_engines_see_the_host_pool_as_host_memory(plugin, monkeypatch):
+    """NIXL: the decode node's latent layers (ESS's pinned host pool) are registered as DRAM, index-K stays VRAM
+    (SGLang's KVArgs, as its decode queue fills them). Mooncake: a failed registration stops the node."""
+    from sglang.srt.disaggregation.base import KVArgs
+
+    rt, _ = setup_runtime()
+    monkeypatch.setattr(plugin, "_runtime", rt)
+    index_k = torch.zeros(4, 132, dtype=torch.uint8)  # stands for a device buffer
+    args = KVArgs()
+    args.kv_data_ptrs = [rt.cache.host[0].data_ptr(), rt.cache.host[1].data_ptr(), index_k.data_ptr()]
+    args.kv_data_mem_kinds = ["VRAM"] * 3  # what SGLang 0.5.23 states without HiSparse
+    plugin.before_nixl_manager(None, args)
+    assert args.kv_data_mem_kinds == ["DRAM", "DRAM", "VRAM"]
+    assert plugin.after_mooncake_register(0, None, [1], [1]) is None
+    with pytest.raises(RuntimeError, match="Mooncake could not register"):
+        plugin.after_mooncake_register(-1, None, [1], [1])
+    monkeypatch.setattr(plugin, "_runtime", None)  # a node without ESS: SGLang's own behaviour
+    assert plugin.after_mooncake_register(-1, None, [1], [1]) is None

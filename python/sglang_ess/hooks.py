@@ -27,6 +27,8 @@ KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurato
 RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
 METADATA_BUFFERS = "sglang.srt.disaggregation.utils.MetadataBuffers"
 DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
+NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
 RESOLUTION_STEP = "handle_other_validations"
 
 _installed = False
@@ -286,6 +288,31 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
         _runtime.admit_transferred(int(request_slot(req)), entries)
 
 
+# -- PD transfer engines: ESS's latent layers are pinned host memory ------------------------------------------------
+def host_memory_kinds(ptrs: list[int], kinds: list[str], host: torch.Tensor) -> list[str]:
+    """NIXL memory kinds of KV buffers: DRAM for the ones inside ESS's host pool, the others as given."""
+    low = host.data_ptr()
+    high = low + host.numel() * host.element_size()
+    return ["DRAM" if low <= p < high else k for p, k in zip(ptrs, kinds)]
+
+
+def before_nixl_manager(manager, args, *a, **kw):
+    """SGLang tells NIXL a KV buffer is host memory (DRAM) only under HiSparse (disaggregation/decode.py): ESS's
+    decode node would register its pinned latent layers as GPU memory."""
+    if _runtime is not None and getattr(args, "kv_data_ptrs", None):
+        kinds = list(getattr(args, "kv_data_mem_kinds", None) or ["VRAM"] * len(args.kv_data_ptrs))
+        args.kv_data_mem_kinds = host_memory_kinds(list(args.kv_data_ptrs), kinds, _runtime.cache.host)
+
+
+def after_mooncake_register(result, engine, *a, **kw):
+    """Mooncake's batch registration only logs a failure at debug level; with ESS a node whose buffers are not
+    registered would send or receive nothing, so it stops here instead."""
+    if result != 0 and (_runtime is not None or _sender is not None):
+        raise RuntimeError(f"--enable-ess: Mooncake could not register the KV buffers (batch_register returned {result}); "
+                           "check the transfer engine's memory registration limits")
+    return None
+
+
 def _hook_table():
     from sglang.srt.plugins.hook_registry import HookType
 
@@ -305,6 +332,8 @@ def _hook_table():
         (f"{METADATA_BUFFERS}.get_buf_infos", HookType.AFTER, after_get_buf_infos),
         (f"{METADATA_BUFFERS}.set_buf", HookType.AFTER, after_set_buf),
         (f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req", HookType.AFTER, after_commit_transfer),
+        (f"{NIXL_MANAGER}.__init__", HookType.BEFORE, before_nixl_manager),
+        (f"{MOONCAKE_ENGINE}.batch_register", HookType.AFTER, after_mooncake_register),
     ]
 
 
@@ -326,6 +355,8 @@ EXPECTED_PARAMS = {
     f"{METADATA_BUFFERS}.get_buf_infos": ["self"],
     f"{METADATA_BUFFERS}.set_buf": ["self", "req"],
     f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req": ["self", "decode_req"],
+    f"{NIXL_MANAGER}.__init__": ["self", "args"],
+    f"{MOONCAKE_ENGINE}.batch_register": ["self", "ptrs", "lengths"],
 }
 
 
