@@ -265,7 +265,7 @@ def cmd_trace_record(args) -> int:
                       steps=args.steps, seed=args.seed, device=args.device)
     with _Progress(not args.quiet) as progress:
         trace = record_trace(opt, progress)
-    save_trace(args.out, trace)
+    save_trace(_output(args.out), trace)
     say(f"wrote {args.out}: topk {list(trace.topk.shape)}")
     return 0
 
@@ -278,7 +278,7 @@ def cmd_trace_synth(args) -> int:
                        sinks=args.sinks, window=args.window, churn_min=args.churn_min, churn_max=args.churn_max,
                        drift_min=args.drift_min, drift_max=args.drift_max, pool=args.pool, fresh=args.fresh, seed=args.seed)
     trace = synth_trace(opt)
-    save_trace(args.out, trace)
+    save_trace(_output(args.out), trace)
     say(f"wrote {args.out}: SYNTHETIC trace, topk {list(trace.topk.shape)} (not a measurement)")
     return 0
 

@@ -118,8 +118,9 @@ def lru_update(
     pos_slot[r2, torch.where(has_own, own, P)] = own_local.to(pos_slot.dtype)
     slot_pos[r2, miss_local] = srt.to(slot_pos.dtype)
     slot_pos[r2, own_local] = own.to(slot_pos.dtype)
-    slot_stamp[r2, torch.where(uhit, uslot, miss_local)] = stamp.to(slot_stamp.dtype)
-    slot_stamp[r2, own_local] = stamp.to(slot_stamp.dtype)
+    stored = stamp.to(slot_stamp.dtype)
+    slot_stamp[r2, torch.where(uhit, uslot, miss_local)] = stored
+    slot_stamp[r2, own_local] = stored
 
     base = req * C
     own_slot = torch.where(has_own, base.unsqueeze(1) + own_local, torch.full_like(own, -1))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import zipfile
 import zlib
 
@@ -61,12 +60,11 @@ class Trace:
 
 
 def save_trace(path, trace: Trace) -> None:
-    """Writes exactly `path` (numpy would append .npz to a name without it), creating its folder."""
+    """Writes exactly `path` (numpy would append .npz to a name without it)."""
     trace.validate(str(path))
     arrays = {"topk": trace.topk, "context_len": trace.context_len, "meta": np.array(json.dumps(trace.meta))}
     if trace.prefill_topk is not None:
         arrays["prefill_topk"] = trace.prefill_topk
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         np.savez_compressed(f, **arrays)
 

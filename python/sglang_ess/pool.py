@@ -76,7 +76,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self._stage_cached = None
         if any(p > 0 for p in prefix_lens_cpu):  # only the cached prefix comes from the host; the layer writes the rest
             cached_locs, cached_pos = batch_tokens(token_table, req, prefix_lens_cpu)
-            starts = torch.tensor([sum(seq_lens_cpu[:i]) for i in range(len(seq_lens_cpu))], device=locs.device)
+            seq = torch.tensor(seq_lens_cpu, device=locs.device)
+            starts = torch.cumsum(seq, 0) - seq  # each request's first staging row
             lens = torch.tensor(prefix_lens_cpu, device=locs.device)
             rows = torch.repeat_interleave(starts, lens, output_size=cached_locs.shape[0]) + cached_pos
             self._stage_cached = (cached_locs, rows)
