@@ -18,4 +18,4 @@ if [ -z "$smoke" ]; then
   tail -n 3 "$out/tests.log"
   tests=(--tests "$out/tests.xml")
 fi
-exec "$PY" benchmark/gpu/kit.py $smoke "${tests[@]}" "$out"
+"$PY" benchmark/gpu/kit.py $smoke "${tests[@]}" "$out" 2>&1 | tee "$out/kit.log"
