@@ -80,7 +80,7 @@ class EssLatentCache:
 
     def update(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice = slice(None)) -> PolicyResult:
         """The LRU policy for the batch rows in `part` (device only)."""
-        return self.serving.update(layer, self.slots[part], topk, pos)
+        return self.serving.update(layer, self.slots[part], topk, pos, self.token_table)
 
     def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None), overlapped: bool = False) -> None:
         """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots (current stream; overlapped: the

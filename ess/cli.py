@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ess.settings import KERNELS
+
 err = Console(stderr=True)
 
 
@@ -161,7 +163,8 @@ def cmd_cache_replay(args) -> int:
     trace = load_trace(args.trace)
     with _Progress(not args.quiet) as progress:
         misses = replay_misses(
-            trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("decode steps", d, t)
+            trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("decode steps", d, t),
+            kernel=args.kernel,
         )
     doc = {"trace": args.trace, "buffer": args.buffer, "warmup": args.warmup, "shape": list(misses.shape),
            "misses": misses.tolist()}
@@ -413,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
     r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
     r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=32, help="LRU-Warmup windows (with --warmup)")
+    r.add_argument("--kernel", choices=KERNELS, default="torch",
+                   help="the LRU step: torch ops, or the fused Triton kernel (on a CPU: Triton's interpreter, slow); "
+                        "auto: fused on a GPU")
     r.add_argument("--json", action="store_true", help=JSON_HELP)
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_cache_replay)

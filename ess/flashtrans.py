@@ -3,6 +3,9 @@
     gather(host, host_rows, gpu, gpu_slots)    H2D: gpu[gpu_slots[i]] = host[host_rows[i]]
     scatter(gpu, gpu_slots, host, host_rows)   D2H: host[host_rows[i]] = gpu[gpu_slots[i]]
 Pairs with a -1 on either side are skipped. Both are `copy_rows(src, src_idx, dst, dst_idx)`.
+    gather_lists(host, host_rows, gpu, gpu_slots, counts)   H2D of per-request lists [B, K] compacted left, the first
+                                                             counts[b] of row b (the fused LRU step's miss lists): a
+                                                             fixed grid that stops at the device-side total.
 
 Backends:
   "triton"  one Triton kernel that reads and writes pinned host memory in place through unified virtual addressing
@@ -31,6 +34,8 @@ BLOCK = 256  # next power of two
 # the compute stream at about the same bandwidth (measured on an H100, docs/gpu.md).
 ROWS, PROGRAMS = 1, 0
 OVERLAP_ROWS, OVERLAP_PROGRAMS = 16, 32
+# gather_lists: its grid is fixed (a CUDA graph replays it whatever the miss count), so it is persistent.
+LIST_ROWS, LIST_PROGRAMS = 4, 1024
 
 
 try:  # torch's Linux wheels bring Triton; without it only the torch backend exists
@@ -49,6 +54,28 @@ try:  # torch's Linux wheels bring Triton; without it only the torch backend exi
             v = tl.load(src + s * WORDS + offs, mask=m)
             tl.store(dst + d * WORDS + offs, v, mask=m)
 
+    # Reductions through tl.reduce / tl.associative_scan with the standard library's combine function: tl.sum and
+    # tl.cumsum are jit functions, which Triton's interpreter cannot call unless TRITON_INTERPRET was set at import.
+    _ADD = tl.standard._sum_combine
+
+    def _copy_lists_kernel(src, src_idx, dst, dst_idx, counts, B, K, WORDS: tl.constexpr, BLOCK: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
+        bb = tl.arange(0, BLOCK_B)
+        cnt = tl.load(counts + bb, mask=bb < B, other=0)
+        incl = tl.associative_scan(cnt, 0, _ADD)
+        total = tl.reduce(cnt, 0, _ADD)
+        offs = tl.arange(0, BLOCK)[None, :]
+        for g0 in range(tl.program_id(0) * ROWS, total, tl.num_programs(0) * ROWS):
+            g = g0 + tl.arange(0, ROWS)  # global list indices: request `owner`, its entry g - start
+            owner = tl.reduce((incl[None, :] <= g[:, None]).to(tl.int32), 1, _ADD)
+            start = tl.reduce(tl.where(bb[None, :] < owner[:, None], cnt[None, :], 0), 1, _ADD)
+            i = owner.to(tl.int64) * K + (g - start)
+            s = tl.load(src_idx + i, mask=g < total, other=-1).to(tl.int64)[:, None]
+            d = tl.load(dst_idx + i, mask=g < total, other=-1).to(tl.int64)[:, None]
+            m = (offs < WORDS) & (s >= 0) & (d >= 0)
+            v = tl.load(src + s * WORDS + offs, mask=m)
+            tl.store(dst + d * WORDS + offs, v, mask=m)
+
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -57,16 +84,18 @@ except ImportError:  # pragma: no cover
 INTERPRETER_OK = triton is not None and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
 
 
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The kernel, compiled for the GPU or wrapped for Triton's CPU interpreter (decided per call, not per import)."""
+@functools.lru_cache(maxsize=4)
+def _kernel(interpret: bool, fn=None):
+    """A kernel (default: the row copy), compiled for the GPU or wrapped for Triton's CPU interpreter (decided per
+    call, not per import)."""
     if triton is None:
         raise RuntimeError("FlashTrans: the triton backend needs the triton package")
+    fn = fn or _copy_rows_kernel
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(_copy_rows_kernel)
-    return triton.jit(_copy_rows_kernel)
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
 
 
 class _UvaPointer:
@@ -111,13 +140,14 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor, backend: str = "auto",
               rows: int | None = None, programs: int | None = None) -> None:
-    """dst[dst_idx[i]] = src[src_idx[i]] for every i where both indices are >= 0 (1-D int64 index lists).
+    """dst[dst_idx[i]] = src[src_idx[i]] for every i where both indices are >= 0 (1-D int32 or int64 index lists).
     rows, programs: the Triton kernel's grid (default ROWS, PROGRAMS: a serial copy)."""
     if src_idx.shape != dst_idx.shape or src_idx.dim() != 1:
         raise ValueError("FlashTrans: src_idx and dst_idx must be 1-D and of one length")
     if backend == "auto":
         backend = "triton" if (src.is_cuda or dst.is_cuda) else "torch"
     if backend == "torch":
+        src_idx, dst_idx = src_idx.long(), dst_idx.long()
         valid = (src_idx >= 0) & (dst_idx >= 0)
         picked = src[torch.where(valid, src_idx, 0).to(src.device)].to(dst.device)
         dst.index_copy_(0, torch.where(valid, dst_idx, dst.shape[0] - 1).to(dst.device), picked)
@@ -140,6 +170,36 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         grid = min(grid, programs)
     iters = -(-n // (grid * rows))
     _kernel(backend == "interpret")[(grid,)](sw, src_idx, dw, dst_idx, n, iters, WORDS=WORDS, BLOCK=BLOCK, ROWS=rows)
+
+
+def gather_lists(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor, gpu_slots: torch.Tensor,
+                 counts: torch.Tensor, backend: str = "auto", overlapped: bool = False) -> None:
+    """H2D of per-request lists: for each b and i < counts[b], gpu[gpu_slots[b, i]] = host[host_rows[b, i]] (-1 pairs
+    skipped). host_rows, gpu_slots [B, K], counts [B] (int32 or int64, on the device: nothing syncs)."""
+    if host_rows.shape != gpu_slots.shape or host_rows.dim() != 2 or counts.shape != host_rows.shape[:1]:
+        raise ValueError("FlashTrans: host_rows and gpu_slots must be [B, K] and counts [B]")
+    if backend == "auto":
+        backend = "triton" if (host.is_cuda or gpu.is_cuda) else "torch"
+    B, K = host_rows.shape
+    if backend == "torch":
+        listed = torch.arange(K, device=counts.device).unsqueeze(0) < counts.unsqueeze(1)
+        copy_rows(host, torch.where(listed, host_rows, -1).flatten(), gpu, gpu_slots.flatten(), "torch")
+        return
+    if backend not in ("triton", "interpret"):
+        raise ValueError(f"FlashTrans: unknown backend {backend!r}")
+    if backend == "interpret" and not INTERPRETER_OK:
+        raise RuntimeError("FlashTrans: the 'interpret' backend needs Triton >= 3.8")
+    if B * K == 0:
+        return
+    sw, dw = _words(host), _words(gpu)
+    if backend == "triton":
+        sw = _UvaPointer(sw) if not sw.is_cuda else sw
+    rows, programs = (OVERLAP_ROWS, OVERLAP_PROGRAMS) if overlapped else (LIST_ROWS, LIST_PROGRAMS)
+    grid = min(programs, -(-B * K // rows))
+    _kernel(backend == "interpret", _copy_lists_kernel)[(grid,)](
+        sw, host_rows.contiguous(), dw, gpu_slots.contiguous(), counts.contiguous(), B, K,
+        WORDS=WORDS, BLOCK=BLOCK, ROWS=rows, BLOCK_B=max(2, 1 << (B - 1).bit_length()),
+    )
 
 
 def gather(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor, gpu_slots: torch.Tensor, backend: str = "auto",

@@ -25,7 +25,8 @@ MODES = ("none", "da", "dba")
 def _cat(parts: list[PolicyResult]) -> PolicyResult:
     if len(parts) == 1:
         return parts[0]
-    return PolicyResult(*(torch.cat([getattr(p, f) for p in parts]) for f in PolicyResult.__dataclass_fields__))
+    cat = lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
+    return PolicyResult(*(cat(f) for f in PolicyResult.__dataclass_fields__))
 
 
 def batch_parts(batch: int, mode: str) -> list[slice]:

@@ -1,4 +1,4 @@
-"""Replay a trace through the real ESS policy code (the same lru_update the decode path runs)."""
+"""Replay a trace through the real ESS policy code (the LRU step the decode path runs: torch ops or the fused kernel)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ess.policy import lru_update
 from ess.sparse_pool import SparseMemoryPool
 from ess.trace import Trace
 
@@ -25,9 +24,10 @@ def replay_misses(
     device: torch.device | str = "cpu",
     progress: Callable[[int, int], None] | None = None,
     table_bytes: int = TABLE_BYTES,
+    kernel: str = "torch",
 ) -> np.ndarray:
     """Misses [R, steps, layers] int32 of every request, decode step and layer at `buffer_tokens` slots.
-    progress(done, total) counts decode steps over all groups of layers."""
+    progress(done, total) counts decode steps over all groups of layers. kernel: the LRU step's (ess.sparse_pool)."""
     R, steps, layers, K = trace.topk.shape
     if buffer_tokens < K + 1:
         raise ValueError(f"--buffer: {buffer_tokens} slots is below top-k + 1 = {K + 1}")
@@ -41,8 +41,7 @@ def replay_misses(
         ls = slice(first, min(layers, first + group))
         G = ls.stop - ls.start
         rows = torch.arange(R * G, device=device)  # row r * G + g: request r, layer first + g
-        pool = SparseMemoryPool(1, R * G, buffer_tokens, max_pos, device)
-        sp, st, ps = pool.layer_state(0)
+        pool = SparseMemoryPool(1, R * G, buffer_tokens, max_pos, device, kernel)
         if warmup:
             sets = torch.as_tensor(trace.prefill_topk[:, :, ls], device=device).permute(0, 2, 1, 3)  # [R, G, W, K]
             W = min(warmup_windows, sets.shape[2])
@@ -51,7 +50,7 @@ def replay_misses(
         own = torch.as_tensor(trace.context_len, device=device).repeat_interleave(G)
         misses = []
         for t in range(steps):
-            misses.append(lru_update(sp, st, ps, rows, topk[:, t].reshape(R * G, K), own + t, t).n_miss)
+            misses.append(pool.step(0, rows, topk[:, t].reshape(R * G, K), own + t, t).n_miss)
             if progress:
                 progress(first // group * steps + t + 1, total)
         if steps:  # one copy to the host per group

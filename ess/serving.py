@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ess import flashtrans, layout
-from ess.policy import STAMP_MOD, PolicyResult, lru_update
+from ess.policy import STAMP_MOD, PolicyResult
 from ess.sparse_pool import SparseMemoryPool
 
 FLASHMLA_PAGE = 64
@@ -47,15 +47,16 @@ class ServingLatentCache:
         host: torch.Tensor,
         device: torch.device | str,
         backend: str = "auto",
+        kernel: str = "auto",
     ):
         """host: the engine's host pool [layers, locations + 1 sink, 656], pinned (the ESS KV pool owns it and writes
-        every new row into it)."""
+        every new row into it). backend: FlashTrans' (ess.flashtrans); kernel: the LRU step's (ess.sparse_pool)."""
         if host.dim() != 3 or host.shape[0] != num_layers or host.shape[2] != layout.LATENT_ROW_BYTES:
             raise ValueError(f"host pool shape {tuple(host.shape)}, expected ({num_layers}, locations + 1, {layout.LATENT_ROW_BYTES})")
         self.capacity = capacity
         self.host = host
         self.host_sink = host.shape[1] - 1
-        self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device)
+        self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, kernel)
         slots = whole_pages(max_requests * capacity + 1)  # + the sink slot
         self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
         self.sink_slot = self.sparse.sink_slot
@@ -99,16 +100,16 @@ class ServingLatentCache:
         counter keeps every request's own order of steps, which is all LRU compares."""
         self.stamp.add_(1).remainder_(STAMP_MOD)  # bounded for the life of a server (ess.policy compares ages)
 
-    def update(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
-        sp, st, ps = self.sparse.layer_state(layer)
-        return lru_update(sp, st, ps, req, topk, own_pos, self.stamp)
+    def update(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor,
+               token_table: torch.Tensor | None = None) -> PolicyResult:
+        """The LRU step (token_table: the fused kernel also reads each miss's host row from it)."""
+        return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
 
     def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult, overlapped: bool = False) -> None:
-        """H2D of the misses into their GPU slots (FlashTrans, current stream; overlapped: on the copy stream, beside
-        compute)."""
-        rows = self.host_rows(token_table, req, r.miss_pos).flatten()
-        slots = torch.where(r.miss_slot >= 0, r.miss_slot, torch.full_like(r.miss_slot, self.sink_slot)).flatten()
-        flashtrans.gather(self.host[layer], rows, self.gpu[layer], slots, self.backend, overlapped)
+        """H2D of the misses into their GPU slots (FlashTrans over the compacted miss lists, current stream;
+        overlapped: on the copy stream, beside compute)."""
+        rows = r.miss_row if r.miss_row is not None else self.host_rows(token_table, req, r.miss_pos)
+        flashtrans.gather_lists(self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss, self.backend, overlapped)
 
     def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:
         """The selected rows [B, K, 656] after a step (rows of -1 entries are garbage: mask them)."""
@@ -116,7 +117,7 @@ class ServingLatentCache:
 
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """The step's own rows [B(, M), 656] into their GPU slots."""
-        own_slot = r.own_slot.reshape(-1)
+        own_slot = r.own_slot.reshape(-1).long()
         own_slot = torch.where(own_slot >= 0, own_slot, torch.full_like(own_slot, self.sink_slot))
         self.gpu[layer].index_copy_(0, own_slot, own_rows.reshape(-1, layout.LATENT_ROW_BYTES))
 
@@ -131,7 +132,7 @@ class ServingLatentCache:
     ) -> PolicyResult:
         """Mode NONE in one call: policy, H2D of the misses, own rows into their slots. r.attn_slot then indexes
         self.gpu[layer] for every top-k entry (-1 entries stay -1)."""
-        r = self.update(layer, req, topk, own_pos)
+        r = self.update(layer, req, topk, own_pos, token_table)
         self.fetch(layer, req, token_table, r)
         if own_rows is not None:
             self.store_own(layer, r, own_rows)

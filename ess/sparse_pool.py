@@ -13,7 +13,20 @@ from __future__ import annotations
 
 import torch
 
-from ess.policy import STAMP_MOD, lru_update
+from ess.policy import STAMP_MOD, PolicyResult, lru_update
+from ess.settings import KERNELS
+
+
+def step_function(kernel: str, device: torch.device):
+    """The LRU step for `kernel` on tables on `device`: auto is the fused kernel on a GPU, the torch ops on a CPU
+    (where the fused kernel runs in Triton's interpreter: exact, but slow)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"--kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
+        return lru_update
+    from ess.lru_kernel import lru_update_fused
+
+    return lru_update_fused
 
 
 class SparseMemoryPool:
@@ -24,8 +37,11 @@ class SparseMemoryPool:
         capacity: int,
         max_positions: int,
         device: torch.device | str,
+        kernel: str = "auto",
     ):
         self.capacity = capacity
+        self.kernel = kernel
+        self._step = step_function(kernel, torch.device(device))
         self.max_positions = max_positions
         self.sink_slot = max_requests * capacity
         self.slot_pos = torch.full((num_layers, max_requests, capacity + 1), -1, dtype=torch.int32, device=device)
@@ -43,13 +59,21 @@ class SparseMemoryPool:
     def layer_state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.slot_pos[layer], self.slot_stamp[layer], self.pos_slot[layer]
 
+    def step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, stamp,
+             token_table: torch.Tensor | None = None) -> PolicyResult:
+        """One LRU step on a layer's tables (ess.policy.lru_update's contract). token_table: with the fused kernel,
+        each miss's host row comes back in result.miss_row."""
+        if self._step is lru_update:
+            return lru_update(*self.layer_state(layer), req, sets, own, stamp)
+        return self._step(*self.layer_state(layer), req, sets, own, stamp, token_table)
+
     def warm(self, layer: int, req: torch.Tensor, sets: torch.Tensor, first_stamp) -> None:
         """LRU-Warmup (ess-design.md section 2) of requests req [B]: their prefill top-k sets [B, W, K], oldest first,
         inserted one window at a time with no own token, window w stamped first_stamp + w."""
-        sp, st, ps = self.layer_state(layer)
         none = torch.full((req.shape[0],), -1, dtype=torch.int64, device=req.device)
+        first_stamp = torch.as_tensor(first_stamp, device=req.device)
         for w in range(sets.shape[1]):
-            lru_update(sp, st, ps, req, sets[:, w], none, first_stamp + w)
+            self.step(layer, req, sets[:, w], none, first_stamp + w)
 
     def load(self, req: int, pos: torch.Tensor, stamps: torch.Tensor) -> None:
         """Set request req's LRU state on every layer at once: pos [layers, M] positions (-1: none; distinct per

@@ -205,7 +205,8 @@ def part_flashmla_and_bookkeeping(dev, smoke: bool) -> tuple[dict, dict]:
           "backend": backend, "context": s["context"], "topk": s["topk"], "heads": s["heads"],
           "buffer_tokens": s["capacity"]}
     return fm, {"batches": book, "context": s["context"], "topk": s["topk"], "buffer_tokens": s["capacity"],
-                "path": "torch (ess.policy.lru_update) + Triton FlashTrans",
+                "path": "the serving default: the fused LRU step (ess.lru_kernel) on a GPU, ess.policy's torch ops on a CPU; "
+                        "FlashTrans over the compacted miss lists",
                 "note": "lru_step_us is the bookkeeping; lru_step_and_h2d_us adds the misses' H2D (random top-k sets "
                         "after a random warm-up: most entries miss, a worst case for the transfer)",
                 "timing": "CUDA graph replays (eager_*: one eager call, Python launch overhead included)"}

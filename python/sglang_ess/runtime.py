@@ -108,7 +108,7 @@ class EssRuntime:
         # its issue 32771) would translate to another token's slot or index past the tables: mask them (device op).
         newest = own if own.dim() == 1 else own.max(dim=1).values
         sets = torch.where(sets > newest.unsqueeze(1), -1, sets)
-        r = self.cache.update(layer, req, sets, own)
+        r = self.cache.update(layer, req, sets, own, self.token_table)
         if self.ring is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
             self.ring.append(layer, req, sets, own)
         return r
