@@ -1,5 +1,5 @@
-"""Per-layer cost of ESS's decode bookkeeping: the LRU step through torch ops (ess.policy) against the fused Triton
-kernel (ess.lru_kernel), alone and with the misses' H2D (FlashTrans over the compacted miss lists), and FlashTrans'
+"""Per-layer cost of ESS's decode bookkeeping: the LRU step through torch ops (ess.core.policy) against the fused Triton
+kernel (ess.core.lru_kernel), alone and with the misses' H2D (FlashTrans over the compacted miss lists), and FlashTrans'
 bandwidth over those lists against a contiguous pinned copy of the same bytes.
 
     python benchmark/bookkeeping.py                 # on a GPU: JSON and a plot under benchmark/results/gpu/<device>/
@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from ess import flashtrans, layout, lru_kernel
-from ess.pinned import pinned_zeros
-from ess.serving import ServingLatentCache
-from ess.timing import graph_us
+from ess.core import flashtrans, layout, lru_kernel
+from ess.core.pinned import pinned_zeros
+from ess.core.serving import ServingLatentCache
+from ess.analysis.timing import graph_us
 
 GOAL_US_AT_160 = 30.0  # the fused step's goal per layer at batch 160 (3% of a layer)
 
@@ -161,7 +161,7 @@ PHASES = ("entries", "misses", "victim_search", "victim_assign", "writes", "outp
 def phases(dev, host, K: int, context: int, miss_fraction: float) -> list[dict]:
     """The fused kernel's time per phase (its programs' global timer at each barrier; medians over programs) and its
     registers and spills per thread, at a few sizes."""
-    from ess.lru_kernel import lru_update_fused
+    from ess.core.lru_kernel import lru_update_fused
 
     rows = []
     for B, S, C in ((1, 1, 6554), (160, 1, 6554), (1, 3, 6147), (160, 3, 6147)):

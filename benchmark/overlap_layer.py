@@ -24,11 +24,11 @@ import sys
 
 import torch
 
-from ess import flashtrans
-from ess.layer_setup import build_layer, preload, restore
-from ess.overlap import MODES, ess_layer_attention
+from ess.core import flashtrans
+from ess.reference.layer_setup import build_layer, preload, restore
+from ess.reference.overlap import MODES, ess_layer_attention
 from ess.reference.config import get_config
-from ess.timing import graph_us, median_us
+from ess.analysis.timing import graph_us, median_us
 
 
 def run(args) -> dict:
@@ -113,13 +113,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="time eager runs instead of CUDA graph replays")
     p.add_argument("--overlap-grid", type=lambda v: tuple(int(x) for x in v.split(",")), metavar="ROWS,PROGRAMS",
-                   help="FlashTrans' grid for copies beside compute (ess.flashtrans.OVERLAP_ROWS, OVERLAP_PROGRAMS; "
+                   help="FlashTrans' grid for copies beside compute (ess.core.flashtrans.OVERLAP_ROWS, OVERLAP_PROGRAMS; "
                         "programs 0: one per ROWS pairs)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot")
     p.add_argument("--attention", choices=("reference", "flashmla"), default="reference",
-                   help="sparse MLA backend (ess.flashmla); flashmla needs a GPU and the sgl-flash-mla wheel")
+                   help="sparse MLA backend (ess.reference.flashmla); flashmla needs a GPU and the sgl-flash-mla wheel")
     return p
 
 

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ess.settings import KERNELS
+from ess.core.settings import DEFAULT_SPARSE_RATIO, KERNELS, WARMUP_WINDOWS
 
 err = Console(stderr=True)
 
@@ -115,7 +115,7 @@ def _emit(args, doc: dict, table: Table | None) -> None:
 
 
 def cmd_demo(args) -> int:
-    from ess.demo import DemoOptions, run_demo
+    from ess.reference.demo import DemoOptions, run_demo
 
     opt = DemoOptions(
         config=args.config,
@@ -157,8 +157,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_cache_replay(args) -> int:
-    from ess.replay import replay_misses
-    from ess.trace import load_trace
+    from ess.analysis.replay import replay_misses
+    from ess.core.trace import load_trace
 
     trace = load_trace(args.trace)
     with _Progress(not args.quiet) as progress:
@@ -200,13 +200,13 @@ def _sim_table(rows: list[dict], title: str) -> Table:
 
 
 def _profile_arg(args):
-    from ess.sim.profile import load_profile
+    from ess.analysis.sim.profile import load_profile
 
     return load_profile(args.profile) if getattr(args, "profile", None) else None
 
 
 def cmd_sim_run(args) -> int:
-    from ess.sim.engine import simulate
+    from ess.analysis.sim.engine import simulate
 
     row = simulate(model=args.model, hardware=args.hardware, context=args.context, mtp=args.mtp, accept=args.accept,
                    batch=args.batch_size, sparse_ratio=args.sparse_ratio, tbo=args.tbo, overlap=args.overlap, ep=args.ep,
@@ -216,7 +216,7 @@ def cmd_sim_run(args) -> int:
 
 
 def cmd_sim_paper(args) -> int:
-    from ess.sim.engine import dsv3_check, paper_table
+    from ess.analysis.sim.engine import dsv3_check, paper_table
 
     rows, check = paper_table(), dsv3_check()
     if args.json:
@@ -231,7 +231,7 @@ def cmd_sim_paper(args) -> int:
 
 
 def cmd_sim_sweep(args) -> int:
-    from ess.sim.engine import plot_sweep, sweep
+    from ess.analysis.sim.engine import plot_sweep, sweep
 
     batches = list(range(args.batch_min, args.batch_max + 1, args.batch_step))
     result = sweep(batches, args.context, args.mtp, args.accept, args.model, args.hardware, args.tbo, args.ep, _profile_arg(args))
@@ -244,7 +244,7 @@ def cmd_sim_sweep(args) -> int:
 
 
 def cmd_sim_calibrate(args) -> int:
-    from ess.sim.engine import fit_calibration
+    from ess.analysis.sim.engine import fit_calibration
 
     fit = fit_calibration(args.hardware)
     if args.out:
@@ -261,8 +261,8 @@ def cmd_sim_calibrate(args) -> int:
 
 
 def cmd_trace_record(args) -> int:
-    from ess.demo import DemoOptions, record_trace
-    from ess.trace import save_trace
+    from ess.reference.demo import DemoOptions, record_trace
+    from ess.core.trace import save_trace
 
     opt = DemoOptions(config=args.config, layers=args.layers, topk=args.topk, batch=args.batch, context=args.context,
                       steps=args.steps, seed=args.seed, device=args.device)
@@ -274,8 +274,8 @@ def cmd_trace_record(args) -> int:
 
 
 def cmd_trace_synth(args) -> int:
-    from ess.synth import SynthOptions, synth_trace
-    from ess.trace import save_trace
+    from ess.analysis.synth import SynthOptions, synth_trace
+    from ess.core.trace import save_trace
 
     opt = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk, context=args.context,
                        sinks=args.sinks, window=args.window, churn_min=args.churn_min, churn_max=args.churn_max,
@@ -301,8 +301,8 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_profile(args) -> int:
-    from ess.profiling import plot_profile, profile_traces
-    from ess.trace import load_trace
+    from ess.analysis.profiling import plot_profile, profile_traces
+    from ess.core.trace import load_trace
 
     traces = [(path, load_trace(path)) for path in args.traces]
     ratios = None if args.buffer_tokens else args.ratios
@@ -326,8 +326,8 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from ess.plan import make_plan
-    from ess.sim.profile import load_profile
+    from ess.analysis.planning import make_plan
+    from ess.analysis.sim.profile import load_profile
 
     plan = make_plan(load_profile(args.profile), args.hardware, args.context, args.batch_size, args.mtp, args.accept,
                      args.sparse_ratio, args.model, args.ep, args.tbo)
@@ -345,7 +345,7 @@ def cmd_plan(args) -> int:
 
 def _add_sim_args(p, profile: bool = True) -> None:
     p.add_argument("--model", default="dsv32", choices=["dsv32", "dsv3"])
-    p.add_argument("--hardware", default="H200", help="H20, H20-141G, H800, H100, H200, B200 (ess/sim/data/hardware.json)")
+    p.add_argument("--hardware", default="H200", help="H20, H20-141G, H800, H100, H200, B200 (ess/analysis/sim/data/hardware.json)")
     p.add_argument("--context", type=POSITIVE, default=32768, help="KV length per request")
     p.add_argument("--mtp", type=NON_NEGATIVE, default=2, help="MTP draft tokens per step")
     p.add_argument("--accept", type=_positive_float, default=1.7, help="mean tokens accepted per step (1 .. mtp + 1)")
@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ess", action="store_true", help="also decode with ESS and compare with the baseline")
     g = d.add_mutually_exclusive_group()
     g.add_argument("--buffer-tokens", type=NON_NEGATIVE, help="ESS GPU slots per request and layer (with --ess)")
-    g.add_argument("--sparse-ratio", type=_positive_float, help="ESS GPU share of the cache (with --ess; default 0.2)")
+    g.add_argument("--sparse-ratio", type=_positive_float, help=f"ESS GPU share of the cache (with --ess; default {DEFAULT_SPARSE_RATIO})")
     d.add_argument("--no-warmup", action="store_true", help="start decode with an empty GPU buffer (with --ess)")
     d.add_argument("--device-mem-gib", type=_positive_float, help="report the largest batch whose caches fit this budget")
     d.add_argument("--overlap", default="none", choices=["none", "da", "dba", "plan"],
@@ -413,9 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     csub = c.add_subparsers(dest="cache_command", required=True)
     r = csub.add_parser("replay", help="replay a trace file through the ESS cache policy and count misses")
     r.add_argument("trace", help="trace .npz (format: ess-design.md section 6)")
-    r.add_argument("--buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
+    r.add_argument("--buffer-tokens", "--buffer", dest="buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
     r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
-    r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=32, help="LRU-Warmup windows (with --warmup)")
+    r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=WARMUP_WINDOWS, help="LRU-Warmup windows (with --warmup)")
     r.add_argument("--kernel", choices=KERNELS, default="torch",
                    help="the LRU step: torch ops, or the fused Triton kernel (on a CPU: Triton's interpreter, slow); "
                         "auto: fused on a GPU")
@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
         "request-step. See ess/synth.py.",
     )
     syn.add_argument("--out", required=True, help="trace file to write (its folder is created)")
-    from ess.synth import SynthOptions
+    from ess.analysis.synth import SynthOptions
 
     d = SynthOptions()
     for name, kind, text in SYNTH_OPTIONS:
@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = ssub.add_parser("calibrate", help="refit the efficiency constants on the paper's baseline rows")
     cal.add_argument("--hardware", default="H200")
-    cal.add_argument("--out", help="write the fitted constants (JSON) here; ess/sim/data/calibration.json is the file "
+    cal.add_argument("--out", help="write the fitted constants (JSON) here; ess/analysis/sim/data/calibration.json is the file "
                                    "the simulator reads")
     cal.add_argument("--json", action="store_true", help=JSON_HELP)
     cal.set_defaults(func=cmd_sim_calibrate)

@@ -1,4 +1,4 @@
-"""A plain-Python LRU with the brief's exact semantics: the oracle for ess.policy.lru_update."""
+"""A plain-Python LRU with the brief's exact semantics: the oracle for ess.core.policy.lru_update."""
 
 
 class OracleLRU:

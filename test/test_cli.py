@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ess.cli import main
-from ess.trace import Trace, TraceError, load_trace, save_trace
+from ess.core.trace import Trace, TraceError, load_trace, save_trace
 
 SMALL = ["--batch", "2", "--context", "96", "--steps", "3", "--layers", "2", "--topk", "16", "--quiet"]
 

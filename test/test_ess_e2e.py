@@ -2,13 +2,13 @@ import numpy as np
 import pytest
 import torch
 
-from ess import layout
-from ess.cache import EssLatentCache
-from ess.config import EssConfig
+from ess.core import layout
+from ess.reference.ess_cache import EssLatentCache
+from ess.core.settings import EssConfig
 from ess.reference import attention as A
-from ess.replay import replay_misses
-from ess.flashmla import split_decode
-from ess.trace import Trace
+from ess.analysis.replay import replay_misses
+from ess.reference.flashmla import split_decode
+from ess.core.trace import Trace
 from helpers import TINY, dense, tiny_model, tiny_prompts
 
 STEPS = 12
@@ -45,7 +45,7 @@ def test_warmup_cuts_the_first_step_misses(baseline):
 
 
 def split_over_rows(qn, qp, rows, valid, hit, scale):
-    """ess.flashmla.split_decode over gathered rows [N, K, 656]: the rows as a pool, entry k of row n at n * K + k."""
+    """ess.reference.flashmla.split_decode over gathered rows [N, K, 656]: the rows as a pool, entry k of row n at n * K + k."""
     N, K = valid.shape
     idx = torch.where(valid, torch.arange(N * K).reshape(N, K), -1)
     return split_decode(qn, qp, rows.reshape(N * K, -1), idx, hit, scale, backend="reference")[0]

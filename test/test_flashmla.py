@@ -1,9 +1,10 @@
-"""ess.flashmla: the sparse decode over a pool by indices, its split, and FlashMLA against the reference (GPU)."""
+"""ess.reference.flashmla: the sparse decode over a pool by indices, its split, and FlashMLA against the reference (GPU)."""
 
 import pytest
 import torch
 
-from ess import flashmla, layout
+from ess.reference import flashmla
+from ess.core import layout
 from ess.reference import attention as A
 
 
@@ -69,7 +70,7 @@ def test_flashmla_matches_the_reference_and_reads_any_pool_by_index():
     hit = torch.rand(idx.shape, device="cuda") < 0.7
     o3, _ = flashmla.split_decode(qn, qp, pool, idx, hit, 576**-0.5)
     assert float((o3 - o).norm() / o.norm()) < 1e-2
-    # a row with no valid entry: the kernel returns lse = +inf there; ess.flashmla's contract is o = 0, lse = -inf
+    # a row with no valid entry: the kernel returns lse = +inf there; ess.reference.flashmla's contract is o = 0, lse = -inf
     idx[1] = -1
     o4, lse4 = flashmla.sparse_decode(qn, qp, pool, idx, 576**-0.5)
     assert torch.equal(o4[1], torch.zeros_like(o4[1])) and bool((lse4[1] == -torch.inf).all())

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ess import flashtrans
+from ess.core import flashtrans
 
 
 def _case(seed=0):

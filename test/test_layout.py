@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from ess import layout
+from ess.core import layout
 
 
 def test_offsets_are_exact():

@@ -1,4 +1,4 @@
-"""The fused LRU step (ess.lru_kernel) equals the torch reference (ess.policy.lru_update) byte for byte: results and
+"""The fused LRU step (ess.core.lru_kernel) equals the torch reference (ess.core.policy.lru_update) byte for byte: results and
 tables (sink columns aside), through Triton's CPU interpreter here and compiled on a GPU; FlashTrans' list gather
 equals its torch fallback; a trace replays to the same misses through either kernel."""
 
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from ess import flashtrans
-from ess import lru_kernel
-from ess.lru_kernel import lru_update_fused
-from ess.policy import STAMP_MOD, lru_update
-from ess.sparse_pool import SparseMemoryPool
+from ess.core import flashtrans
+from ess.core import lru_kernel
+from ess.core.lru_kernel import lru_update_fused
+from ess.core.policy import STAMP_MOD, lru_update
+from ess.core.sparse_pool import SparseMemoryPool
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -147,8 +147,8 @@ def test_list_gather_equals_the_torch_fallback(B, K, monkeypatch):
 @interpreter
 def test_replay_with_the_fused_kernel_counts_the_same_misses(tmp_path, capsys):
     from ess.cli import main
-    from ess.synth import SynthOptions, synth_trace
-    from ess.trace import save_trace
+    from ess.analysis.synth import SynthOptions, synth_trace
+    from ess.core.trace import save_trace
 
     opt = SynthOptions(requests=2, steps=5, layers=2, topk=32, context=400, warmup_windows=4, sinks=2, window=8,
                        churn_min=2, churn_max=12, pool=120, seed=1)
@@ -225,7 +225,7 @@ def test_gpu_kernel_in_a_cuda_graph_equals_eager():
 def test_serving_step_moves_the_same_rows_with_either_kernel(with_table, device):
     """ServingLatentCache end to end (LRU step, H2D of the misses over the lists, own rows): the GPU pool's rows and
     the tables are the same with the fused kernel as with the torch ops, with or without the token table."""
-    from ess.serving import ServingLatentCache
+    from ess.core.serving import ServingLatentCache
 
     R, K, C, ctx, steps = 2, 8, 12, 40, 6
     g = torch.Generator().manual_seed(0)

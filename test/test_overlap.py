@@ -3,11 +3,11 @@ import json
 import pytest
 import torch
 
-from ess import layout
+from ess.core import layout
 from ess.cli import main
-from ess import flashmla
-from ess.layer_setup import build_layer, graph_replay_check, preload, restore
-from ess.overlap import MODES, ess_layer_attention
+from ess.reference import flashmla
+from ess.reference.layer_setup import build_layer, graph_replay_check, preload, restore
+from ess.reference.overlap import MODES, ess_layer_attention
 from ess.reference import attention as A
 from ess.reference.config import get_config
 from helpers import TINY, dense, tiny_model, tiny_prompts

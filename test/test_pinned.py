@@ -1,9 +1,9 @@
-"""ess.pinned: host memory of exactly the size asked, registered with CUDA in chunks."""
+"""ess.core.pinned: host memory of exactly the size asked, registered with CUDA in chunks."""
 
 import pytest
 import torch
 
-from ess import flashtrans, pinned
+from ess.core import flashtrans, pinned
 
 GIB = 1 << 30
 
@@ -28,7 +28,7 @@ def test_pool_memory_is_exactly_its_size_and_zeroed():
 
 
 def test_the_plugin_and_reference_pools_use_it():
-    from ess.host_pool import TotalMemoryPool
+    from ess.reference.host_pool import TotalMemoryPool
 
     pool = TotalMemoryPool(2, 1000, 2, 500, "cpu")
     assert pool.data.untyped_storage().nbytes() == pool.data.numel()

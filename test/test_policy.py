@@ -3,8 +3,8 @@ import random
 import pytest
 import torch
 
-from ess.policy import STAMP_MOD, lru_update
-from ess.sparse_pool import SparseMemoryPool
+from ess.core.policy import STAMP_MOD, lru_update
+from ess.core.sparse_pool import SparseMemoryPool
 from lru_oracle import OracleLRU
 
 
@@ -121,7 +121,7 @@ def test_stamps_wrap_around_with_the_oracles_order(first_stamp):
 
 
 def test_the_serving_counter_stays_below_the_modulus():
-    from ess.serving import ServingLatentCache
+    from ess.core.serving import ServingLatentCache
 
     sc = ServingLatentCache(1, 1, 10, 20, torch.zeros(1, 21, 656, dtype=torch.uint8), "cpu")
     sc.stamp.fill_(STAMP_MOD - 1)

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from ess import layout
-from ess.cache import EssLatentCache
-from ess.config import EssConfig, EssConfigError
-from ess.host_pool import PAGE_TOKENS, HostPoolExhausted, TotalMemoryPool
+from ess.core import layout
+from ess.reference.ess_cache import EssLatentCache
+from ess.core.settings import EssConfig, KnobError as EssConfigError
+from ess.reference.host_pool import PAGE_TOKENS, HostPoolExhausted, TotalMemoryPool
 from helpers import TINY, dense, tiny_model, tiny_prompts
 
 
@@ -44,8 +44,9 @@ def test_host_pool_exhaustion_is_clear_and_overwrites_nothing():
 def test_config_validation_names_the_field():
     with pytest.raises(EssConfigError, match="below top-k \\+ 1 = 2049"):
         EssConfig(topk=2048, buffer_tokens=2048)
-    with pytest.raises(EssConfigError, match="exactly one"):
-        EssConfig(topk=8)
+    with pytest.raises(EssConfigError, match="not both"):
+        EssConfig(topk=8, buffer_tokens=9, sparse_ratio=0.5)
+    assert EssConfig(topk=64).capacity(1000) == 200  # neither: the default ratio (ess.core.settings)
     with pytest.raises(EssConfigError, match="sparse_ratio"):
         EssConfig(topk=8, sparse_ratio=1.5)
     with pytest.raises(EssConfigError, match="buffer_tokens"):
@@ -55,7 +56,7 @@ def test_config_validation_names_the_field():
     with pytest.raises(EssConfigError, match="sparse_ratio 0.01 of 1000 tokens"):
         EssConfig(topk=64, sparse_ratio=0.01).capacity(1000)
     assert EssConfig(topk=64, sparse_ratio=0.2).capacity(1000) == 200
-    assert EssConfig(topk=8, buffer_tokens=9, host_pool_gib=1.0).host_pool_tokens(61) == (1 << 30) // (61 * 656)
+    assert EssConfig(topk=8, buffer_tokens=9, host_pool_gib=1.0).host_pool_tokens(61, 656) == (1 << 30) // (61 * 656)
 
 
 def test_host_and_gpu_rows_stay_intact_over_many_steps():

@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 from ess.cli import main
-from ess.plan import PlanError, load_plan, make_plan
-from ess.profiling import profile_traces, similarity
-from ess.sim.profile import synthetic_profile
-from ess.synth import SynthOptions, synth_trace
-from ess.trace import Trace, load_trace
+from ess.analysis.planning import make_plan
+from ess.core.plan import PlanError, load_plan
+from ess.analysis.profiling import profile_traces, similarity
+from ess.analysis.sim.profile import synthetic_profile
+from ess.analysis.synth import SynthOptions, synth_trace
+from ess.core.trace import Trace, load_trace
 from lru_oracle import OracleLRU
 
 SMALL = SynthOptions(requests=2, steps=12, layers=3, topk=64, context=2048, window=8, churn_min=2, churn_max=20,

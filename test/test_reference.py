@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from ess import layout
+from ess.core import layout
 from ess.reference import attention as A
 from ess.reference.config import FULL, from_hf, get_config
 from helpers import TINY, dense, tiny_model, tiny_prompts

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from ess.policy import STAMP_MOD, lru_update
-from ess.sparse_pool import SparseMemoryPool
+from ess.core.policy import STAMP_MOD, lru_update
+from ess.core.sparse_pool import SparseMemoryPool
 from lru_oracle import OracleLRU
 from sglang_ess import pd_warmup
 

@@ -177,7 +177,7 @@ def test_move_and_cpu_copy_keep_the_host_rows(pools, monkeypatch):
 def test_move_reads_every_source_before_writing_any_target(pools, monkeypatch, backend):
     """Overlapping moves (SGLang's own reads before it writes): the host rows go through device memory, every layer
     in one gather and one scatter (the FlashTrans kernel through Triton's interpreter here, on the GPU's stream there)."""
-    from ess import flashtrans
+    from ess.core import flashtrans
 
     if backend == "interpret" and not flashtrans.INTERPRETER_OK:
         pytest.skip("Triton < 3.8 cannot interpret the FlashTrans kernel")
@@ -201,7 +201,7 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
 
     from sglang.srt.model_executor import pool_configurator as pc
 
-    from ess.memory import cache_bytes
+    from ess.core.memory import cache_bytes
     from sglang_ess import sizing
 
     layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from ess.cache import EssLatentCache
-from ess.config import EssConfig
-from ess.trace import load_trace
+from ess.reference.ess_cache import EssLatentCache
+from ess.core.settings import EssConfig
+from ess.core.trace import load_trace
 from lru_oracle import OracleLRU
 from sglang_ess.args import EssArgs
 from sglang_ess.runtime import EssRuntime, layer_modes
@@ -275,7 +275,7 @@ def test_record_trace_writes_profileable_files(tmp_path, plugin):
 
 
 def test_pool_sizing_matches_the_memory_arithmetic():
-    from ess.memory import cache_bytes
+    from ess.core.memory import cache_bytes
 
     budget = 90 << 30
     s = ess_pool_sizes(61, budget, None, max_requests=160, context_len=32768, capacity=6554)

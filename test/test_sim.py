@@ -3,12 +3,12 @@ import json
 import pytest
 
 from ess.cli import main
-from ess.sim import cost
-from ess.sim.engine import load_calibration, paper_table, simulate, sweep
-from ess.sim.profile import ProfileError, load_profile, misses_at, synthetic_profile
-from ess.sim.specs import DSV32
-from ess.sim.cost import Deployment
-from ess.sim.specs import get_hardware
+from ess.analysis.sim import cost
+from ess.analysis.sim.engine import load_calibration, paper_table, simulate, sweep
+from ess.analysis.sim.profile import ProfileError, load_profile, misses_at, synthetic_profile
+from ess.analysis.sim.specs import DSV32
+from ess.analysis.sim.cost import Deployment
+from ess.analysis.sim.specs import get_hardware
 
 CAL = load_calibration()
 H200 = get_hardware("H200")

@@ -29,13 +29,14 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-from ess import flashmla, flashtrans, layout
+from ess.reference import flashmla
+from ess.core import flashtrans, layout
 from ess.reference import attention as A
-from ess.timing import capture, graph_us, median_us
-from ess.layer_setup import build_layer, graph_replay_check, preload
-from ess.overlap import MODES
+from ess.analysis.timing import capture, graph_us, median_us
+from ess.reference.layer_setup import build_layer, graph_replay_check, preload
+from ess.reference.overlap import MODES
 from ess.reference.config import get_config
-from ess.serving import ServingLatentCache
+from ess.core.serving import ServingLatentCache
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -205,7 +206,7 @@ def part_flashmla_and_bookkeeping(dev, smoke: bool) -> tuple[dict, dict]:
           "backend": backend, "context": s["context"], "topk": s["topk"], "heads": s["heads"],
           "buffer_tokens": s["capacity"]}
     return fm, {"batches": book, "context": s["context"], "topk": s["topk"], "buffer_tokens": s["capacity"],
-                "path": "the serving default: the fused LRU step (ess.lru_kernel) on a GPU, ess.policy's torch ops on a CPU; "
+                "path": "the serving default: the fused LRU step (ess.core.lru_kernel) on a GPU, ess.core.policy's torch ops on a CPU; "
                         "FlashTrans over the compacted miss lists",
                 "note": "lru_step_us is the bookkeeping; lru_step_and_h2d_us adds the misses' H2D (random top-k sets "
                         "after a random warm-up: most entries miss, a worst case for the transfer)",

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ess import layout
+from ess.core import layout
 from ess.reference.config import ModelConfig
 
 

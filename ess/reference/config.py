@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ess import layout
+from ess.core import layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The baseline latent cache: every 656-byte row of every live token on the device, as stock SGLang keeps it.
 
-A latent cache serves the reference model through four calls; `ess.cache.EssLatentCache` implements the same ones:
+A latent cache serves the reference model through four calls; `ess.reference.ess_cache.EssLatentCache` implements the same ones:
     prefill(layer, b, rows, warm_sets)   store request b's prefill rows [L, 656] (warm_sets: last W top-k sets)
     start_decode()                       called once between prefill and decode step 0
     decode(layer, step, topk, pos, own_rows) -> DecodeRows   store the step's own rows, return the selected rows
@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ess import layout
+from ess.core import layout
 
 
 @dataclasses.dataclass

@@ -12,11 +12,11 @@ from typing import Callable
 
 import torch
 
-from ess import layout
+from ess.core import layout
+from ess.core.settings import WARMUP_WINDOWS  # prefill query positions whose top-k sets LRU-Warmup replays
 from ess.reference import attention as A
 from ess.reference.config import ModelConfig
 
-WARMUP_WINDOWS = 32  # prefill query positions whose top-k sets are kept for LRU-Warmup (ESS paper: W = 32)
 
 
 @dataclasses.dataclass
@@ -102,11 +102,11 @@ class MiniModel:
                     modes: list[str] | None = None):
         """One greedy decode step for the batch: tokens [B] at positions pos [B]. Returns (next tokens, top-k [B, layers, K]).
 
-        With an ESS cache and `modes` (one overlap mode per layer), each layer runs ess.overlap's schedule. Otherwise
+        With an ESS cache and `modes` (one overlap mode per layer), each layer runs ess.reference.overlap's schedule. Otherwise
         the cache's serial `decode` serves the rows and `attend(layer, q_nope_abs, q_pe, decode_rows)` computes the
         attention (default: one sparse_attention call over all selected rows).
         """
-        from ess.overlap import ess_layer_attention  # the reference does not depend on ESS otherwise
+        from ess.reference.overlap import ess_layer_attention  # the reference does not depend on ESS otherwise
 
         cfg = self.cfg
         batch = torch.arange(tokens.shape[0], device=self.device)

@@ -13,9 +13,10 @@ import math
 import os
 from typing import Any
 
-OVERLAP_CHOICES = ("auto", "none", "da", "dba")
+from ess.core import settings
+from ess.core.settings import DEFAULT_SPARSE_RATIO, OVERLAP_CHOICES, WARMUP_WINDOWS
+
 ATTR = "_ess"
-DEFAULT_SPARSE_RATIO = 0.2  # the ESS paper's operating point, when neither buffer flag is given
 
 
 class EssArgsError(ValueError):
@@ -30,7 +31,7 @@ class EssArgs:
     host_pool_gib: float | None = None
     overlap: str = "auto"
     layer_plan: str | None = None
-    warmup_windows: int = 32
+    warmup_windows: int = WARMUP_WINDOWS
     record_trace: str | None = None
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
 
@@ -56,16 +57,10 @@ class EssArgs:
             return self
         if self.hisparse:
             raise EssArgsError("--enable-ess and --enable-hisparse both offload the sparse KV cache; choose one")
-        if self.buffer_tokens is not None and self.sparse_ratio is not None:
-            raise EssArgsError("give one of --ess-buffer-tokens and --ess-sparse-ratio, not both")
-        if self.buffer_tokens is not None and self.buffer_tokens < 1:
-            raise EssArgsError(f"--ess-buffer-tokens must be positive, got {self.buffer_tokens}")
-        if self.sparse_ratio is not None and not 0.0 < self.sparse_ratio <= 1.0:
-            raise EssArgsError(f"--ess-sparse-ratio must be in (0, 1], got {self.sparse_ratio}")
-        if self.host_pool_gib is not None and not self.host_pool_gib > 0:
-            raise EssArgsError(f"--ess-host-pool-gib must be positive, got {self.host_pool_gib}")
-        if self.warmup_windows < 0:
-            raise EssArgsError(f"--ess-warmup-windows must be >= 0, got {self.warmup_windows}")
+        try:  # the rules every ESS entry point shares (ess.core.settings), with this layer's flag names
+            settings.check_knobs(self.buffer_tokens, self.sparse_ratio, self.warmup_windows, self.host_pool_gib, self.FLAGS)
+        except settings.KnobError as e:
+            raise EssArgsError(str(e)) from e
         if self.overlap not in OVERLAP_CHOICES:
             raise EssArgsError(f"--ess-overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.layer_plan is not None:
@@ -77,7 +72,7 @@ class EssArgs:
 
     def buffer_for(self, context_len: int) -> int:
         """GPU slots per (request, layer): --ess-buffer-tokens, or the ratio of the longest context served
-        (default ratio 0.2, the paper's operating point, when neither flag is given)."""
+        (default DEFAULT_SPARSE_RATIO, the paper's operating point, when neither flag is given)."""
         if self.buffer_tokens is not None:
             return self.buffer_tokens
         ratio = DEFAULT_SPARSE_RATIO if self.sparse_ratio is None else self.sparse_ratio
@@ -88,11 +83,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("ESS (offloaded sparse latent cache for DeepSeek-V3.2 decode)")
     g.add_argument("--enable-ess", action="store_true", help="Keep the MLA latent cache in pinned host memory and a per-request LRU working set on the GPU (ESS).")
     g.add_argument("--ess-buffer-tokens", type=int, default=None, help="GPU latent slots per request and layer (at least top-k + 1; the ESS paper recommends >= 6.4K).")
-    g.add_argument("--ess-sparse-ratio", type=float, default=None, help="GPU latent slots as a share of the context length (Sparse Memory Ratio), instead of --ess-buffer-tokens. Default 0.2.")
+    g.add_argument("--ess-sparse-ratio", type=float, default=None, help=f"GPU latent slots as a share of the context length (Sparse Memory Ratio), instead of --ess-buffer-tokens. Default {DEFAULT_SPARSE_RATIO}.")
     g.add_argument("--ess-host-pool-gib", type=float, default=None, help="Pinned host memory for the full latent cache (Total Memory Pool), per GPU. Default: sized to the token pool.")
     g.add_argument("--ess-overlap", choices=OVERLAP_CHOICES, default="auto", help="How the H2D of misses overlaps compute: none, da (Dual-Attention), dba (DualBatch-Attention), or auto (per layer from --ess-layer-plan, else da).")
     g.add_argument("--ess-layer-plan", type=str, default=None, help="Per-layer overlap plan from `ess plan` (format ess-layer-plan/1).")
-    g.add_argument("--ess-warmup-windows", type=int, default=32, help="LRU-Warmup: replay the top-k sets of the last W prefill positions before decode (0: off).")
+    g.add_argument("--ess-warmup-windows", type=int, default=WARMUP_WINDOWS, help="LRU-Warmup: replay the top-k sets of the last W prefill positions before decode (0: off).")
     g.add_argument("--ess-record-trace", type=str, default=None, help="Directory to write top-k trace files (.npz, the `ess profile` input) of finished requests.")
 
 

@@ -27,12 +27,13 @@ import logging
 
 import torch
 
-from ess.serving import batch_tokens
+from ess.core.serving import batch_tokens
+from ess.core.settings import WARMUP_WINDOWS
 from sglang_ess.warmup_plan import WarmupPlan
 
 logger = logging.getLogger("sglang_ess")
 
-WINDOWS = 32  # windows the wire can carry (the design's W)
+WINDOWS = WARMUP_WINDOWS  # windows the wire can carry (the design's W; the wire packs position * 32 + window)
 WINDOW_BITS = 5
 MAX_POSITION = 1 << 26  # position * 32 + window must fit an int32
 MAGIC = 0x45535357  # "ESSW"

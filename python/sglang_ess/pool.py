@@ -12,7 +12,7 @@ Reads, by phase (set by the plugin around the DSA backend's forward calls):
                       its page table through `translate_loc_to_hisparse_device` (the sparse-offload hook SGLang
                       already calls), so FlashMLA reads staging rows.
     decode / verify   the backend asks the ESS runtime (its sparse-offload coordinator) for the selected rows,
-                      which live in the runtime's per-request GPU slots (ess.serving).
+                      which live in the runtime's per-request GPU slots (ess.core.serving).
 Writes: SGLang's own quantiser (`_write_mla_kv_buffer`) makes the 656-byte FP8 rows in GPU memory, then FlashTrans
 copies them to their host rows (D2H); in decode the same rows are the step's own rows for the runtime.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ess import flashtrans, layout
-from ess.pinned import pinned_zeros
-from ess.serving import batch_tokens, whole_pages
+from ess.core import flashtrans, layout
+from ess.core.pinned import pinned_zeros
+from ess.core.serving import batch_tokens, whole_pages
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
 EXTEND, DECODE = "extend", "decode"
@@ -43,7 +43,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         pin = torch.device(self.device).type == "cuda"
         locs = self.size + self.page_size  # SGLang's location space (location 0 is its padding slot)
         # + 1 sink row that fixed-shape gathers read for -1 entries
-        # pinned at exactly its size (ess.pinned: torch's pinned allocator would round it up to a power of two)
+        # pinned at exactly its size (ess.core.pinned: torch's pinned allocator would round it up to a power of two)
         self.ess_host = pinned_zeros((self.layer_num, locs + 1, layout.LATENT_ROW_BYTES), pin=pin)
         self.kv_buffer = [self.ess_host[i, :locs].unsqueeze(1) for i in range(self.layer_num)]
         self.ess_scratch = torch.zeros(self.scratch_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)

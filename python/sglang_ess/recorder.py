@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from ess.trace import Trace, save_trace
+from ess.core.trace import Trace, save_trace
 
 
 class StepRing:

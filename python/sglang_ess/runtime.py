@@ -1,5 +1,5 @@
 """EssRuntime: one per model runner (GPU rank). It owns the ESS latent cache in SGLang's coordinates (request-pool
-slots, token-pool locations; see ess.serving) and answers the DSA backend's sparse-offload call, the same call
+slots, token-pool locations; see ess.core.serving) and answers the DSA backend's sparse-offload call, the same call
 SGLang's HiSparse answers: swap_in_selected_pages(req_pool_indices, seq_lens, top_k, layer_id) -> indices of the
 selected rows in the device latent buffer, which FlashMLA's sparse decode then reads.
 
@@ -22,9 +22,9 @@ import logging
 
 import torch
 
-from ess.policy import PolicyResult
-from ess.serving import ServingLatentCache
-from ess.streams import Streams
+from ess.core.policy import PolicyResult
+from ess.core.serving import ServingLatentCache
+from ess.core.streams import Streams
 from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs
 from sglang_ess.recorder import StepRing, TraceRecorder

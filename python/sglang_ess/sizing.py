@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ess import layout
-from ess.config import GIB
-from ess.memory import cache_bytes
-from ess.serving import whole_pages
+from ess.core import layout
+from ess.core.settings import GIB
+from ess.core.memory import cache_bytes
+from ess.core.serving import whole_pages
 
 logger = logging.getLogger("sglang_ess")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ess.plan import PlanError, load_plan
+from ess.core.plan import PlanError, load_plan
+from ess.core.settings import DEFAULT_SPARSE_RATIO
 from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs, EssArgsError, ess_args
 
@@ -69,7 +70,7 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
 
     topk = int(hf_config.index_topk)
     if ess.buffer_tokens is None and not cfg.context_length:
-        ratio = "--ess-sparse-ratio" if ess.sparse_ratio is not None else "--ess-sparse-ratio (default 0.2)"
+        ratio = "--ess-sparse-ratio" if ess.sparse_ratio is not None else f"--ess-sparse-ratio (default {DEFAULT_SPARSE_RATIO})"
         raise EssArgsError(
             f"{ratio} is a share of the context length: give --context-length (without it, the model's "
             f"{hf_config.max_position_embeddings} positions), or --ess-buffer-tokens"
@@ -79,7 +80,7 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
     need = rows * (topk + 1)
     buffer = ess.buffer_for(context)
     if buffer < need:
-        flag = "--ess-buffer-tokens" if ess.buffer_tokens is not None else f"--ess-sparse-ratio {ess.sparse_ratio or 0.2} x context {context}"
+        flag = "--ess-buffer-tokens" if ess.buffer_tokens is not None else f"--ess-sparse-ratio {ess.sparse_ratio or DEFAULT_SPARSE_RATIO} x context {context}"
         what = "top-k + 1" if rows == 1 else f"{rows} verify rows x (top-k + 1)"
         raise EssArgsError(f"{flag} gives {buffer} GPU slots per request, below {what} = {need}")
     if buffer > context:

@@ -11,10 +11,9 @@ import math
 
 import torch
 
-from ess import layout
-from ess.pinned import pinned_zeros
-
-PAGE_TOKENS = 64
+from ess.core import layout
+from ess.core.pinned import pinned_zeros
+from ess.core.settings import PAGE_TOKENS
 
 
 class HostPoolExhausted(RuntimeError):

@@ -27,7 +27,7 @@ def synthetic_profile(num_layers: int = 62) -> dict:
     at_02 = np.exp(np.linspace(math.log(16.66), math.log(605.0), num_layers))[rng.permutation(num_layers)]
     ratios = [0.1, 0.2, 0.3, 0.5, 0.8]
     rows = [(at_02 * (0.2 / r) * ((1 - r) / 0.8)).round(3).tolist() for r in ratios]
-    return {"format": FORMAT, "source": "synthetic default (ess.sim.profile.synthetic_profile)", "num_layers": num_layers,
+    return {"format": FORMAT, "source": "synthetic default (ess.analysis.sim.profile.synthetic_profile)", "num_layers": num_layers,
             "ratios": ratios, "mean_misses": rows}
 
 

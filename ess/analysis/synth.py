@@ -22,7 +22,8 @@ import json
 
 import numpy as np
 
-from ess.trace import Trace
+from ess.core.settings import WARMUP_WINDOWS
+from ess.core.trace import Trace
 
 
 @dataclasses.dataclass
@@ -32,7 +33,7 @@ class SynthOptions:
     layers: int = 61
     topk: int = 2048
     context: int = 32768
-    warmup_windows: int = 32
+    warmup_windows: int = WARMUP_WINDOWS
     sinks: int = 4
     window: int = 128
     churn_min: int = 8

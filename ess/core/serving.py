@@ -5,7 +5,7 @@ pool, with a table token_table[request slot, position] = location (SGLang's req_
 in those coordinates, so the engine's allocator stays the one owner of tokens and requests:
     host   [layers, locations + 1 sink, 656]  the Total Memory Pool, pinned, indexed by token location (owned by the
                                              engine's KV pool, which writes every new row into it)
-    sparse (ess.sparse_pool) per layer, C GPU slots per request slot, with the LRU tables
+    sparse (ess.core.sparse_pool) per layer, C GPU slots per request slot, with the LRU tables
 The decode step translates the indexer's top-k positions into GPU slots (`translate`), fetching the misses from the
 host pool with FlashTrans; the step's own rows go to their GPU slots and to the host pool.
 Everything in the step is fixed-shape device work (no host sync), so a CUDA graph can capture it.
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from ess import flashtrans, layout
-from ess.policy import STAMP_MOD, PolicyResult
-from ess.sparse_pool import SparseMemoryPool
+from ess.core import flashtrans, layout
+from ess.core.policy import STAMP_MOD, PolicyResult
+from ess.core.settings import PAGE_TOKENS
+from ess.core.sparse_pool import SparseMemoryPool
 
-FLASHMLA_PAGE = 64
+FLASHMLA_PAGE = PAGE_TOKENS
 
 
 def whole_pages(rows: int) -> int:
@@ -50,7 +51,7 @@ class ServingLatentCache:
         kernel: str = "auto",
     ):
         """host: the engine's host pool [layers, locations + 1 sink, 656], pinned (the ESS KV pool owns it and writes
-        every new row into it). backend: FlashTrans' (ess.flashtrans); kernel: the LRU step's (ess.sparse_pool)."""
+        every new row into it). backend: FlashTrans' (ess.core.flashtrans); kernel: the LRU step's (ess.core.sparse_pool)."""
         if host.dim() != 3 or host.shape[0] != num_layers or host.shape[2] != layout.LATENT_ROW_BYTES:
             raise ValueError(f"host pool shape {tuple(host.shape)}, expected ({num_layers}, locations + 1, {layout.LATENT_ROW_BYTES})")
         self.capacity = capacity
@@ -98,7 +99,7 @@ class ServingLatentCache:
     def next_step(self) -> None:
         """Advance the LRU stamp once per forward pass (a device op, so a captured graph advances it too). One global
         counter keeps every request's own order of steps, which is all LRU compares."""
-        self.stamp.add_(1).remainder_(STAMP_MOD)  # bounded for the life of a server (ess.policy compares ages)
+        self.stamp.add_(1).remainder_(STAMP_MOD)  # bounded for the life of a server (ess.core.policy compares ages)
 
     def update(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor,
                token_table: torch.Tensor | None = None) -> PolicyResult:

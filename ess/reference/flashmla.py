@@ -1,7 +1,7 @@
 """Sparse MLA decode over a latent pool by row indices: FlashMLA's kernel on a GPU, its torch reference elsewhere.
 
 The kernel SGLang 0.5.23 runs for DeepSeek-V3.2 decode is FlashMLA's legacy sparse FP8 decode (SM90, the V3.2
-656-byte row format of ess.layout), shipped in the `sgl-flash-mla` wheel. It reads the pool as [-1, 64, 1, 656]
+656-byte row format of ess.core.layout), shipped in the `sgl-flash-mla` wheel. It reads the pool as [-1, 64, 1, 656]
 pages (ESS's GPU pools are whole 64-row pages) and, per query row, a fixed-width list of row indices where -1 means
 "skip". Both backends compute the same function:
 
@@ -18,10 +18,11 @@ import functools
 
 import torch
 
-from ess import layout
+from ess.core import layout
+from ess.core.settings import PAGE_TOKENS
 from ess.reference import attention as A
 
-PAGE = 64
+PAGE = PAGE_TOKENS
 HEAD_DIM_V = layout.NOPE_DIM  # 512
 
 

@@ -1,21 +1,21 @@
 """EssLatentCache: the ESS latent cache behind the reference model's latent-cache interface
-(see ess.reference.dense_cache), for a fixed batch: the Total Memory Pool (ess.host_pool, paged, each request's
-rows reserved up front) under ess.serving.ServingLatentCache (the Sparse Memory Pool, the LRU policy with warm-up,
+(see ess.reference.dense_cache), for a fixed batch: the Total Memory Pool (ess.reference.host_pool, paged, each request's
+rows reserved up front) under ess.core.serving.ServingLatentCache (the Sparse Memory Pool, the LRU policy with warm-up,
 FlashTrans for misses), addressed through a token table of the requests' host rows. The step's own rows go to their
-GPU slots and are backed up to the host pool (D2H) on the copy stream, which ess.overlap overlaps with attention.
+GPU slots and are backed up to the host pool (D2H) on the copy stream, which ess.reference.overlap overlaps with attention.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ess import flashtrans
-from ess.config import EssConfig
-from ess.host_pool import PAGE_TOKENS, TotalMemoryPool
-from ess.policy import PolicyResult
+from ess.core import flashtrans, layout
+from ess.core.settings import PAGE_TOKENS, EssConfig
+from ess.reference.host_pool import TotalMemoryPool
+from ess.core.policy import PolicyResult
 from ess.reference.dense_cache import DecodeRows
-from ess.serving import ServingLatentCache
-from ess.streams import Streams
+from ess.core.serving import ServingLatentCache
+from ess.core.streams import Streams
 
 
 class EssLatentCache:
@@ -33,7 +33,7 @@ class EssLatentCache:
         self.backend = backend
         self.capacity = cfg.capacity(max_len)
         per_request = -(-max_len // PAGE_TOKENS) * PAGE_TOKENS
-        host_tokens = cfg.host_pool_tokens(num_layers) or B * per_request
+        host_tokens = cfg.host_pool_tokens(num_layers, layout.LATENT_ROW_BYTES) or B * per_request
         self.host = TotalMemoryPool(num_layers, host_tokens, B, max_len, device)
         reqs = []
         for _ in range(B):
@@ -73,7 +73,7 @@ class EssLatentCache:
         W = min(self.cfg.warmup_windows, sets.shape[1])
         self.serving.warmup(layer, self.slots, self.token_table, sets[:, sets.shape[1] - W :], first_stamp=-W)
 
-    # -- decode phases (ess.overlap orders them per mode; `decode` is the serial order) ----------------------
+    # -- decode phases (ess.reference.overlap orders them per mode; `decode` is the serial order) ----------------------
     def set_step(self, step: int) -> None:
         """The stamp of the coming decode step, kept on the device so a captured CUDA graph reads it."""
         self.stamp.fill_(step)

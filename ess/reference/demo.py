@@ -7,9 +7,10 @@ from typing import Callable
 
 import torch
 
-from ess import memory
-from ess.cache import EssLatentCache
-from ess.config import GIB, EssConfig, EssConfigError
+from ess.analysis import memory
+from ess.reference.ess_cache import EssLatentCache
+from ess.core import settings
+from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB, WARMUP_WINDOWS, EssConfig, KnobError
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.model import GenerateResult, MiniModel, random_prompts
@@ -64,7 +65,7 @@ def _run(model: MiniModel, prompts, steps: int, make_cache, progress, label: str
 
 def layer_modes(opt: DemoOptions, num_layers: int) -> list[str]:
     """One overlap mode per layer: the same for all, or a plan file's (`ess plan`, or written by hand)."""
-    from ess.plan import load_plan
+    from ess.core.plan import load_plan
 
     if opt.overlap == "plan":
         if not opt.layer_plan:
@@ -93,14 +94,16 @@ ESS_ONLY = {"buffer_tokens": "--buffer-tokens", "sparse_ratio": "--sparse-ratio"
 
 def ess_config(opt: DemoOptions, topk: int, tokens: int) -> EssConfig:
     """The ESS settings of a demo run, checked before any work; errors name the demo's flags."""
-    ratio = None if opt.buffer_tokens is not None else (0.2 if opt.sparse_ratio is None else opt.sparse_ratio)
+    ratio = None if opt.buffer_tokens is not None else (DEFAULT_SPARSE_RATIO if opt.sparse_ratio is None else opt.sparse_ratio)
+    names = {"buffer_tokens": "--buffer-tokens", "sparse_ratio": "--sparse-ratio", "warmup_windows": "--no-warmup",
+             "host_pool_gib": "--host-pool-gib"}
+    warmup = WARMUP_WINDOWS if opt.warmup else 0
     try:
-        cfg = EssConfig(topk=topk, buffer_tokens=opt.buffer_tokens, sparse_ratio=ratio,
-                        warmup_windows=32 if opt.warmup else 0)
-        cfg.capacity(tokens)
-    except EssConfigError as e:  # EssConfig names its fields; here they are the demo's flags
-        raise ValueError(str(e).replace("buffer_tokens", "--buffer-tokens").replace("sparse_ratio", "--sparse-ratio")) from e
-    return cfg
+        settings.check_knobs(opt.buffer_tokens, ratio, warmup, names=names)
+        settings.capacity(opt.buffer_tokens, ratio, tokens, topk, names)
+    except KnobError as e:
+        raise ValueError(str(e)) from e
+    return EssConfig(topk=topk, buffer_tokens=opt.buffer_tokens, sparse_ratio=ratio, warmup_windows=warmup)
 
 
 def check_options(opt: DemoOptions) -> None:
@@ -189,8 +192,8 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
 
 def record_trace(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None):
     """Run the reference model (baseline cache) and return its trace: decode top-k per step and layer and the last
-    32 prefill top-k sets (ess.trace format)."""
-    from ess.trace import Trace
+    32 prefill top-k sets (ess.core.trace format)."""
+    from ess.core.trace import Trace
 
     cfg, device, model, prompts = _setup(opt)
     res, _ = _run(model, prompts, opt.steps,

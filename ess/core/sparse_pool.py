@@ -1,5 +1,5 @@
 """Sparse Memory Pool: the LRU tables of the GPU slots that hold a subset of the latent rows (the slots' bytes live
-in ess.serving.ServingLatentCache; trace replay and profiling need the tables only).
+in ess.core.serving.ServingLatentCache; trace replay and profiling need the tables only).
 
 Request r owns slots [r * C, (r + 1) * C) of every layer; slot max_requests * C is a sink. Per (request, layer):
     slot_pos   [C + 1] int32   position held by each slot, -1 if empty
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ess.policy import STAMP_MOD, PolicyResult, lru_update
-from ess.settings import KERNELS
+from ess.core.policy import STAMP_MOD, PolicyResult, lru_update
+from ess.core.settings import KERNELS
 
 
 def step_function(kernel: str, device: torch.device):
@@ -24,7 +24,7 @@ def step_function(kernel: str, device: torch.device):
         raise ValueError(f"--kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return lru_update
-    from ess.lru_kernel import lru_update_fused
+    from ess.core.lru_kernel import lru_update_fused
 
     return lru_update_fused
 
@@ -61,7 +61,7 @@ class SparseMemoryPool:
 
     def step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, stamp,
              token_table: torch.Tensor | None = None) -> PolicyResult:
-        """One LRU step on a layer's tables (ess.policy.lru_update's contract). token_table: with the fused kernel,
+        """One LRU step on a layer's tables (ess.core.policy.lru_update's contract). token_table: with the fused kernel,
         each miss's host row comes back in result.miss_row."""
         if self._step is lru_update:
             return lru_update(*self.layer_state(layer), req, sets, own, stamp)

@@ -7,9 +7,10 @@ import dataclasses
 
 import torch
 
-from ess import layout, timing
-from ess.cache import EssLatentCache
-from ess.config import EssConfig
+from ess.core import layout
+from ess.analysis import timing
+from ess.reference.ess_cache import EssLatentCache
+from ess.core.settings import EssConfig
 from ess.reference import attention as A
 from ess.reference.config import ModelConfig
 
@@ -78,7 +79,7 @@ def graph_replay_check(layer: Layer, snapshot: list[torch.Tensor], mode: str, at
     CUDA graph, replay it with two inputs and compare with eager runs of the same inputs from the same state.
     Returns {"topk_equal", "state_equal", "max_abs_err", "differing_rows"}: differing_rows counts, per state tensor,
     the rows where a replay's state differs from eager's; max_abs_err is the attention output's largest difference."""
-    from ess.overlap import ess_layer_attention  # the overlap engine builds on this module's layer
+    from ess.reference.overlap import ess_layer_attention  # the overlap engine builds on this module's layer
 
     L = layer
     h_in, q_in = L.h.clone(), L.q_lora.clone()

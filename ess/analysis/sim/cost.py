@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ess.memory import cache_bytes
-from ess.sim.specs import GIB, Hardware, ModelSpec
+from ess.core.memory import cache_bytes
+from ess.core.settings import OVERLAP_MODES
+from ess.analysis.sim.specs import GIB, Hardware, ModelSpec
 
-MODES = ("none", "da", "dba", "plan")
+MODES = OVERLAP_MODES + ("plan",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +239,7 @@ def cache_budget_bytes(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Dep
 
 
 def request_bytes(spec: ModelSpec, context: float, sparse_ratio: float | None = None) -> float:
-    """Device cache bytes of one request (ess.memory.cache_bytes) at a context, with ESS at a ratio."""
+    """Device cache bytes of one request (ess.core.memory.cache_bytes) at a context, with ESS at a ratio."""
     slots = None if sparse_ratio is None else math.ceil(sparse_ratio * context)
     return cache_bytes(spec.layers, context, spec.latent_row_bytes, spec.index_row_bytes, slots)
 

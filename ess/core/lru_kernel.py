@@ -1,4 +1,4 @@
-"""The LRU step of ess.policy.lru_update as one Triton kernel: one program per batch row, the same tables and outputs
+"""The LRU step of ess.core.policy.lru_update as one Triton kernel: one program per batch row, the same tables and outputs
 (byte for byte, sink columns aside), plus each miss's host row read from the engine's token table.
 
 A program works in four phases, with a block barrier between them (the phases exchange values through the tables):
@@ -23,8 +23,8 @@ import functools
 
 import torch
 
-from ess.flashtrans import INTERPRETER_OK, triton
-from ess.policy import STAMP_MOD, PolicyResult, check_capacity
+from ess.core.flashtrans import INTERPRETER_OK, triton
+from ess.core.policy import STAMP_MOD, PolicyResult, check_capacity
 
 REGISTER_SLOTS = 8192  # up to this many slots a program keeps the victim keys in registers; beyond, it re-reads them
 NUM_WARPS = 16  # per program (one batch row): within 5% of 8 on an H100, with half the registers (docs/gpu.md)
@@ -246,7 +246,7 @@ def lru_update_fused(
     num_warps: int | None = None,
     profile: torch.Tensor | None = None,
 ) -> PolicyResult:
-    """ess.policy.lru_update's step as one kernel (same arguments and results; the tables must be int32 and
+    """ess.core.policy.lru_update's step as one kernel (same arguments and results; the tables must be int32 and
     contiguous). token_table [requests, positions] (SGLang's req_to_token): each miss's host row goes to
     result.miss_row. On a CPU tensor the kernel runs in Triton's interpreter. profile [B, 8] int64 (GPU only): each
     program's global timer at its phase boundaries (benchmark/bookkeeping.py --phases)."""

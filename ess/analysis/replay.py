@@ -7,8 +7,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ess.sparse_pool import SparseMemoryPool
-from ess.trace import Trace
+from ess.core.settings import WARMUP_WINDOWS
+from ess.core.sparse_pool import SparseMemoryPool
+from ess.core.trace import Trace
 
 
 # Requests x layers of one trace replay together, one table row each (rows are independent in lru_update), in groups
@@ -20,14 +21,14 @@ def replay_misses(
     trace: Trace,
     buffer_tokens: int,
     warmup: bool,
-    warmup_windows: int = 32,
+    warmup_windows: int = WARMUP_WINDOWS,
     device: torch.device | str = "cpu",
     progress: Callable[[int, int], None] | None = None,
     table_bytes: int = TABLE_BYTES,
     kernel: str = "torch",
 ) -> np.ndarray:
     """Misses [R, steps, layers] int32 of every request, decode step and layer at `buffer_tokens` slots.
-    progress(done, total) counts decode steps over all groups of layers. kernel: the LRU step's (ess.sparse_pool)."""
+    progress(done, total) counts decode steps over all groups of layers. kernel: the LRU step's (ess.core.sparse_pool)."""
     R, steps, layers, K = trace.topk.shape
     if buffer_tokens < K + 1:
         raise ValueError(f"--buffer: {buffer_tokens} slots is below top-k + 1 = {K + 1}")

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from ess import layout
+from ess.core import layout
 
 WORDS = layout.LATENT_ROW_BYTES // 4  # 164 int32 words per row
 BLOCK = 256  # next power of two

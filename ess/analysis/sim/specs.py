@@ -96,7 +96,7 @@ class Hardware:
 
 
 def load_hardware() -> dict[str, Hardware]:
-    data = json.loads(resources.files("ess.sim").joinpath("data/hardware.json").read_text())
+    data = json.loads(resources.files("ess.analysis.sim").joinpath("data/hardware.json").read_text())
     return {k: Hardware(name=k, **v) for k, v in data.items() if not k.startswith("_")}
 
 

@@ -6,17 +6,17 @@ import dataclasses
 import json
 from importlib import resources
 
-from ess.sim import cost
-from ess.sim.cost import Calibration, Deployment, EssSetting
-from ess.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
-from ess.sim.profile import misses_at, synthetic_profile
-from ess.sim.specs import ModelSpec, get_hardware, get_model
+from ess.analysis.sim import cost
+from ess.analysis.sim.cost import Calibration, Deployment, EssSetting
+from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
+from ess.analysis.sim.profile import misses_at, synthetic_profile
+from ess.analysis.sim.specs import ModelSpec, get_hardware, get_model
 
 OVERLAP_CHOICES = ("none", "da", "dba", "plan")
 
 
 def load_calibration(**overrides) -> Calibration:
-    data = json.loads(resources.files("ess.sim").joinpath("data/calibration.json").read_text())
+    data = json.loads(resources.files("ess.analysis.sim").joinpath("data/calibration.json").read_text())
     fitted = {k: data[k] for k in ("eta_compute", "eta_net", "a2a_latency_us")}
     return Calibration(layer_overhead_us=0.0, **{**fitted, **overrides})
 

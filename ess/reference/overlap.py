@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from ess.cache import EssLatentCache
-from ess.flashmla import sparse_decode, split_decode
-from ess.policy import PolicyResult
+from ess.reference.ess_cache import EssLatentCache
+from ess.reference.flashmla import sparse_decode, split_decode
+from ess.core.policy import PolicyResult
+from ess.core.settings import OVERLAP_MODES
 from ess.reference import attention as A
 from ess.reference.config import ModelConfig
 
-MODES = ("none", "da", "dba")
+MODES = OVERLAP_MODES
 
 
 def _cat(parts: list[PolicyResult]) -> PolicyResult:
@@ -38,7 +39,7 @@ def batch_parts(batch: int, mode: str) -> list[slice]:
 def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer,
                         cache: EssLatentCache, layer: int, attention: str = "reference"):
     """Returns (o_latent [B, H, 512], topk [B, K]). The cache's stamp must be set (cache.set_step).
-    attention: the sparse MLA backend of ess.flashmla ("reference", "flashmla" or "auto")."""
+    attention: the sparse MLA backend of ess.reference.flashmla ("reference", "flashmla" or "auto")."""
     if mode not in MODES:
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
     streams = cache.streams

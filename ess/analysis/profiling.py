@@ -1,6 +1,6 @@
-"""`ess profile`: miss profiles of traces through the real cache policy (ess.replay), with plots.
+"""`ess profile`: miss profiles of traces through the real cache policy (ess.analysis.replay), with plots.
 
-The profile JSON extends the simulator's format (ess.sim.profile): per-layer mean misses per request-step at each
+The profile JSON extends the simulator's format (ess.analysis.sim.profile): per-layer mean misses per request-step at each
 ratio from the first trace (with warm-up where the trace has prefill sets, as ESS runs), plus intra-layer
 similarity, misses against decode step with and without warm-up, and misses against context over all traces.
 """
@@ -12,9 +12,9 @@ from typing import Callable
 
 import numpy as np
 
-from ess.replay import replay_misses
-from ess.sim.profile import FORMAT
-from ess.trace import Trace
+from ess.analysis.replay import replay_misses
+from ess.analysis.sim.profile import FORMAT
+from ess.core.trace import Trace
 
 
 def similarity(trace: Trace) -> np.ndarray:

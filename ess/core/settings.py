@@ -1,0 +1,94 @@
+"""ESS's defaults and its cache knobs, in one place, with one set of rules for the demo, the tools and the plugin.
+
+No torch import: the CLI's parser and SGLang's argument hooks read this module. Every error names the knob as the
+caller spells it (a demo flag, a plugin flag, a config field): `check_knobs(..., names=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GIB = 1 << 30
+DEFAULT_SPARSE_RATIO = 0.2  # the ESS paper's operating point, when neither the buffer nor the ratio is given
+WARMUP_WINDOWS = 32  # LRU-Warmup windows W (docs/design.md, "LRU-Warmup")
+OVERLAP_MODES = ("none", "da", "dba")  # docs/design.md, "Overlap"
+OVERLAP_CHOICES = ("auto",) + OVERLAP_MODES  # auto: per layer from a plan, else da
+PAGE_TOKENS = 64  # FlashMLA's page; host-pool allocation unit of the reference
+KERNELS = ("auto", "fused", "torch")  # the LRU step: ess.core.lru_kernel's fused kernel, or ess.core.policy's torch ops
+
+FIELD_NAMES = {"buffer_tokens": "buffer_tokens", "sparse_ratio": "sparse_ratio", "warmup_windows": "warmup_windows",
+               "host_pool_gib": "host_pool_gib"}
+
+
+class KnobError(ValueError):
+    """A bad ESS setting; the message names it."""
+
+
+def check_knobs(buffer_tokens=None, sparse_ratio=None, warmup_windows=WARMUP_WINDOWS, host_pool_gib=None,
+                names: dict = FIELD_NAMES) -> None:
+    """The rules of the cache knobs: at most one of buffer_tokens and sparse_ratio (neither: DEFAULT_SPARSE_RATIO),
+    buffer_tokens a positive integer, sparse_ratio in (0, 1], warmup_windows a non-negative integer, host_pool_gib
+    positive. Whether the buffer holds top-k + 1 needs the model: `capacity`."""
+    if buffer_tokens is not None and sparse_ratio is not None:
+        raise KnobError(f"give one of {names['buffer_tokens']} and {names['sparse_ratio']}, not both")
+    if buffer_tokens is not None and (not isinstance(buffer_tokens, int) or buffer_tokens < 1):
+        raise KnobError(f"{names['buffer_tokens']} must be a positive integer, got {buffer_tokens!r}")
+    if sparse_ratio is not None and not (0.0 < sparse_ratio <= 1.0):
+        raise KnobError(f"{names['sparse_ratio']} must be in (0, 1], got {sparse_ratio!r}")
+    if not isinstance(warmup_windows, int) or warmup_windows < 0:
+        raise KnobError(f"{names['warmup_windows']} must be a non-negative integer, got {warmup_windows!r}")
+    if host_pool_gib is not None and not host_pool_gib > 0:
+        raise KnobError(f"{names['host_pool_gib']} must be positive, got {host_pool_gib!r}")
+
+
+def capacity(buffer_tokens, sparse_ratio, context_tokens: int, topk: int, names: dict = FIELD_NAMES) -> int:
+    """GPU slots per (request, layer) for requests of up to context_tokens tokens: buffer_tokens, else the ratio
+    (default DEFAULT_SPARSE_RATIO) of the context, rounded up; at least top-k + 1 (the step's set and its own token)."""
+    if buffer_tokens is not None:
+        cap, what = buffer_tokens, names["buffer_tokens"]
+    else:
+        ratio = DEFAULT_SPARSE_RATIO if sparse_ratio is None else sparse_ratio
+        cap = math.ceil(ratio * context_tokens)
+        what = f"{names['sparse_ratio']} {ratio} of {context_tokens} tokens"
+    if cap < topk + 1:
+        raise KnobError(f"{what}: a GPU buffer of {cap} tokens per request is below top-k + 1 = {topk + 1} "
+                        "(the step's top-k set and its own token must fit)")
+    return cap
+
+
+@dataclasses.dataclass(frozen=True)
+class EssConfig:
+    """The cache knobs of the reference model's ESS cache and the tools (fields named as here): buffer_tokens, the
+    GPU Sparse Memory Pool's slots per (request, layer), or sparse_ratio, the same as a share of the context;
+    host_pool_gib, the pinned Total Memory Pool (None: sized to the live requests); warmup_windows, LRU-Warmup's W
+    (0: off)."""
+
+    topk: int
+    buffer_tokens: int | None = None
+    sparse_ratio: float | None = None
+    warmup_windows: int = WARMUP_WINDOWS
+    host_pool_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topk, int) or self.topk < 1:
+            raise KnobError(f"topk must be a positive integer, got {self.topk!r}")
+        check_knobs(self.buffer_tokens, self.sparse_ratio, self.warmup_windows, self.host_pool_gib)
+        if self.buffer_tokens is not None:
+            capacity(self.buffer_tokens, None, 0, self.topk)
+
+    def capacity(self, context_tokens: int) -> int:
+        return capacity(self.buffer_tokens, self.sparse_ratio, context_tokens, self.topk)
+
+    def host_pool_tokens(self, num_layers: int, row_bytes: int) -> int | None:
+        if self.host_pool_gib is None:
+            return None
+        return int(self.host_pool_gib * GIB) // (num_layers * row_bytes)
+
+    @staticmethod
+    def from_dict(d: dict) -> "EssConfig":
+        names = {f.name for f in dataclasses.fields(EssConfig)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise KnobError(f"unknown ESS config field(s) {unknown}; known: {sorted(names)}")
+        return EssConfig(**d)
