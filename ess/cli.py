@@ -412,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cache", help="ESS cache tools")
     csub = c.add_subparsers(dest="cache_command", required=True)
     r = csub.add_parser("replay", help="replay a trace file through the ESS cache policy and count misses")
-    r.add_argument("trace", help="trace .npz (format: ess-design.md section 6)")
+    r.add_argument("trace", help="trace .npz (format: docs/design.md, Formats)")
     r.add_argument("--buffer-tokens", "--buffer", dest="buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
     r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
     r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=WARMUP_WINDOWS, help="LRU-Warmup windows (with --warmup)")

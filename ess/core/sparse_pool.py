@@ -68,7 +68,7 @@ class SparseMemoryPool:
         return self._step(*self.layer_state(layer), req, sets, own, stamp, token_table)
 
     def warm(self, layer: int, req: torch.Tensor, sets: torch.Tensor, first_stamp) -> None:
-        """LRU-Warmup (ess-design.md section 2) of requests req [B]: their prefill top-k sets [B, W, K], oldest first,
+        """LRU-Warmup (docs/design.md, LRU-Warmup) of requests req [B]: their prefill top-k sets [B, W, K], oldest first,
         inserted one window at a time with no own token, window w stamped first_stamp + w."""
         none = torch.full((req.shape[0],), -1, dtype=torch.int64, device=req.device)
         first_stamp = torch.as_tensor(first_stamp, device=req.device)

@@ -1,4 +1,4 @@
-"""Trace files (ess-design.md section 6): top-k positions per request, decode step and layer, as .npz.
+"""Trace files (docs/design.md, Formats): top-k positions per request, decode step and layer, as .npz.
 
     topk          int32 [R, steps, layers, K]   decode top-k, -1 padded
     prefill_topk  int32 [R, W, layers, K]       the last W prefill query positions, oldest first (optional)

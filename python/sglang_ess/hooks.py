@@ -5,6 +5,7 @@ target in the installed sglang and checks the parameters each hook relies on, so
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
@@ -31,11 +32,18 @@ NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
 RESOLUTION_STEP = "handle_other_validations"
 
-_installed = False
-_runtime: EssRuntime | None = None  # this process's (one model runner per scheduler process)
-_sender: pd_warmup.WarmupSender | None = None  # a PD prefill node's, instead of a runtime
-_sender_pool = None  # the target model's KV pool on that node (its MTP draft worker has another)
-_wire: tuple[int, int] | None = None  # (layers, top-k) of the PD warm-up rows, once this process has ESS
+@dataclasses.dataclass
+class ProcessState:
+    """What the hooks of one process share (SGLang runs one model runner per scheduler process)."""
+
+    installed: bool = False
+    runtime: EssRuntime | None = None  # this process's ESS runtime
+    sender: pd_warmup.WarmupSender | None = None  # a PD prefill node's, instead of a runtime
+    sender_pool: object = None  # the target model's KV pool on that node (its MTP draft worker has another)
+    wire: tuple[int, int] | None = None  # (layers, top-k) of the PD warm-up rows, once this process has ESS
+
+
+state = ProcessState()
 
 
 # -- flags -----------------------------------------------------------------------------------------------------
@@ -54,7 +62,7 @@ def _ess_target(kvc) -> tuple[EssArgs, dict] | None:
     if not ess.enable or getattr(kvc, "is_draft_worker", False):
         return None
     facts = runtime_facts(kvc.server_args)
-    return None if facts["role"] == "pd-prefill" else (ess, facts)  # a prefill node keeps SGLang's pool
+    return None if facts.role == "pd-prefill" else (ess, facts)  # a prefill node keeps SGLang's pool
 
 
 def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, **kw):
@@ -69,7 +77,7 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
     if target is not None:
         facts = target[1]
         dsa_pool_class = pool_class(
-            scratch_rows=max_running_requests * facts["query_rows"], stage_rows=facts["context"]
+            scratch_rows=max_running_requests * facts.query_rows, stage_rows=facts.context
         )
     return original(kvc, *a, max_running_requests=max_running_requests, dsa_pool_class=dsa_pool_class, **kw)
 
@@ -79,25 +87,24 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     """Build this rank's EssRuntime once the memory pools exist, where SGLang builds HiSparse's coordinator, and
     install it as the runner's sparse-offload coordinator: the DSA backend (built later) then asks it for the selected
     rows in decode and verify, takes un-fused top-k positions, and keeps the token-granular page table."""
-    global _runtime, _sender, _sender_pool, _wire
     server_args = model_runner.server_args
     ess = ess_args_mod.ess_args(server_args)
     if not ess.enable or getattr(model_runner, "is_draft_worker", False):
         return
     facts = runtime_facts(server_args)
     pool = model_runner.token_to_kv_pool
-    if facts["role"] == "pd-prefill":
-        if facts["windows"]:
-            _sender = pd_warmup.WarmupSender(
-                facts["layers"], facts["topk"], facts["windows"], model_runner.req_to_token_pool.req_to_token,
+    if facts.role == "pd-prefill":
+        if facts.windows:
+            state.sender = pd_warmup.WarmupSender(
+                facts.layers, facts.topk, facts.windows, model_runner.req_to_token_pool.req_to_token,
                 pool.size + pool.page_size + 1, start_layer=pool.start_layer,
             )
-            _sender_pool, _wire = pool, (facts["layers"], facts["topk"])
-            logger.info("ESS on a PD prefill node: sends %d warm-up windows per request", facts["windows"])
+            state.sender_pool, state.wire = pool, (facts.layers, facts.topk)
+            logger.info("ESS on a PD prefill node: sends %d warm-up windows per request", facts.windows)
         return
     if not isinstance(pool, EssDSATokenToKVPool):
         raise RuntimeError(f"--enable-ess: the KV pool is {type(pool).__name__}, not ESS's (a pool hook did not apply)")
-    _runtime = EssRuntime(
+    state.runtime = EssRuntime(
         ess,
         facts,
         token_table=model_runner.req_to_token_pool.req_to_token,
@@ -106,13 +113,13 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
         start_layer=pool.start_layer,
         model=str(server_args.model_path),
     )
-    pool.ess_runtime = _runtime
-    reset_on_admit(model_runner.req_to_token_pool, _runtime)
-    model_runner.hisparse_coordinator = _runtime
-    model_runner.ess_runtime = _runtime
-    if facts["role"] == "pd-decode" and ess.warmup_windows:
-        _wire = (facts["layers"], facts["topk"])
-    logger.info("ESS runtime: %s", _runtime.stats())
+    pool.ess_runtime = state.runtime
+    reset_on_admit(model_runner.req_to_token_pool, state.runtime)
+    model_runner.hisparse_coordinator = state.runtime
+    model_runner.ess_runtime = state.runtime
+    if facts.role == "pd-decode" and ess.warmup_windows:
+        state.wire = (facts.layers, facts.topk)
+    logger.info("ESS runtime: %s", state.runtime.stats())
 
 
 def _ess_pool(backend) -> EssDSATokenToKVPool | None:
@@ -130,7 +137,7 @@ def _forward_backend():
 
 def _sending(backend) -> bool:
     """This backend serves the target model of a PD prefill node that sends warm-up state."""
-    return _sender is not None and getattr(backend, "token_to_kv_pool", None) is _sender_pool
+    return state.sender is not None and getattr(backend, "token_to_kv_pool", None) is state.sender_pool
 
 
 def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
@@ -148,7 +155,7 @@ def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))
     extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
     if sending:
-        _sender.plan(forward_batch.req_pool_indices, seq_lens, extend_lens, backend.use_fused_topk)
+        state.sender.plan(forward_batch.req_pool_indices, seq_lens, extend_lens, backend.use_fused_topk)
         return
     pool.stage_extend(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, prefix_lens)
     if pool.ess_runtime is not None:
@@ -191,7 +198,7 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, 
     pool = _ess_pool(backend)
     top_k = kw.get("topk_indices")
     if _sending(backend) and not verify and top_k is not None:
-        _sender.record(layer.layer_id, top_k, getattr(forward_batch, "tbo_parent_token_range", None))
+        state.sender.record(layer.layer_id, top_k, getattr(forward_batch, "tbo_parent_token_range", None))
     if pool is not None and pool.ess_runtime is not None and not verify and top_k is not None:
         to_positions = pool.stage_positions if backend.use_fused_topk else None  # fused: token locations
         token_range = getattr(forward_batch, "tbo_parent_token_range", None)
@@ -205,7 +212,7 @@ INDEXER_PARAMS = ["self", "x", "q_lora", "positions", "forward_batch", "layer_id
 def after_indexer(result, indexer, *a, **kw):
     """Right after a decode/verify layer's indexer: the runtime starts the H2D of the misses (DA / DBA layers), so it
     runs under the rest of forward_absorb_prepare instead of before the attention."""
-    rt = _runtime
+    rt = state.runtime
     if rt is None or not isinstance(result, torch.Tensor):
         return None
     args = dict(zip(INDEXER_PARAMS[1:], a)) | kw
@@ -244,7 +251,7 @@ def reset_on_admit(req_pool, rt: EssRuntime) -> None:
 
 
 def before_release_kv_cache(req, *a, **kw):
-    rt = _runtime
+    rt = state.runtime
     idx = request_slot(req)
     if rt is not None and idx is not None:
         path = rt.release(int(idx), str(getattr(req, "rid", "")))
@@ -256,8 +263,8 @@ def before_release_kv_cache(req, *a, **kw):
 def after_metadata_buffers_init(result, buffers, size, *a, **kw):
     """Both PD nodes append the same buffer (its size depends on the model only), so Mooncake / NIXL send it with the
     rest of a request's metadata."""
-    if _wire is not None:
-        ints = pd_warmup.row_ints(*_wire)
+    if state.wire is not None:
+        ints = pd_warmup.row_ints(*state.wire)
         buffers.ess_warmup = torch.zeros((size, ints), dtype=torch.int32, device=buffers.output_ids.device)
         logger.info("ESS PD warm-up metadata: %d slots x %.2f MB", size, ints * 4 / 2**20)
 
@@ -273,19 +280,19 @@ def after_get_buf_infos(result, buffers, *a, **kw):
 def after_set_buf(result, buffers, req, *a, **kw):
     """Prefill node, a request's last chunk: its warm-up state into its metadata row."""
     buf = getattr(buffers, "ess_warmup", None)
-    if buf is not None and _sender is not None:
-        _sender.write(buf[req.metadata_buffer_index], int(request_slot(req)), req.bootstrap_room)
+    if buf is not None and state.sender is not None:
+        state.sender.write(buf[req.metadata_buffer_index], int(request_slot(req)), req.bootstrap_room)
 
 
 def after_commit_transfer(result, queue, decode_req, *a, **kw):
     """Decode node, a request's KV and metadata arrived: load the warm-up state the prefill node sent."""
     buf = getattr(queue.metadata_buffers, "ess_warmup", None)
     req = decode_req.req
-    if buf is None or _runtime is None or req.finished_reason is not None or request_slot(req) is None:
+    if buf is None or state.runtime is None or req.finished_reason is not None or request_slot(req) is None:
         return
-    entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *_wire)
+    entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *state.wire)
     if entries is not None:
-        _runtime.admit_transferred(int(request_slot(req)), entries)
+        state.runtime.admit_transferred(int(request_slot(req)), entries)
 
 
 # -- PD transfer engines: ESS's latent layers are pinned host memory ------------------------------------------------
@@ -299,15 +306,15 @@ def host_memory_kinds(ptrs: list[int], kinds: list[str], host: torch.Tensor) -> 
 def before_nixl_manager(manager, args, *a, **kw):
     """SGLang tells NIXL a KV buffer is host memory (DRAM) only under HiSparse (disaggregation/decode.py): ESS's
     decode node would register its pinned latent layers as GPU memory."""
-    if _runtime is not None and getattr(args, "kv_data_ptrs", None):
+    if state.runtime is not None and getattr(args, "kv_data_ptrs", None):
         kinds = list(getattr(args, "kv_data_mem_kinds", None) or ["VRAM"] * len(args.kv_data_ptrs))
-        args.kv_data_mem_kinds = host_memory_kinds(list(args.kv_data_ptrs), kinds, _runtime.cache.host)
+        args.kv_data_mem_kinds = host_memory_kinds(list(args.kv_data_ptrs), kinds, state.runtime.cache.host)
 
 
 def after_mooncake_register(result, engine, *a, **kw):
     """Mooncake's batch registration only logs a failure at debug level; with ESS a node whose buffers are not
     registered would send or receive nothing, so it stops here instead."""
-    if result != 0 and (_runtime is not None or _sender is not None):
+    if result != 0 and (state.runtime is not None or state.sender is not None):
         raise RuntimeError(f"--enable-ess: Mooncake could not register the KV buffers (batch_register returned {result}); "
                            "check the transfer engine's memory registration limits")
     return None
@@ -379,15 +386,14 @@ def install() -> list[str]:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    global _installed
     table = _hook_table()
-    if not _installed:  # SGLang loads plugins once per process; tests may call this again
+    if not state.installed:  # SGLang loads plugins once per process; tests may call this again
         for target, kind, hook in table:
             HookRegistry.register(target, hook, kind)
         register_resolution_hook(RESOLUTION_STEP)(resolution_step)
         if not getattr(sys.excepthook, "ess", False):
             sys.excepthook = launch_error_hook(sys.excepthook)
-        _installed = True
+        state.installed = True
     return [t for t, _, _ in table]
 
 

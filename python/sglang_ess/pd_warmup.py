@@ -1,6 +1,5 @@
 """LRU-Warmup across PD disaggregation: the prefill node sends, with each request's KV, the state its warm-up sets
-leave; the decode node loads it into the request's GPU slots (ess-design.md section 2: "the prefill node also sends
-the warm-up top-k sets").
+leave; the decode node loads it into the request's GPU slots (docs/design.md, LRU-Warmup).
 
 What is sent. Warm-up inserts the sets P_0 .. P_{W-1} oldest first and evicts by (stamp, position) ascending; a
 position's stamp is the newest window it appears in. With C slots (C > K) the resident set afterwards is exactly the

@@ -1,4 +1,4 @@
-"""--ess-record-trace DIR: the top-k sets a server really selects, written as trace files (ess-design.md section 6)
+"""--ess-record-trace DIR: the top-k sets a server really selects, written as trace files (docs/design.md, Formats)
 that `ess profile` reads, one file per finished request.
 
 The decode step only appends its top-k rows to a fixed device buffer (StepRing: a device write pointer, no host

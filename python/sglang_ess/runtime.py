@@ -3,7 +3,7 @@ slots, token-pool locations; see ess.core.serving) and answers the DSA backend's
 SGLang's HiSparse answers: swap_in_selected_pages(req_pool_indices, seq_lens, top_k, layer_id) -> indices of the
 selected rows in the device latent buffer, which FlashMLA's sparse decode then reads.
 
-Overlap (ess-design.md section 2), per layer from the plan or --ess-overlap:
+Overlap (docs/design.md, Overlap), per layer from the plan or --ess-overlap:
     none      the attention call does everything: LRU step, H2D of the misses, own rows into their slots.
     da / dba  `begin`, called by the plugin right after the layer's indexer, runs the LRU step and starts the H2D of
               the misses on the copy stream; the rest of forward_absorb_prepare (q_b_proj under graph capture,
@@ -28,6 +28,7 @@ from ess.core.streams import Streams
 from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs
 from sglang_ess.recorder import StepRing, TraceRecorder
+from sglang_ess.validate import EssFacts
 from sglang_ess.warmup_plan import WarmupPlan
 
 OVERLAP_EARLY = ("da", "dba")  # modes whose H2D starts at the indexer
@@ -53,7 +54,7 @@ class EssRuntime:
     def __init__(
         self,
         ess: EssArgs,
-        facts: dict,
+        facts: EssFacts,
         token_table: torch.Tensor,
         host: torch.Tensor,
         device: torch.device | str,
@@ -65,16 +66,16 @@ class EssRuntime:
         host pool [layers, locations + 1, 656]; facts: from sglang_ess.validate.validate_model."""
         self.ess = ess
         self.start_layer = start_layer
-        self.num_layers = facts["layers"]
+        self.num_layers = facts.layers
         self.token_table = token_table
         self.cache = ServingLatentCache(
-            self.num_layers, token_table.shape[0], facts["buffer"], token_table.shape[1], host, device, backend
+            self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend
         )
         self.streams = Streams(device)
-        self.modes = layer_modes(ess, self.num_layers, facts.get("plan"))
+        self.modes = layer_modes(ess, self.num_layers, facts.plan)
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model) if ess.record_trace else None
         # one forward's decode rows: every layer of every request slot
-        self.ring = StepRing(self.num_layers * token_table.shape[0], facts["topk"], device) if self.recorder else None
+        self.ring = StepRing(self.num_layers * token_table.shape[0], facts.topk, device) if self.recorder else None
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
         # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the

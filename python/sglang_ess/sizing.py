@@ -61,7 +61,7 @@ def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: f
     )
 
 
-def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts: dict):
+def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts):
     """SGLang's `KVCacheConfigurator._resolve_memory_pool_config` for an ESS target worker: the same profiled
     budget and constraints, ESS's arithmetic in between. The MTP draft worker receives this config, and its own
     (stock) pool's per-token bytes are in SGLang's cell size, which ESS keeps."""
@@ -79,20 +79,20 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts: dict
     layers = kvc.layer_info.num_effective_layers
     per_token = configurator._cell_size - layers * layout.LATENT_ROW_BYTES  # index-K (+ the draft layer's share)
     budget = kvc._profile_available_bytes(pre_model_load_memory) - configurator._fixed_overhead_bytes
-    budget -= stage_bytes(facts["context"]) + scratch_bytes(MAX_REQUESTS, facts["query_rows"])
+    budget -= stage_bytes(facts.context) + scratch_bytes(MAX_REQUESTS, facts.query_rows)
     requested = get_schedule().max_running_requests
     r = None if requested is None else max(1, requested // kvc.attn_dp_size)
     # ESS gives every row of SGLang's request table its sparse pool: the requests', the padding row, and on a PD
     # decode node the rows reserved for requests still in transfer
     extra = extra_request_rows()
     sizes = ess_pool_sizes(layers, budget, ess.host_pool_gib,
-                           None if r is None else r + extra, facts["context"], facts["buffer"], per_token)
+                           None if r is None else r + extra, facts.context, facts.buffer, per_token)
     max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
     page = get_schedule().page_size
     tokens = kvc._apply_token_constraints(sizes.tokens) // page * page
     logger.info(
         "ESS pool: %d tokens (index-K on the GPU, latent rows in %.1f GiB pinned host memory), %d requests x %d GPU "
-        "slots, %.1f GiB device, limited by %s", tokens, sizes.host_bytes / GIB, max_requests, facts["buffer"],
+        "slots, %.1f GiB device, limited by %s", tokens, sizes.host_bytes / GIB, max_requests, facts.buffer,
         sizes.device_bytes / GIB, sizes.limited_by,
     )
     config = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=max_requests)

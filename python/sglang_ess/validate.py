@@ -3,12 +3,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from ess.core.plan import PlanError, load_plan
 from ess.core.settings import DEFAULT_SPARSE_RATIO
 from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs, EssArgsError, ess_args
+
+
+@dataclasses.dataclass(frozen=True)
+class EssFacts:
+    """What the launch checks resolved, for the pool, the sizing and the runtime of every process."""
+
+    role: str  # "co-located", "pd-decode" (the ESS cache lives here) or "pd-prefill" (sends warm-up state only)
+    topk: int
+    layers: int
+    context: int  # the longest context served
+    buffer: int = 0  # GPU latent slots per (request, layer); 0 on a prefill node
+    query_rows: int = 1  # query rows per request and step (MTP verify: 1 + draft tokens)
+    plan: tuple[str, ...] | None = None  # --ess-layer-plan's mode per layer
+    windows: int = 0  # LRU-Warmup windows a prefill node sends
+
 
 # The decode backend whose indices address the latent cache as flat 656-byte FP8 rows, which is what ESS translates
 # top-k positions into (FlashMLA's sparse FP8 decode).
@@ -35,7 +52,7 @@ def query_rows_per_request(cfg: Any) -> int:
     return int(cfg.speculative_num_draft_tokens or 1)
 
 
-def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
+def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     """Model-dependent checks. cfg: the resolving view of ServerArgs; hf_config: the model's config.
     Returns the derived facts the runtime needs (top-k, layers, buffer, plan modes)."""
     from sglang.srt.configs.model_config import get_dsa_index_kpool, is_deepseek_dsa
@@ -96,8 +113,7 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
         except PlanError as e:
             raise EssArgsError(f"--ess-layer-plan: {e}") from e
     role = "pd-decode" if cfg.disaggregation_mode == "decode" else "co-located"
-    return {"role": role, "topk": topk, "layers": layers, "context": context, "buffer": buffer, "query_rows": rows,
-            "plan": modes}
+    return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes))
 
 
 # Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd_warmup).
@@ -111,7 +127,7 @@ def _check_pd_warmup(ess: EssArgs, context: int) -> None:
         raise EssArgsError(f"--enable-ess with PD: context {context} exceeds the warm-up wire's {pd_warmup.MAX_POSITION} positions")
 
 
-def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
+def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     """--enable-ess on a PD prefill node: the node keeps SGLang's own KV cache and sends each request's warm-up state
     to the decode node with its metadata; only --ess-warmup-windows applies."""
     given = [EssArgs.FLAGS[f] for f in DECODE_ONLY if getattr(ess, f) != EssArgs.__dataclass_fields__[f].default]
@@ -120,11 +136,11 @@ def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> dict:
                            "prefill) --enable-ess only sends warm-up state (--ess-warmup-windows)")
     context = int(cfg.context_length or hf_config.max_position_embeddings)
     _check_pd_warmup(ess, context)
-    return {"role": "pd-prefill", "topk": int(hf_config.index_topk), "layers": int(hf_config.num_hidden_layers),
-            "context": context, "windows": ess.warmup_windows}
+    return EssFacts("pd-prefill", int(hf_config.index_topk), int(hf_config.num_hidden_layers), context,
+                    windows=ess.warmup_windows)
 
 
-def validate_server_args(server_args: Any) -> dict | None:
+def validate_server_args(server_args: Any) -> EssFacts | None:
     """The resolution step: None when ESS is off."""
     ess = ess_args(server_args)
     if not ess.enable:
@@ -137,7 +153,7 @@ def validate_server_args(server_args: Any) -> dict | None:
 FACTS_ATTR = "_ess_facts"
 
 
-def runtime_facts(server_args: Any) -> dict | None:
+def runtime_facts(server_args: Any) -> EssFacts | None:
     """validate_server_args once per process for the resolved record (the KV cache configurator's hooks and the
     runtime each need the facts); None when ESS is off."""
     facts = getattr(server_args, FACTS_ATTR, None)

@@ -1,4 +1,4 @@
-"""The ESS paper's evaluation (ess-design.md section 3): configuration, baseline rows, ESS rows and headlines."""
+"""The ESS paper's evaluation (docs/simulator.md): configuration, baseline rows, ESS rows and headlines."""
 
 from __future__ import annotations
 

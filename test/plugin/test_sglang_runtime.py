@@ -2,6 +2,7 @@
 slots, token locations from a real ReqToTokenPool), MTP verify shapes, own rows, warm-up, release, trace recording,
 pool sizing."""
 
+import ctypes
 import random
 import types
 
@@ -12,13 +13,18 @@ import torch
 from ess.reference.ess_cache import EssLatentCache
 from ess.core.settings import EssConfig
 from ess.core.trace import load_trace
-from lru_oracle import OracleLRU
+from ess.reference.lru_oracle import OracleLRU
 from sglang_ess.args import EssArgs
 from sglang_ess.runtime import EssRuntime, layer_modes
 from sglang_ess.sizing import ess_pool_sizes
+from sglang_ess.validate import EssFacts
 
 sglang = pytest.importorskip("sglang")
+from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+
+from sglang_ess import hooks, pd_warmup  # noqa: E402
 
 L, K, C, CTX, STEPS = 2, 8, 12, 40, 12
 SLOTS = [3, 1]  # SGLang request-pool slots of the two requests (slot 0 is SGLang's padding row)
@@ -36,7 +42,7 @@ def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None):
         pool = ReqToTokenPool(4, CTX + STEPS * rows + 1, "cpu", False)
         locs = torch.randperm(200 * 64)[: len(SLOTS) * pool.req_to_token.shape[1]].int()  # as scattered as an allocator's
         pool.req_to_token[SLOTS] = locs.view(len(SLOTS), -1)
-    facts = {"topk": K, "layers": L, "buffer": C if rows == 1 else rows * (K + 1) + 2, "query_rows": rows, "plan": None}
+    facts = EssFacts("co-located", K, L, CTX + STEPS, C if rows == 1 else rows * (K + 1) + 2, rows)
     ess = EssArgs(enable=True, buffer_tokens=C, record_trace=str(tmp_path) if tmp_path else None, overlap=overlap,
                   warmup_windows=warmup)
     host = torch.zeros(L, 200 * 64 + 1, 656, dtype=torch.uint8)
@@ -316,10 +322,8 @@ def test_top_k_past_a_request_is_masked_and_an_empty_batch_is_empty():
 
 def test_release_through_the_scheduler_hook_reads_sglangs_req(plugin, monkeypatch):
     """SGLang 0.5.23 keeps a request's table row in req.kv: the release hook frees that row's GPU state."""
-    from sglang_fixtures import sglang_req
-
     rt, pool = setup_runtime()
-    monkeypatch.setattr(plugin, "_runtime", rt)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
     for layer in range(L):
         own_loc = pool.req_to_token[SLOTS, CTX]
         store(rt, layer, own_loc, rows_of(own_loc, layer), True)
@@ -332,8 +336,6 @@ def test_release_through_the_scheduler_hook_reads_sglangs_req(plugin, monkeypatc
 
 def test_a_row_handed_to_a_new_request_starts_empty(plugin):
     """SGLang frees request rows outside release_kv_cache too; admission (its on-alloc-rows callback) resets them."""
-    from sglang_fixtures import sglang_req
-
     rt, pool = setup_runtime()
     for layer in range(L):
         own_loc = pool.req_to_token[SLOTS, CTX]
@@ -373,7 +375,7 @@ def test_pd_transfer_engines_see_the_host_pool_as_host_memory(plugin, monkeypatc
     from sglang.srt.disaggregation.base import KVArgs
 
     rt, _ = setup_runtime()
-    monkeypatch.setattr(plugin, "_runtime", rt)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
     index_k = torch.zeros(4, 132, dtype=torch.uint8)  # stands for a device buffer
     args = KVArgs()
     args.kv_data_ptrs = [rt.cache.host[0].data_ptr(), rt.cache.host[1].data_ptr(), index_k.data_ptr()]
@@ -383,5 +385,103 @@ def test_pd_transfer_engines_see_the_host_pool_as_host_memory(plugin, monkeypatc
     assert plugin.after_mooncake_register(0, None, [1], [1]) is None
     with pytest.raises(RuntimeError, match="Mooncake could not register"):
         plugin.after_mooncake_register(-1, None, [1], [1])
-    monkeypatch.setattr(plugin, "_runtime", None)  # a node without ESS: SGLang's own behaviour
+    monkeypatch.setattr(plugin.state, "runtime", None)  # a node without ESS: SGLang's own behaviour
     assert plugin.after_mooncake_register(-1, None, [1], [1]) is None
+
+
+# -- LRU-Warmup across PD disaggregation, through SGLang's metadata buffers -----------------------------------------
+def sglang_req(slot: int | None, room: int = 0, metadata_index: int = -1):
+    """A real SGLang Req holding request-table row `slot` (0.5.23 keeps it in req.kv), as the scheduler leaves it."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(f"r{slot}-{room}", "", [1, 2, 3], SamplingParams(max_new_tokens=4), bootstrap_room=room)
+    req.kv.req_pool_idx = slot
+    req.metadata_buffer_index = metadata_index
+    return req
+
+
+def decode_request(req, metadata_index: int):
+    """SGLang's DecodeRequest of a PD decode node for `req` (no receiver: the transfer is over when the hook runs)."""
+    from sglang.srt.disaggregation.decode import DecodeRequest
+
+    return DecodeRequest(req=req, kv_receiver=None, metadata_buffer_index=metadata_index)
+
+
+def metadata_buffers(size):
+    return MetadataBuffers(size, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16)
+
+
+def send_aux(src: MetadataBuffers, src_index: int, dst: MetadataBuffers, dst_index: int) -> None:
+    """What Mooncake's send_aux does: buffer i's item src_index to the peer's buffer i, item dst_index, for the buffers
+    both nodes registered."""
+    sp, _, lens = src.get_buf_infos()
+    dp, _, _ = dst.get_buf_infos()
+    for i in range(min(len(sp), len(dp))):
+        ctypes.memmove(dp[i] + lens[i] * dst_index, sp[i] + lens[i] * src_index, lens[i])
+
+
+def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
+    """Prefill node: the hooks plan and record through a prefill forward split into two TBO micro-batches, from
+    SGLang's fused top-k (token locations), and write the request's metadata row. The row travels as Mooncake sends
+    it. Decode node: the commit hook loads it, and the GPU slots hold what a co-located warm-up from the same top-k
+    holds (the same rows and stamps, byte-identical row contents). A stale row (another request's, or a prefill
+    node without ESS) is ignored."""
+    W = 4
+    colocated, pool, req, ext, topk, topk_loc = prefill_setup(6, W)
+    colocated.plan_prefill(req, ext)
+    for layer in range(L):
+        colocated.warm_from_prefill(layer, topk)
+
+    # the prefill node (its pool: a stand-in object; its req_to_token: the same table)
+    target_pool = object()
+    sender = pd_warmup.WarmupSender(L, K, W, pool.req_to_token, 200 * 64 + 1)
+    monkeypatch.setattr(hooks.state, "sender", sender)
+    monkeypatch.setattr(hooks.state, "sender_pool", target_pool)
+    monkeypatch.setattr(hooks.state, "wire", (L, K))
+    backend = types.SimpleNamespace(token_to_kv_pool=target_pool, req_to_token=pool.req_to_token, use_fused_topk=True)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=req,
+                                  seq_lens_cpu=torch.tensor([CTX, CTX]), extend_prefix_lens_cpu=[0, CTX - 3])
+    hooks.after_init_forward_metadata(None, backend, batch)
+    split, total = CTX - 1, CTX + 3  # the second micro-batch holds request 0's newest window only
+    for layer in range(L):
+        for rows, rng_ in [(slice(0, split), (0, split)), (slice(split, total), (split, total))]:
+            child = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, tbo_parent_token_range=rng_)
+            hooks.around_forward_extend(lambda *a, **kw: None, backend, None, None, None,
+                                        types.SimpleNamespace(layer_id=layer), child, topk_indices=topk_loc[rows])
+    prefill_meta = metadata_buffers(4)  # SGLang's class, through the plugin's hook on its constructor
+    reqs = [sglang_req(s, 2**63 + 1000 if i else 1000, metadata_index=i + 1)  # bootstrap rooms: unsigned 64-bit ids
+            for i, s in enumerate(SLOTS)]
+    for r in reqs:
+        hooks.after_set_buf(None, prefill_meta, r)
+
+    # the decode node: the same slots, an empty cache; the KV already in its host pool
+    decode_rt, _ = setup_runtime(warmup=W, pool=pool)
+    monkeypatch.setattr(hooks.state, "runtime", decode_rt)
+    decode_meta = metadata_buffers(8)
+    assert decode_meta.get_buf_infos()[0][-1] == decode_meta.ess_warmup.data_ptr()  # appended by the plugin's hook
+    for i, r in enumerate(reqs):
+        send_aux(prefill_meta, r.metadata_buffer_index, decode_meta, 5 + i)
+        decode_req = decode_request(sglang_req(r.kv.req_pool_idx, r.bootstrap_room), 5 + i)
+        hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), decode_req)
+
+    for slot in SLOTS:
+        for layer in range(L):
+            def state(rt):
+                sp = rt.cache.sparse
+                return {int(p): int(s) for p, s in zip(sp.slot_pos[layer, slot], sp.slot_stamp[layer, slot]) if p >= 0}
+            assert state(decode_rt) and state(decode_rt) == state(colocated), (slot, layer)
+            pos, slots = decode_rt.cache.sparse.resident_slots(layer, torch.tensor([slot]))
+            held = pos >= 0
+            assert torch.equal(decode_rt.cache.gpu[layer][slots[held]], rows_of(pool.req_to_token[slot, pos[held]], layer))
+
+    stale, _ = setup_runtime(warmup=W, pool=pool)
+    monkeypatch.setattr(hooks.state, "runtime", stale)
+    other = decode_request(sglang_req(SLOTS[0], 77), 5)  # row 5 holds room 1000's state
+    hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), other)
+    monkeypatch.setattr(hooks.state, "wire", None)
+    plain = metadata_buffers(4)  # a prefill node without ESS: one buffer fewer, so row 5 is not written
+    assert not hasattr(plain, "ess_warmup")
+    send_aux(plain, 1, decode_meta, 5)
+    assert pd_warmup.read_row(decode_meta.ess_warmup[5], 1000, L, K) is not None
+    assert stale.cache.sparse.resident(0, SLOTS[0]) == set()

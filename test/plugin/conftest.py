@@ -1,10 +1,8 @@
+"""Fixtures of the plugin tests."""
+
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 from ess.core import layout
 from ess.reference import attention as A
 from ess.reference.config import FULL, from_hf, get_config
-from helpers import TINY, dense, tiny_model, tiny_prompts
+from ess.reference.tiny import TINY, dense, tiny_model, tiny_prompts
 
 
 def test_full_config_is_deepseek_v32():

@@ -16,7 +16,31 @@ import pytest
 pytest.importorskip("sglang")
 import torch  # noqa: E402
 
-from sglang_fixtures import model_dir  # noqa: E402
+
+# A model directory (config.json only) for SGLang's argument resolution on the CPU
+DSV32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 7168,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048,
+    "index_head_dim": 128, "index_n_heads": 64, "n_routed_experts": 256, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "moe_intermediate_size": 2048, "intermediate_size": 18432, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "rope_theta": 10000, "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-6, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}
+
+
+def model_dir(tmp_path, name="dsv32", **changes):
+    cfg = {**DSV32, **changes}
+    for k in [k for k, v in changes.items() if v is None]:
+        del cfg[k]
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
 
 ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess-host-pool-gib", "--ess-overlap",
              "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace"]
@@ -102,18 +126,18 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
                       "--ess-host-pool-gib", "512", "--ess-layer-plan", str(plan), "--ess-warmup-windows", "16",
                       "--ess-record-trace", str(tmp_path / "traces")))
     from sglang_ess.args import ess_args
-    from sglang_ess.validate import validate_server_args
+    from sglang_ess.validate import EssFacts, validate_server_args
 
     ess = ess_args(pickle.loads(pickle.dumps(sa)))  # as the scheduler processes receive it
     assert (ess.enable, ess.buffer_tokens, ess.host_pool_gib, ess.warmup_windows) == (True, 6400, 512.0, 16)
     assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces")
     facts = validate_server_args(sa)
-    assert facts["topk"] == 2048 and facts["layers"] == 61 and facts["buffer"] == 6400
-    assert facts["plan"] == ["da"] * 30 + ["dba"] * 31 and facts["role"] == "co-located"
+    assert facts.topk == 2048 and facts.layers == 61 and facts.buffer == 6400
+    assert facts.plan == ("da",) * 30 + ("dba",) * 31 and facts.role == "co-located"
     assert ess_args(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).enable is False
     prefill = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "24",
                            "--disaggregation-mode", "prefill"))
-    assert validate_server_args(prefill) == {"role": "pd-prefill", "topk": 2048, "layers": 61, "context": 163840, "windows": 24}
+    assert validate_server_args(prefill) == EssFacts("pd-prefill", 2048, 61, 163840, windows=24)
 
 
 BAD = [
@@ -178,7 +202,7 @@ def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
     with pytest.raises(EssArgsError, match="3 verify rows x \\(top-k \\+ 1\\) = 6147"):
         validate_model(EssArgs(enable=True, buffer_tokens=6144), cfg, hf)
     facts = validate_model(EssArgs(enable=True, buffer_tokens=6400), cfg, hf)
-    assert facts["query_rows"] == 3
+    assert facts.query_rows == 3
 
 
 def test_ess_target_workers_build_the_ess_pool(plugin, hopper, tmp_path):
@@ -212,8 +236,8 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
 
     from sglang_ess import pd_warmup
 
-    for name in ("_runtime", "_sender", "_sender_pool", "_wire"):
-        monkeypatch.setattr(plugin, name, None)
+    for name in ("runtime", "sender", "sender_pool", "wire"):
+        monkeypatch.setattr(plugin.state, name, None)
     build = lambda kvc, **kw: kw["dsa_pool_class"]  # noqa: E731
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"))
     kvc = types.SimpleNamespace(server_args=sa, is_draft_worker=False)
@@ -223,17 +247,17 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
     runner = types.SimpleNamespace(server_args=sa, is_draft_worker=True, token_to_kv_pool=pool,
                                    req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32)))
     plugin.after_init_sparse_coordinator(None, runner)
-    assert plugin._sender is None  # the draft worker
+    assert plugin.state.sender is None  # the draft worker
     runner.is_draft_worker = False
     plugin.after_init_sparse_coordinator(None, runner)
-    assert isinstance(plugin._sender, pd_warmup.WarmupSender) and plugin._sender_pool is pool and plugin._runtime is None
-    assert plugin._wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
+    assert isinstance(plugin.state.sender, pd_warmup.WarmupSender) and plugin.state.sender_pool is pool and plugin.state.runtime is None
+    assert plugin.state.wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
     other = types.SimpleNamespace(token_to_kv_pool=object(), use_fused_topk=False)  # the draft worker's backend
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([1]),
                                   seq_lens_cpu=torch.tensor([5]), extend_prefix_lens_cpu=[0])
     plugin.after_init_forward_metadata(None, other, batch)
-    assert not plugin._sender._forwards
+    assert not plugin.state.sender._forwards
     plugin.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
-    assert len(plugin._sender._forwards) == 1
+    assert len(plugin.state.sender._forwards) == 1

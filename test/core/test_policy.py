@@ -5,7 +5,7 @@ import torch
 
 from ess.core.policy import STAMP_MOD, lru_update
 from ess.core.sparse_pool import SparseMemoryPool
-from lru_oracle import OracleLRU
+from ess.reference.lru_oracle import OracleLRU
 
 
 def run_both(steps_sets, ctx, capacity, warm_sets=(), max_pos=None, first_stamp=0):

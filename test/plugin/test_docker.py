@@ -9,7 +9,7 @@ import yaml
 
 from sglang_ess.args import add_cli_args
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def plugin_flags():

@@ -259,7 +259,7 @@ def test_serving_step_moves_the_same_rows_with_either_kernel(with_table, device)
 
 @interpreter
 def test_bookkeeping_benchmark_smoke_run(tmp_path):
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     subprocess.run([sys.executable, str(root / "benchmark" / "bookkeeping.py"), "--smoke", str(tmp_path)], check=True,
                    env=env, timeout=300, cwd=root)

@@ -5,7 +5,7 @@ from ess.core import layout
 from ess.reference.ess_cache import EssLatentCache
 from ess.core.settings import EssConfig, KnobError as EssConfigError
 from ess.reference.host_pool import PAGE_TOKENS, HostPoolExhausted, TotalMemoryPool
-from helpers import TINY, dense, tiny_model, tiny_prompts
+from ess.reference.tiny import TINY, dense, tiny_model, tiny_prompts
 
 
 def test_host_pool_allocation_release_and_reuse():

@@ -10,7 +10,7 @@ from ess.analysis.profiling import profile_traces, similarity
 from ess.analysis.sim.profile import synthetic_profile
 from ess.analysis.synth import SynthOptions, synth_trace
 from ess.core.trace import Trace, load_trace
-from lru_oracle import OracleLRU
+from ess.reference.lru_oracle import OracleLRU
 
 SMALL = SynthOptions(requests=2, steps=12, layers=3, topk=64, context=2048, window=8, churn_min=2, churn_max=20,
                      pool=256, drift_max=0.1, seed=3)

@@ -15,6 +15,7 @@ from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang_ess.args import EssArgs  # noqa: E402
 from sglang_ess.pool import DECODE, EXTEND, pool_class  # noqa: E402
 from sglang_ess.runtime import EssRuntime  # noqa: E402
+from sglang_ess.validate import EssFacts  # noqa: E402
 
 L, K, C, SIZE, MAX_LEN = 2, 8, 12, 40 * 64, 200
 REQ = [3, 1]  # request-pool slots (0 is SGLang's padding row)
@@ -109,7 +110,7 @@ def in_forward(pool):
 
 
 def make_runtime(ess, tokens, **flags):
-    facts = {"topk": K, "layers": L, "buffer": C, "query_rows": 1, "plan": None}
+    facts = EssFacts("co-located", K, L, tokens.req_to_token.shape[1], C)
     rt = EssRuntime(EssArgs(enable=True, buffer_tokens=C, **flags), facts, tokens.req_to_token, host=ess.ess_host,
                     device="cpu", backend="torch")
     ess.ess_runtime = rt
@@ -125,7 +126,7 @@ def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatc
     rng = random.Random(1)
     prefill(stock, ess, tokens, REQ, [0, 0], [40, 33], rng)
     rt = make_runtime(ess, tokens, overlap=overlap)
-    monkeypatch.setattr(hooks, "_runtime", rt)
+    monkeypatch.setattr(hooks.state, "runtime", rt)
     req, pos = torch.tensor(REQ), torch.tensor([40, 33])
     batch = decode_batch(req, pos)
     for step in range(15):  # C = 12 slots against top-8 sets over 40+ positions: misses and evictions every step
@@ -215,7 +216,7 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     monkeypatch.setattr("sglang.srt.runtime_context.get_disagg", lambda: disagg)
     kvc = types.SimpleNamespace(layer_info=types.SimpleNamespace(num_effective_layers=layers), attn_dp_size=1,
                                 _profile_available_bytes=lambda pre: avail, _apply_token_constraints=lambda t: t)
-    facts = {"context": ctx, "buffer": cap, "query_rows": 1}
+    facts = EssFacts("co-located", 2048, 61, ctx, cap)
     config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
     R, T = config.max_running_requests, config.max_total_num_tokens
     used = (R + 1) * cache_bytes(layers, ctx, 656, 0, cap) + T * layers * 132
@@ -279,7 +280,7 @@ def test_indexer_hook_skips_prefill_and_the_draft_worker(pools, monkeypatch):
 
     stock, ess, tokens = pools
     rt = make_runtime(ess, tokens, overlap="da")
-    monkeypatch.setattr(hooks, "_runtime", rt)
+    monkeypatch.setattr(hooks.state, "runtime", rt)
     topk, pos = torch.zeros(2, K, dtype=torch.int32), torch.tensor([5, 5])
     for mode, pool in [(ForwardMode.EXTEND, ess), (ForwardMode.DECODE, stock)]:  # prefill; the MTP draft's pool
         with in_forward(pool):

@@ -9,15 +9,9 @@ from ess.reference import attention as A
 from ess.analysis.replay import replay_misses
 from ess.reference.flashmla import split_decode
 from ess.core.trace import Trace
-from helpers import TINY, dense, tiny_model, tiny_prompts
+from ess.reference.tiny import BUFFER, TINY, dense, ess_cache, tiny_model, tiny_prompts
 
 STEPS = 12
-BUFFER = TINY.index_topk + 8  # 24 slots against contexts of 114..160 tokens: misses happen every step
-
-
-def ess_cache(warmup: bool, buffer: int = BUFFER):
-    cfg = EssConfig(topk=TINY.index_topk, buffer_tokens=buffer, warmup_windows=32 if warmup else 0)
-    return lambda ctx, max_len: EssLatentCache(cfg, TINY.num_layers, ctx, max_len, "cpu")
 
 
 @pytest.fixture(scope="module")

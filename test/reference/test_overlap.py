@@ -10,8 +10,7 @@ from ess.reference.layer_setup import build_layer, graph_replay_check, preload, 
 from ess.reference.overlap import MODES, ess_layer_attention
 from ess.reference import attention as A
 from ess.reference.config import get_config
-from helpers import TINY, dense, tiny_model, tiny_prompts
-from test_ess_e2e import ess_cache
+from ess.reference.tiny import TINY, dense, ess_cache, tiny_model, tiny_prompts
 
 ONE_LAYER = get_config("mini", num_layers=1, index_topk=32)
 FULL_HEADS = get_config("full", num_layers=1)  # FlashMLA takes 64 or 128 heads
@@ -108,7 +107,7 @@ def test_overlap_benchmark_smoke_mode(capsys):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parents[1] / "benchmark" / "overlap_layer.py"
+    path = pathlib.Path(__file__).parents[2] / "benchmark" / "overlap_layer.py"
     spec = importlib.util.spec_from_file_location("overlap_layer", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,0 +1,53 @@
+"""Rules of the repository's shape: the serving path imports none of the wings, the plugin imports the core only,
+tests stand alone, and code cites only the repository's own docs."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WINGS = ("ess.reference", "ess.analysis", "ess.cli", "matplotlib")
+
+
+def loaded_after(imports: str) -> list[str]:
+    code = f"import sys\n{imports}\nprint('\\n'.join(m for m in sys.modules if m.startswith({WINGS!r})))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return [m for m in out.stdout.split() if m]
+
+
+def test_the_core_imports_none_of_the_wings():
+    core = sorted(p.stem for p in (ROOT / "ess" / "core").glob("*.py") if p.stem != "__init__")
+    assert loaded_after("\n".join(f"import ess.core.{m}" for m in core)) == []
+
+
+def test_the_plugin_imports_the_core_only():
+    pytest.importorskip("sglang")
+    mods = ("runtime", "validate", "sizing", "hooks", "pool")
+    assert loaded_after("\n".join(f"import sglang_ess.{m}" for m in mods)) == []
+
+
+def python_files(*folders):
+    return [p for f in folders for p in (ROOT / f).rglob("*.py")]
+
+
+def test_tests_edit_no_path_and_import_no_test_module():
+    tests = {p.stem for p in python_files("test")}
+    for path in python_files("test"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                raise AssertionError(f"{path.relative_to(ROOT)} touches sys.path")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert name.split(".")[0] not in tests, f"{path.relative_to(ROOT)} imports test module {name}"
+
+
+def test_code_cites_only_the_repositorys_docs():
+    for path in python_files("ess", "python", "benchmark", "test", "scripts", "docker"):
+        text = path.read_text()
+        for outside in ("ess-design.md", "../shared", "shared/docs"):
+            assert outside not in text or path.name == "test_repo.py", f"{path.relative_to(ROOT)} cites {outside}"
