@@ -131,8 +131,10 @@ class ServingLatentCache:
         own_pos: torch.Tensor,
         own_rows: torch.Tensor | None = None,
     ) -> PolicyResult:
-        """Mode NONE in one call: policy, H2D of the misses, own rows into their slots. r.attn_slot then indexes
-        self.gpu[layer] for every top-k entry (-1 entries stay -1)."""
+        """The serial step, mode NONE, in one call: policy, H2D of the misses, own rows into their slots, in that order
+        on the current stream. The one implementation of that order: the plugin's runtime, the reference overlap
+        engine and the reference cache call it. r.attn_slot then indexes self.gpu[layer] for every top-k entry (-1
+        entries stay -1)."""
         r = self.update(layer, req, topk, own_pos, token_table)
         self.fetch(layer, req, token_table, r)
         if own_rows is not None:

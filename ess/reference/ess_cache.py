@@ -82,6 +82,11 @@ class EssLatentCache:
         """The LRU policy for the batch rows in `part` (device only)."""
         return self.serving.update(layer, self.slots[part], topk, pos, self.token_table)
 
+    def translate(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> PolicyResult:
+        """The serial step, mode NONE, of the whole batch: ServingLatentCache.translate (policy, H2D of the misses, own
+        rows into their slots, all on the compute stream), the one implementation of that order."""
+        return self.serving.translate(layer, self.slots, self.token_table, topk, pos, own_rows)
+
     def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None), overlapped: bool = False) -> None:
         """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots (current stream; overlapped: the
         copy stream, beside compute)."""
@@ -114,7 +119,7 @@ class EssLatentCache:
         step None: the stamp was set beforehand (set_step), as in a captured CUDA graph."""
         if step is not None:
             self.set_step(step)
-        r = self.serving.translate(layer, self.slots, self.token_table, topk, pos, own_rows)
+        r = self.translate(layer, topk, pos, own_rows)
         backed_up = self.backup_own(layer, r, pos)
         self.record(layer, r)
         rows = self.rows(layer, r)

@@ -44,19 +44,21 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
     streams = cache.streams
     own_rows = A.kv_latent_rows(w, cfg, h, pos)
-    topks, results = [], []
-    for part in batch_parts(h.shape[0], mode):
-        topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
-        r = cache.update(layer, topk, pos[part], part)
-        if mode == "none":
-            cache.fetch(layer, r, part)  # on the compute stream: attention waits for it
-        else:  # the copy stream runs in order: the last part's event covers every H2D of the step
+    if mode == "none":  # the serial order, on the compute stream (ServingLatentCache.translate)
+        topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer)
+        r = cache.translate(layer, topk, pos, own_rows)
+    else:
+        topks, results = [], []
+        for part in batch_parts(h.shape[0], mode):
+            topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
+            r = cache.update(layer, topk, pos[part], part)
+            # the copy stream runs in order: the last part's event covers every H2D of the step
             fetched = streams.copy_after(lambda: cache.fetch(layer, r, part, overlapped=True), r.miss_pos, r.miss_slot)
-        topks.append(topk)
-        results.append(r)
-    r = _cat(results)
-    topk = torch.cat(topks)
-    cache.store_own(layer, r, own_rows)
+            topks.append(topk)
+            results.append(r)
+        r = _cat(results)
+        topk = torch.cat(topks)
+        cache.store_own(layer, r, own_rows)
     backed_up = cache.backup_own(layer, r, pos)  # D2H overlaps PreAttn and the attention below
     cache.record(layer, r)
     q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)

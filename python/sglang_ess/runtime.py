@@ -98,9 +98,11 @@ class EssRuntime:
         if self.ring is not None:
             self.ring.reset()
 
-    def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> PolicyResult:
+    def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, serial: bool = False,
+              own_rows: torch.Tensor | None = None) -> PolicyResult:
         """The LRU step of one layer for a (micro-)batch: sets [B, S*K] positions, own [B] or [B, S]. Rows of request
-        slot 0 are CUDA-graph padding (SGLang's padding row, never a request's): they take no LRU step."""
+        slot 0 are CUDA-graph padding (SGLang's padding row, never a request's): they take no LRU step. serial: the
+        whole NONE order (ServingLatentCache.translate: step, H2D of the misses, own rows); else the step alone."""
         if layer == 0:
             self.cache.next_step()
         real = req != PADDING_SLOT  # padding rows get no own token, and so (below) no set: they touch only sinks
@@ -109,7 +111,10 @@ class EssRuntime:
         # its issue 32771) would translate to another token's slot or index past the tables: mask them (device op).
         newest = own if own.dim() == 1 else own.max(dim=1).values
         sets = torch.where(sets > newest.unsqueeze(1), -1, sets)
-        r = self.cache.update(layer, req, sets, own, self.token_table)
+        if serial:
+            r = self.cache.translate(layer, req, self.token_table, sets, own, own_rows)
+        else:
+            r = self.cache.update(layer, req, sets, own, self.token_table)
         if self.ring is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
             self.ring.append(layer, req, sets, own)
         return r
@@ -157,17 +162,15 @@ class EssRuntime:
             return torch.full(top_k.shape, -1, dtype=torch.int32, device=top_k.device)
         S = top_k.shape[1] if top_k.dim() == 3 else 1
         pending = self._pending.pop((layer, req_pool_indices.data_ptr(), B), None)
-        if pending is None:  # mode none (or no indexer call seen): the whole step here
-            own = _per_request(seq_lens, B, S) - 1
-            r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own)
-            self.cache.fetch(layer, req_pool_indices, self.token_table, r)
-        else:
-            r = pending[0]
         own_rows = self._own_rows[layer]
         self._own_rows[layer] = None
-        if own_rows is not None:
-            self.cache.store_own(layer, r, own_rows)
-        if pending is not None:
+        if pending is None:  # mode none (or no indexer call seen): the whole step here, in the serial order
+            own = _per_request(seq_lens, B, S) - 1
+            r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own, serial=True, own_rows=own_rows)
+        else:  # the step and its H2D started at the indexer
+            r = pending[0]
+            if own_rows is not None:
+                self.cache.store_own(layer, r, own_rows)
             self.streams.wait(pending[1])
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
 
