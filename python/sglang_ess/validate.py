@@ -41,6 +41,10 @@ UNSUPPORTED_WITH_ESS = {
     "disaggregation_decode_enable_offload_kvcache": "it offloads and frees requests' KV outside SGLang's release path, "
                                                     "from the device latent buffer that ESS keeps in host memory",
     "speculative_adaptive": "it changes the number of verify rows per step, which sizes ESS's GPU slots",
+    # The flags SGLang 0.5.23 refuses with --enable-hisparse for reasons that hold for ESS too (docs/plugin.md, the
+    # enable_hisparse audit):
+    "disaggregation_decode_enable_radix_cache": "a decode-side prefix cache shares KV rows across requests, and "
+                                                "ESS's GPU slots belong to one request",
 }
 
 
@@ -71,6 +75,15 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
         raise EssArgsError(f"--enable-ess does not support --pp-size {cfg.pp_size} yet: its runtime holds every layer")
     if cfg.disaggregation_mode == "prefill":
         return validate_prefill_node(ess, cfg, hf_config)
+    for field, why in UNSUPPORTED_WITH_ESS.items():
+        if getattr(cfg, field, False):
+            raise EssArgsError(f"--enable-ess does not support --{field.replace('_', '-')} yet: {why}")
+    if (getattr(cfg, "dcp_size", 1) or 1) > 1:
+        raise EssArgsError(f"--enable-ess does not support --dcp-size {cfg.dcp_size} yet: ESS's host pool has no "
+                           "decode-context-parallel translation")
+    if cfg.disaggregation_mode == "decode" and (getattr(cfg, "disaggregation_decode_host_receive_threshold", 1.0) < 1):
+        raise EssArgsError("--enable-ess does not support --disaggregation-decode-host-receive-threshold below 1 yet: "
+                           "it receives KV into SGLang's retraction host pool, and ESS's host pool is the KV itself")
     if cfg.dsa_decode_backend not in ESS_DECODE_BACKENDS:
         raise EssArgsError(f"--enable-ess supports --dsa-decode-backend {' or '.join(ESS_DECODE_BACKENDS)}, got {cfg.dsa_decode_backend}")
     if cfg.dsa_prefill_backend not in ESS_PREFILL_BACKENDS:
@@ -78,9 +91,6 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
             f"--enable-ess stages prefill rows behind the paged prefill route; launch with --dsa-prefill-backend "
             f"{' or '.join(ESS_PREFILL_BACKENDS)} (got {cfg.dsa_prefill_backend})"
         )
-    for field, why in UNSUPPORTED_WITH_ESS.items():
-        if getattr(cfg, field, False):
-            raise EssArgsError(f"--enable-ess does not support --{field.replace('_', '-')} yet: {why}")
     if query_rows_per_request(cfg) > 1 and (getattr(cfg, "speculative_eagle_topk", 1) or 1) > 1:
         raise EssArgsError(f"--enable-ess supports --speculative-eagle-topk 1 (got {cfg.speculative_eagle_topk}): a "
                            "tree verify repeats own positions across branches")

@@ -173,6 +173,13 @@ BAD = [
     ("decode-offload", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                             "--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend", "file"],
      "--disaggregation-decode-enable-offload-kvcache yet"),
+    # refused with --enable-hisparse by SGLang for reasons that hold for ESS (docs/plugin.md, the enable_hisparse audit)
+    ("decode-radix", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
+                          "--disaggregation-decode-enable-radix-cache"], "--disaggregation-decode-enable-radix-cache yet"),
+    ("dcp", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--dcp-size", "2"], "--dcp-size 2 yet"),
+    ("host-receive", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
+                          "--disaggregation-decode-host-receive-threshold", "0.5"],
+     "--disaggregation-decode-host-receive-threshold below 1 yet"),
 ]
 
 
