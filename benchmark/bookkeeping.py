@@ -182,6 +182,24 @@ def phases(dev, host, K: int, context: int, miss_fraction: float) -> list[dict]:
     return rows
 
 
+def config_sweep(dev, host, K: int, context: int, miss_fraction: float, iters: int) -> list[dict]:
+    """The fused step at batch 160 (S = 1, C = 6554) by warps per program and by how many slots stay in registers
+    (fewer: fewer registers, more programs per SM, the keys re-read per bisection step)."""
+    c = Case(dev, 160, K, 1, 6554, context, miss_fraction, host)
+    rows = []
+    saved = lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS
+    for slots in (8192, 4096, 2048):
+        for warps in (4, 8, 16):
+            lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS = warps, slots
+            us = graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused"))
+            k = lru_kernel.LAST_LAUNCH
+            rows.append({"warps": warps, "register_slots": slots, "fused_us": round(us, 1),
+                         "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
+            log(f"sweep: {rows[-1]}")
+    lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS = saved
+    return rows
+
+
 def plot(doc: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -214,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--miss-fraction", type=float, default=0.05, help="share of each step's positions that miss")
     p.add_argument("--phases", action="store_true", help="only the fused kernel's time per phase (GPU), printed")
+    p.add_argument("--sweep", action="store_true", help="only the fused kernel's launch configurations at batch 160 (GPU), printed")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if dev.type != "cuda" and not args.smoke:
@@ -227,6 +246,9 @@ def main(argv=None) -> int:
     host = pinned_zeros((1, host_rows + 1, layout.LATENT_ROW_BYTES), pin=dev.type == "cuda")
     if args.phases:
         print(json.dumps(phases(dev, host, K, context, args.miss_fraction), indent=1))
+        return 0
+    if args.sweep:
+        print(json.dumps(config_sweep(dev, host, K, context, args.miss_fraction, iters), indent=1))
         return 0
     doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "command": "python benchmark/bookkeeping.py" + (" --smoke" if args.smoke else ""),
