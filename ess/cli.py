@@ -171,11 +171,11 @@ def cmd_cache_replay(args) -> int:
     with _Progress(not args.quiet) as progress:
         misses = replay_misses(
             trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("decode steps", d, t),
-            kernel=args.kernel,
+            kernel=args.kernel, policy=args.policy,
         )
-    doc = {"trace": args.trace, "buffer": args.buffer, "warmup": args.warmup, "shape": list(misses.shape),
-           "misses": misses.tolist()}
-    table = Table(title=f"misses per layer ({args.trace}, buffer {args.buffer})")
+    doc = {"trace": args.trace, "buffer": args.buffer, "warmup": args.warmup, "policy": args.policy,
+           "shape": list(misses.shape), "misses": misses.tolist()}
+    table = Table(title=f"misses per layer ({args.trace}, buffer {args.buffer}, policy {args.policy})")
     table.add_column("layer")
     table.add_column("mean misses per request-step", justify="right")
     for li in range(misses.shape[2]):
@@ -423,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--buffer-tokens", "--buffer", dest="buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
     r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
     r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=WARMUP_WINDOWS, help="LRU-Warmup windows (with --warmup)")
+    r.add_argument("--policy", choices=("lru", "belady"), default="lru",
+                   help="lru: ESS's policy; belady: the offline optimum (Belady's MIN), the fewest misses any policy "
+                        "can have with these slots")
     r.add_argument("--kernel", choices=KERNELS, default="torch",
                    help="the LRU step: torch ops, or the fused Triton kernel (on a CPU: Triton's interpreter, slow); "
                         "auto: fused on a GPU")

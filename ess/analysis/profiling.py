@@ -68,7 +68,7 @@ def profile_traces(
             raise ValueError("--ratios must lie in (0, 1]")
         pairs = sorted((r, buffer_for_ratio(first, r)) for r in ratios)
     warm = first.prefill_topk is not None
-    total = len(traces) * len(pairs) + 2
+    total = len(traces) * len(pairs) + 2 + len(pairs)
     done = 0
 
     def tick():
@@ -77,9 +77,11 @@ def profile_traces(
         if progress:
             progress(done, total)
 
-    mean_misses = []
+    mean_misses, min_misses = [], []
     for _, buf in pairs:
         mean_misses.append(replay_misses(first, buf, warmup=warm).mean(axis=(0, 1)))
+        tick()
+        min_misses.append(replay_misses(first, buf, warmup=warm, policy="belady").mean(axis=(0, 1)))
         tick()
     by_context = [{"trace": first_name, "context": ctx0, "mean_misses": [float(m.mean()) for m in mean_misses]}]
     for name, tr in traces[1:]:
@@ -107,6 +109,8 @@ def profile_traces(
         "ratios": [round(r, 6) for r, _ in pairs],
         "buffer_tokens": [b for _, b in pairs],
         "mean_misses": [[round(float(x), 4) for x in m] for m in mean_misses],
+        # the offline optimum with the same slots (Belady's MIN, ess.analysis.belady): LRU's distance from the bound
+        "min_mean_misses": [[round(float(x), 4) for x in m] for m in min_misses],
         "similarity": [round(float(x), 5) for x in similarity(first)],
         "misses_by_step": {
             "ratio": round(r_step, 6),
@@ -138,8 +142,10 @@ def plot_profile(p: dict, out_dir: str) -> list[str]:
         paths.append(path)
 
     fig, ax = plt.subplots(figsize=(10, 3.6))
-    for r, b, m in zip(p["ratios"], p["buffer_tokens"], p["mean_misses"]):
-        ax.plot(layers, m, marker=".", label=f"ratio {r:.2f} ({b} slots)")
+    for i, (r, b, m) in enumerate(zip(p["ratios"], p["buffer_tokens"], p["mean_misses"])):
+        ax.plot(layers, m, marker=".", color=f"C{i}", label=f"LRU, ratio {r:.2f} ({b} slots)")
+        if p.get("min_mean_misses"):  # older profiles have no MIN
+            ax.plot(layers, p["min_mean_misses"][i], ls=":", color=f"C{i}", label=f"MIN (the optimum), ratio {r:.2f}")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean misses per request-step")
     ax.set_yscale("log")
