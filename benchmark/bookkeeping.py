@@ -187,16 +187,17 @@ def config_sweep(dev, host, K: int, context: int, miss_fraction: float, iters: i
     (fewer: fewer registers, more programs per SM, the keys re-read per bisection step)."""
     c = Case(dev, 160, K, 1, 6554, context, miss_fraction, host)
     rows = []
-    saved = lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS
-    for slots in (8192, 4096, 2048):
-        for warps in (4, 8, 16):
-            lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS = warps, slots
-            us = graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused"))
-            k = lru_kernel.LAST_LAUNCH
-            rows.append({"warps": warps, "register_slots": slots, "fused_us": round(us, 1),
-                         "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
-            log(f"sweep: {rows[-1]}")
-    lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS = saved
+    saved = lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS
+    configs = [(w, s, None) for s in (8192, 4096, 2048) for w in (4, 8, 16)]
+    configs += [(8, 8192, 128), (8, 8192, 96), (16, 8192, 64), (4, 8192, 128)]  # capped: more programs per SM
+    for warps, slots, cap in configs:
+        lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = warps, slots, cap
+        us = graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused"))
+        k = lru_kernel.LAST_LAUNCH
+        rows.append({"warps": warps, "register_slots": slots, "max_registers": cap, "fused_us": round(us, 1),
+                     "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
+        log(f"sweep: {rows[-1]}")
+    lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = saved
     return rows
 
 

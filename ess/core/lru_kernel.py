@@ -28,6 +28,7 @@ from ess.core.policy import STAMP_MOD, PolicyResult, check_capacity
 
 REGISTER_SLOTS = 8192  # up to this many slots a program keeps the victim keys in registers; beyond, it re-reads them
 NUM_WARPS = 16  # per program (one batch row): within 5% of 8 on an H100, with half the registers (docs/gpu.md)
+MAX_REGISTERS = None  # per thread (Triton's maxnreg; None: the compiler's choice); fewer fit more programs per SM
 LAST_LAUNCH = None  # the last launch's compiled kernel (registers, spills: benchmark/bookkeeping.py --phases)
 
 if triton is not None:
@@ -291,7 +292,7 @@ def lru_update_fused(
         out.attn_slot, out.hit, out.miss_pos, out.miss_slot, out.miss_row, out.own_slot, out.n_miss, out.n_set,
         K, C, P,
         M=M, BLOCK_K=_pow2(K), BLOCK_C=block_c, IN_REGISTERS=C <= block_c, STAMP_MOD=STAMP_MOD, WITH_ROWS=with_rows, KEYS=keys, prof=profile if profile is not None else out.n_miss, PROFILE=profile is not None,
-        num_warps=num_warps or NUM_WARPS,
+        num_warps=num_warps or NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and dev.type == "cuda" else {}),
     )
     if one_own:
         out.own_slot = out.own_slot.squeeze(1)
