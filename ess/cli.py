@@ -188,6 +188,8 @@ def _sim_cell(row: dict, col: str) -> str:
     v = row.get(col)
     if col == "fits_memory":  # why not: the largest batch that fits at this ratio
         return "yes" if v else f"no (max {row['max_batch']})"
+    if col == "fits_host_memory":
+        return "yes" if v else f"no ({row['host_budget_gib_per_gpu']} GiB pinnable per GPU)"
     if v is None:
         return ""
     return str(round(v, 4)) if isinstance(v, float) else str(v)
@@ -195,7 +197,8 @@ def _sim_cell(row: dict, col: str) -> str:
 
 def _sim_table(rows: list[dict], title: str) -> Table:
     cols = ["context", "mtp", "accept_ratio", "batch_size", "sparse_ratio", "throughput", "otps", "step_ms",
-            "exposed_transfer_ms", "gain_vs_baseline", "error_vs_paper", "fits_memory"]
+            "exposed_transfer_ms", "gain_vs_baseline", "error_vs_paper", "fits_memory", "host_gib_per_gpu",
+            "fits_host_memory"]
     if any("system" in r for r in rows):
         cols.insert(0, "system")
     table = Table(title=title)
@@ -246,7 +249,8 @@ def cmd_sim_sweep(args) -> int:
         plot_sweep(result, _output(args.plot), f"{args.model} on {args.hardware}, context {args.context}, MTP {args.mtp} "
                    f"(accept {args.accept}), EP {args.ep}, TBO {'on' if args.tbo else 'off'}")
     rows = result["baseline"] + result["hisparse"] + result["ess"]
-    _emit(args, result, _sim_table(rows, f"sweep (memory wall at batch {result['memory_wall_batch']})"))
+    _emit(args, result, _sim_table(rows, f"sweep (GPU memory wall at batch {result['memory_wall_batch']}, host memory "
+                                          f"wall of ESS at batch {result['host_wall_batch']})"))
     return 0
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from ess.core import layout
-from ess.core.settings import GIB
+from ess.core.settings import GIB, HOST_PINNABLE_FRACTION
 from ess.core.memory import cache_bytes
 from ess.core.serving import whole_pages
 
@@ -26,18 +27,37 @@ class EssPoolSizes:
     limited_by: str  # "device", "host" or "requests" (max_requests x context_len fit both)
 
 
+def host_limit_bytes(ranks_on_node: int) -> int:
+    """This rank's share of the pinned host memory the machine allows (HOST_PINNABLE_FRACTION of its physical memory,
+    split over the ranks of the node, each of which pins its own pool)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(total * HOST_PINNABLE_FRACTION) // max(1, ranks_on_node)
+
+
 def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: float | None, max_requests: int | None,
-                   context_len: int, capacity: int, per_token_bytes: int | None = None) -> EssPoolSizes:
+                   context_len: int, capacity: int, per_token_bytes: int | None = None,
+                   host_limit: int | None = None) -> EssPoolSizes:
     """Sizes for `max_requests` requests of up to `context_len` tokens with `capacity` GPU slots each. Tokens are what
     the device budget leaves after the per-request sparse pools, capped by the host pool (default: no cap beyond
     max_requests x context_len). max_requests None: as many requests as fit at full context on the device and in
     the host budget. per_token_bytes: device bytes per token (default index-K of every layer; SGLang adds an MTP
-    draft layer's share). Raises ValueError naming the flag when nothing fits."""
+    draft layer's share). host_limit: the pinned host bytes this rank may take (host_limit_bytes): a larger
+    --ess-host-pool-gib is refused, and without it the pool is capped there, so the host wall is found at start-up,
+    never by running out. Raises ValueError naming the flag when nothing fits."""
     L = num_layers
     # slots + slot tables + the position -> slot table (sized by context, per request); then index-K per token
     per_request = cache_bytes(L, context_len, layout.LATENT_ROW_BYTES, 0, capacity)
     per_token = L * layout.INDEX_ROW_BYTES if per_token_bytes is None else per_token_bytes
     host_tokens = None if host_budget_gib is None else int(host_budget_gib * GIB) // (L * layout.LATENT_ROW_BYTES)
+    if host_limit is not None:
+        if host_budget_gib is not None and host_budget_gib * GIB > host_limit:
+            raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: more than this rank may pin, {host_limit / GIB:.1f} GiB "
+                             f"({HOST_PINNABLE_FRACTION:.0%} of the machine's memory over its ranks)")
+        if host_tokens is None:
+            host_tokens = host_limit // (L * layout.LATENT_ROW_BYTES)
+            if host_tokens < context_len:
+                raise ValueError(f"--ess-host-pool-gib: this rank may pin {host_limit / GIB:.1f} GiB, room for {host_tokens} "
+                                 f"tokens, below one request of {context_len}")
     if host_tokens is not None and host_tokens < context_len:
         raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: room for {host_tokens} tokens, below one request of {context_len}")
     if max_requests is None:
@@ -85,8 +105,11 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts):
     # ESS gives every row of SGLang's request table its sparse pool: the requests', the padding row, and on a PD
     # decode node the rows reserved for requests still in transfer
     extra = extra_request_rows()
+    sa = kvc.server_args  # each rank of the node pins its own host pool
+    ranks_on_node = max(1, (sa.tp_size or 1) * (sa.pp_size or 1) // max(1, sa.nnodes or 1))
     sizes = ess_pool_sizes(layers, budget, ess.host_pool_gib,
-                           None if r is None else r + extra, facts.context, facts.buffer, per_token)
+                           None if r is None else r + extra, facts.context, facts.buffer, per_token,
+                           host_limit=host_limit_bytes(ranks_on_node))
     max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
     page = get_schedule().page_size
     tokens = kvc._apply_token_constraints(sizes.tokens) // page * page

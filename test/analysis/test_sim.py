@@ -105,3 +105,22 @@ def test_ess_needs_a_sparse_attention_model(capsys):
     assert "DeepSeek Sparse Attention" in capsys.readouterr().err
     assert main(["sim", "run", "--hardware", "A100", "--batch-size", "8"]) == 2
     assert "--hardware" in capsys.readouterr().err
+
+
+def test_the_host_memory_wall_is_counted_in_every_row():
+    """ESS's Total Memory Pool holds every token's latent rows: 61 x 656 B x context per request, pinned. A 128K
+    request takes 5.2 GB; the paper's 128K point (batch 54) needs 264 GiB per GPU, past an 8-GPU node of 2 TiB with
+    0.8 of it pinnable (204.8 GiB per GPU)."""
+    hw = get_hardware("H200")
+    assert cost.host_request_bytes(DSV32, 131072) == 61 * 656 * 131072
+    assert hw.host_budget_bytes() == 2048 * (1 << 30) * 0.8 / 8 and "MLCommons" in hw.source
+    rows = paper_table()
+    assert all("host_gib_per_gpu" in r and "fits_host_memory" in r for r in rows)
+    point = next(r for r in rows if r["context"] == 131072 and r["batch_size"] == 54)
+    assert point["host_gib_per_gpu"] == round(54 * 61 * 656 * 131072 / (1 << 30), 2) and not point["fits_host_memory"]
+    assert all(r["fits_host_memory"] for r in rows if r["context"] == 32768)  # 160 x 1.3 GB fits 204.8 GiB
+    wall = cost.max_batch_host(DSV32, hw, 131072)
+    assert wall == int(hw.host_budget_bytes() // (61 * 656 * 131072)) == 41
+    assert sweep([8, 64], 131072, 2, 1.7)["host_wall_batch"] == wall
+    baseline = simulate(context=32768, batch=8)
+    assert baseline["host_gib_per_gpu"] == 0.0 and baseline["fits_host_memory"]

@@ -214,8 +214,11 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     disagg = types.SimpleNamespace(disaggregation_mode="null", enable_pd_role_switch=False,
                                    disaggregation_decode_extra_slots=None)
     monkeypatch.setattr("sglang.srt.runtime_context.get_disagg", lambda: disagg)
+    # KVCacheConfigurator itself needs a loaded model on a GPU: a stand-in with the attributes sizing reads
     kvc = types.SimpleNamespace(layer_info=types.SimpleNamespace(num_effective_layers=layers), attn_dp_size=1,
-                                _profile_available_bytes=lambda pre: avail, _apply_token_constraints=lambda t: t)
+                                _profile_available_bytes=lambda pre: avail, _apply_token_constraints=lambda t: t,
+                                server_args=types.SimpleNamespace(tp_size=8, pp_size=1, nnodes=1))
+    monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (2 << 40) * 8 // 10 // ranks)  # a 2 TiB node
     facts = EssFacts("co-located", 2048, 61, ctx, cap)
     config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
     R, T = config.max_running_requests, config.max_total_num_tokens
@@ -241,6 +244,14 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     disagg.disaggregation_mode = "null"
     with pytest.raises(ValueError, match="--ess-host-pool-gib 1"):
         sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=1), facts)
+    # the host wall: a rank's share of the node's pinnable memory (2 TiB x 0.8 / 8 = 204.8 GiB) is found at start-up
+    with pytest.raises(ValueError, match="--ess-host-pool-gib 300: more than this rank may pin, 204.8 GiB"):
+        sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=300), facts)
+    # on a 1 TiB node (102.4 GiB per rank) the host pool, not the device, caps the rows: 83 of 32K tokens, one of
+    # them SGLang's padding row
+    monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (1 << 40) * 8 // 10 // ranks)
+    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    assert config.max_total_num_tokens * layers * 656 <= 102.4 * (1 << 30) and config.max_running_requests == 82
 
 
 def test_backend_hooks_stage_prefill_and_set_the_phase(pools):

@@ -244,5 +244,15 @@ def request_bytes(spec: ModelSpec, context: float, sparse_ratio: float | None = 
     return cache_bytes(spec.layers, context, spec.latent_row_bytes, spec.index_row_bytes, slots)
 
 
+def host_request_bytes(spec: ModelSpec, context: float) -> float:
+    """Pinned host bytes of one ESS request: every token's latent row on every layer (the Total Memory Pool)."""
+    return spec.layers * context * spec.latent_row_bytes
+
+
+def max_batch_host(spec: ModelSpec, hw: Hardware, context: float) -> int:
+    """The host-memory wall: the largest ESS batch per GPU whose Total Memory Pool fits the GPU's pinnable share."""
+    return max(0, int(hw.host_budget_bytes() // host_request_bytes(spec, context)))
+
+
 def max_batch(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment, context: float, sparse_ratio: float | None = None) -> int:
     return max(0, int(cache_budget_bytes(spec, hw, cal, dep) // request_bytes(spec, context, sparse_ratio)))

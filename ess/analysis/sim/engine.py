@@ -10,7 +10,7 @@ from ess.analysis.sim import cost
 from ess.analysis.sim.cost import Calibration, Deployment, EssSetting
 from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
 from ess.analysis.sim.profile import misses_at, synthetic_profile
-from ess.analysis.sim.specs import ModelSpec, get_hardware, get_model
+from ess.analysis.sim.specs import GIB, ModelSpec, get_hardware, get_model
 
 OVERLAP_CHOICES = ("none", "da", "dba", "plan")
 
@@ -123,6 +123,10 @@ def simulate(
         "max_batch": cost.max_batch(spec, hw, cal, dep, context, sparse_ratio),  # at this ratio (or the baseline's)
     }
     row["fits_memory"] = batch <= row["max_batch"]
+    # ESS moves the wall to host memory: its Total Memory Pool holds every token's latent rows, pinned
+    row["host_gib_per_gpu"] = round(batch * cost.host_request_bytes(spec, context) / GIB, 2) if ess else 0.0
+    row["host_budget_gib_per_gpu"] = round(hw.host_budget_bytes() / GIB, 1)
+    row["fits_host_memory"] = (batch <= cost.max_batch_host(spec, hw, context)) if ess else True
     if modes is not None:
         row["plan"] = {m: modes.count(m) for m in ("none", "da", "dba")}
     return row
@@ -157,7 +161,8 @@ def sweep(batches: list[int], context: int, mtp: int, accept: float, model: str 
     cal = load_calibration()
     dep = Deployment(ep=ep, tbo=tbo)
     wall = cost.max_batch(spec, hw, cal, dep, context)
-    out = {"memory_wall_batch": wall, "baseline": [], "hisparse": [], "ess": []}
+    out = {"memory_wall_batch": wall, "host_wall_batch": cost.max_batch_host(spec, hw, context),
+           "baseline": [], "hisparse": [], "ess": []}
     common = dict(model=model, hardware=hardware, context=context, mtp=mtp, accept=accept, tbo=tbo, ep=ep, profile=profile, cal=cal)
     for b in batches:
         if b <= wall:
@@ -184,7 +189,10 @@ def plot_sweep(result: dict, path: str, title: str) -> None:
             b.plot(x, [r["otps"] for r in rows], style, label=label, ms=4)
     for ax, ylabel in ((a, "output tokens/s per 8-GPU node"), (b, "OTPS (tokens/s per request)")):
         ax.axvline(result["memory_wall_batch"], color="gray", ls="--", lw=1)
-        ax.text(result["memory_wall_batch"], ax.get_ylim()[1] * 0.97, " memory wall", color="gray", va="top", fontsize=8)
+        ax.text(result["memory_wall_batch"], ax.get_ylim()[1] * 0.97, " GPU memory wall", color="gray", va="top", fontsize=8)
+        if "host_wall_batch" in result:  # ESS's Total Memory Pool against the node's pinnable host memory
+            ax.axvline(result["host_wall_batch"], color="C3", ls=":", lw=1)
+            ax.text(result["host_wall_batch"], ax.get_ylim()[1] * 0.88, " host memory wall", color="C3", va="top", fontsize=8)
         ax.set_xlabel("batch per GPU")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

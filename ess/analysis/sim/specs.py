@@ -93,6 +93,13 @@ class Hardware:
     net_gbps: float
     pcie_gbps: float
     source: str
+    host_memory_gib_per_node: float = 2048.0
+    host_pinnable_fraction: float = 0.8
+    gpus_per_node: int = 8
+
+    def host_budget_bytes(self) -> float:
+        """Pinned host memory one GPU's ESS Total Memory Pool may take."""
+        return self.host_memory_gib_per_node * GIB * self.host_pinnable_fraction / self.gpus_per_node
 
 
 def load_hardware() -> dict[str, Hardware]:
