@@ -74,11 +74,13 @@ class ServingLatentCache:
     # -- LRU-Warmup ---------------------------------------------------------------------------------------------
     def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor, first_stamp=None) -> None:
         """LRU-Warmup of request slots req [B] from their last W prefill top-k sets [B, W, K] (oldest first), window w
-        stamped first_stamp + w (default: W below the current stamp), then one gather of the resident rows."""
+        stamped first_stamp + w (default: W below the current stamp), in one compaction (SparseMemoryPool.warm), then
+        one gather of the rows that became resident."""
         if first_stamp is None:
             first_stamp = self.stamp - sets.shape[1]
-        self.sparse.warm(layer, req, sets, first_stamp)
-        pos, slots = self.sparse.resident_slots(layer, req)
+        took = self.sparse.warm(layer, req, sets, first_stamp)
+        pos, slots = self.sparse.resident_slots(layer, req)  # rows of the slots that took a position are fetched
+        slots = torch.where(took, slots, torch.full_like(slots, -1))
         flashtrans.gather(self.host[layer], self.host_rows(token_table, req, pos).flatten(), self.gpu[layer], slots.flatten(), self.backend)
 
     def load_warm(self, req: int, token_table: torch.Tensor, pos: torch.Tensor, stamps: torch.Tensor) -> None:

@@ -67,13 +67,60 @@ class SparseMemoryPool:
             return lru_update(*self.layer_state(layer), req, sets, own, stamp)
         return self._step(*self.layer_state(layer), req, sets, own, stamp, token_table)
 
-    def warm(self, layer: int, req: torch.Tensor, sets: torch.Tensor, first_stamp) -> None:
-        """LRU-Warmup (docs/design.md, LRU-Warmup) of requests req [B]: their prefill top-k sets [B, W, K], oldest first,
-        inserted one window at a time with no own token, window w stamped first_stamp + w."""
-        none = torch.full((req.shape[0],), -1, dtype=torch.int64, device=req.device)
-        first_stamp = torch.as_tensor(first_stamp, device=req.device)
-        for w in range(sets.shape[1]):
-            self.step(layer, req, sets[:, w], none, first_stamp + w)
+    def warm(self, layer: int, req: torch.Tensor, sets: torch.Tensor, first_stamp) -> torch.Tensor:
+        """LRU-Warmup (docs/design.md, LRU-Warmup) of requests req [B] (distinct): their prefill top-k sets [B, W, K],
+        oldest first, window w stamped first_stamp + w, on top of what the rows hold. Returns [B, C] bool: the slots
+        that took a new position (their rows must be fetched).
+
+        One compaction instead of W LRU steps, with the same result: inserting windows oldest first with C >= K + 1
+        slots leaves resident exactly the C positions with the largest (last use, position), each stamped with its
+        last use (an evicted position has C others above it at its eviction, and keys only grow). Positions that stay
+        keep their slots; new ones take the freed slots in slot order."""
+        B, W, K = sets.shape
+        C, P = self.capacity, self.max_positions
+        sp, st, ps = self.layer_state(layer)
+        dev = sets.device
+        r = req.long()
+        r2 = r.unsqueeze(1)
+        newest = torch.remainder(torch.as_tensor(first_stamp, device=dev).long() + W - 1, STAMP_MOD)
+        # candidates: the rows' residents and every window's entries, with their age at the newest window
+        held = sp[r, :C].long()
+        held_age = torch.where(held >= 0, torch.remainder(newest - st[r, :C].long(), STAMP_MOD), STAMP_MOD)
+        win_age = (W - 1 - torch.arange(W, device=dev)).view(1, W, 1).expand(B, W, K).reshape(B, W * K)
+        pos = torch.cat([held, sets.long().reshape(B, W * K)], dim=1)
+        age = torch.cat([held_age, win_age], dim=1)
+        valid = pos >= 0
+        # each position once, at its smallest age: sort by (position, age), keep the first of each position
+        key = torch.where(valid, pos * (STAMP_MOD + 1) + age, -1)
+        key, _ = torch.sort(key, dim=1)
+        upos, uage = key // (STAMP_MOD + 1), key % (STAMP_MOD + 1)
+        first = key >= 0
+        first[:, 1:] &= upos[:, 1:] != upos[:, :-1]
+        # the C most recent (age ascending, position descending: LRU evicts the lower position first)
+        rank = torch.where(first, uage * (P + 1) + (P - upos), (STAMP_MOD + 1) * (P + 1))
+        top = torch.topk(rank, min(C, rank.shape[1]), dim=1, largest=False).indices
+        keep_pos = torch.where(first.gather(1, top), upos.gather(1, top), -1)  # [B, <=C]
+        keep_age = uage.gather(1, top)
+        stays = held >= 0
+        stays &= (held.unsqueeze(2) == keep_pos.unsqueeze(1)).any(2)  # residents kept in their slots
+        pre = ps[r2, torch.where(keep_pos >= 0, keep_pos, P)].long()
+        new = (keep_pos >= 0) & (pre < 0)
+        free = ~stays  # slots whose position leaves (or that were empty), in slot order
+        free_rank = torch.cumsum(free, 1) - 1
+        slot_of_rank = torch.full((B, C + 1), C, dtype=torch.long, device=dev)
+        slot_of_rank.scatter_(1, torch.where(free, free_rank, C), torch.arange(C, device=dev).expand(B, C))
+        new_slot = torch.where(new, slot_of_rank.gather(1, (torch.cumsum(new, 1) - 1).clamp(min=0)), C)
+        slot = torch.where(new, new_slot, torch.where(keep_pos >= 0, pre, C))
+        # apply: leaving positions out, new ones in, every kept position stamped with its last use
+        leaving = (held >= 0) & ~stays
+        ps[r2, torch.where(leaving, held, P)] = torch.full((), -1, dtype=ps.dtype, device=dev)
+        sp[r2, torch.where(leaving, torch.arange(C, device=dev).expand(B, C), C)] = torch.full((), -1, dtype=sp.dtype, device=dev)
+        ps[r2, torch.where(new, keep_pos, P)] = slot.to(ps.dtype)
+        sp[r2, torch.where(new, slot, C)] = keep_pos.to(sp.dtype)
+        stamp = torch.remainder(newest - keep_age, STAMP_MOD)
+        st[r2, torch.where(keep_pos >= 0, slot, C)] = stamp.to(st.dtype)
+        took = torch.zeros(B, C + 1, dtype=torch.bool, device=dev).scatter_(1, torch.where(new, slot, C), True)
+        return took[:, :C]
 
     def load(self, req: int, pos: torch.Tensor, stamps: torch.Tensor) -> None:
         """Set request req's LRU state on every layer at once: pos [layers, M] positions (-1: none; distinct per

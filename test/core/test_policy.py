@@ -127,3 +127,37 @@ def test_the_serving_counter_stays_below_the_modulus():
     sc.stamp.fill_(STAMP_MOD - 1)
     sc.next_step()
     assert int(sc.stamp) == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_compaction_warmup_equals_window_by_window_lru(seed):
+    """SparseMemoryPool.warm (one compaction) leaves the positions and stamps that W LRU steps leave, on empty rows,
+    on rows warmed before (the second micro-batch of a TBO prefill holds the newer windows), with duplicates, -1 and
+    capacities down to K + 1. It reports the slots that took a new position."""
+    rng = random.Random(seed)
+    R, K, W = 3, 6, rng.randint(1, 8)
+    C = rng.choice([K + 1, K + 3, 15])
+    P = 60
+    sets = torch.tensor([[[rng.randrange(P) if rng.random() > 0.2 else -1 for _ in range(K)] for _ in range(W)]
+                         for _ in range(R)])
+    split = rng.randint(0, W)
+    first_stamp = rng.choice([-W, 5, STAMP_MOD - 3])
+    ref, got = SparseMemoryPool(1, R, C, P, "cpu"), SparseMemoryPool(1, R, C, P, "cpu")
+    req = torch.tensor(rng.sample(range(R), R))
+    none = torch.full((R,), -1)
+    for w in range(W):
+        lru_update(*ref.layer_state(0), req, sets[:, w], none, first_stamp + w)
+    older = torch.where(torch.arange(W).view(1, W, 1) < split, sets, -1)  # micro-batch 1: the older windows
+    newer = torch.where(torch.arange(W).view(1, W, 1) >= split, sets, -1)
+    got.warm(0, req, older, first_stamp)
+    before = {i: got.resident(0, i) for i in range(R)}
+    took = got.warm(0, req, newer, first_stamp)
+    for b, i in enumerate(req.tolist()):
+        def state(pool):
+            sp, st, ps = (t[i] for t in pool.layer_state(0))
+            held = {int(p): int(s) for p, s in zip(sp[:C], st[:C]) if p >= 0}
+            assert all(int(ps[p]) >= 0 and int(sp[int(ps[p])]) == p for p in held)  # the tables agree
+            return held
+        assert state(got) == state(ref), (seed, i)
+        new_positions = {int(got.slot_pos[0, i, j]) for j in range(C) if took[b, j]}
+        assert new_positions == got.resident(0, i) - before[i]

@@ -231,8 +231,17 @@ def test_prefill_top_k_warms_decode_up():
     for layer in range(L):
         tbo.warm_from_prefill(layer, topk_loc[:split], to_positions, (0, split))
         tbo.warm_from_prefill(layer, topk_loc[split:], to_positions, (split, total))
-    for t in ("slot_pos", "slot_stamp"):
-        assert torch.equal(getattr(tbo.cache.sparse, t), getattr(rt.cache.sparse, t))
+    def state(runtime, layer, slot):  # position -> stamp, and each position's GPU row (the slot holding it may differ)
+        sp = runtime.cache.sparse
+        held = {int(p): (int(s), j) for j, (p, s) in enumerate(zip(sp.slot_pos[layer, slot], sp.slot_stamp[layer, slot]))
+                if p >= 0 and j < sp.capacity}
+        rows = {p: runtime.cache.gpu[layer][slot * sp.capacity + j] for p, (_, j) in held.items()}
+        return {p: s for p, (s, _) in held.items()}, rows
+
+    for layer in range(L):
+        for slot in SLOTS:
+            (a, rows_a), (b, rows_b) = state(tbo, layer, slot), state(rt, layer, slot)
+            assert a == b and a and all(torch.equal(rows_a[p], rows_b[p]) for p in a), (layer, slot)
     rt.release(SLOTS[0])
     assert rt.cache.sparse.resident(0, SLOTS[0]) == set() and rt.cache.sparse.resident(0, SLOTS[1])
 
