@@ -201,6 +201,33 @@ def config_sweep(dev, host, K: int, context: int, miss_fraction: float, iters: i
     return rows
 
 
+def warmup_compare(dev, iters: int, smoke: bool) -> list[dict]:
+    """LRU-Warmup of one layer for a prefill batch: W window-by-window LRU steps (the fused kernel on a GPU, the torch
+    ops on a CPU) against the one compaction of SparseMemoryPool.warm; tables only, no row fetch."""
+    from ess.core.sparse_pool import SparseMemoryPool
+
+    K, C, P, W = (16, 40, 256, 4) if smoke else (2048, 6554, 32768, 32)
+    rows = []
+    for B in ((1, 2) if smoke else (1, 4, 32)):
+        g = torch.Generator(device="cpu").manual_seed(B)
+        sets = torch.stack([torch.stack([torch.randperm(P - 1, generator=g)[:K] for _ in range(W)]) for _ in range(B)])
+        sets = sets.int().to(dev)
+        req = torch.arange(B, device=dev)
+        none = torch.full((B,), -1, dtype=torch.int64, device=dev)
+        pool = SparseMemoryPool(1, B, C, P, dev)
+
+        def sequential():
+            for w in range(W):
+                pool.step(0, req, sets[:, w], none, w)
+
+        seq = graph_us(sequential, iters, lambda: pool.reset(req))
+        one = graph_us(lambda: pool.warm(0, req, sets, 0), iters, lambda: pool.reset(req))
+        rows.append({"batch": B, "windows": W, "topk": K, "buffer_tokens": C, "window_by_window_us": round(seq, 1),
+                     "one_compaction_us": round(one, 1), "speedup": round(seq / one, 2), "kernel": pool.kernel})
+        log(f"warm-up: {rows[-1]}")
+    return rows
+
+
 def plot(doc: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -233,6 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--miss-fraction", type=float, default=0.05, help="share of each step's positions that miss")
     p.add_argument("--phases", action="store_true", help="only the fused kernel's time per phase (GPU), printed")
+    p.add_argument("--warmup", action="store_true", help="only LRU-Warmup, window by window against one compaction, printed")
     p.add_argument("--sweep", action="store_true", help="only the fused kernel's launch configurations at batch 160 (GPU), printed")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -247,6 +275,9 @@ def main(argv=None) -> int:
     host = pinned_zeros((1, host_rows + 1, layout.LATENT_ROW_BYTES), pin=dev.type == "cuda")
     if args.phases:
         print(json.dumps(phases(dev, host, K, context, args.miss_fraction), indent=1))
+        return 0
+    if args.warmup:
+        print(json.dumps(warmup_compare(dev, iters, args.smoke), indent=1))
         return 0
     if args.sweep:
         print(json.dumps(config_sweep(dev, host, K, context, args.miss_fraction, iters), indent=1))

@@ -101,8 +101,9 @@ class SparseMemoryPool:
         top = torch.topk(rank, min(C, rank.shape[1]), dim=1, largest=False).indices
         keep_pos = torch.where(first.gather(1, top), upos.gather(1, top), -1)  # [B, <=C]
         keep_age = uage.gather(1, top)
-        stays = held >= 0
-        stays &= (held.unsqueeze(2) == keep_pos.unsqueeze(1)).any(2)  # residents kept in their slots
+        kept = torch.zeros(B, P + 1, dtype=torch.bool, device=dev)  # by position; column P: a sink
+        kept.scatter_(1, torch.where(keep_pos >= 0, keep_pos, P), True)
+        stays = (held >= 0) & kept.gather(1, torch.where(held >= 0, held, P))  # residents kept in their slots
         pre = ps[r2, torch.where(keep_pos >= 0, keep_pos, P)].long()
         new = (keep_pos >= 0) & (pre < 0)
         free = ~stays  # slots whose position leaves (or that were empty), in slot order
