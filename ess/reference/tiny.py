@@ -1,8 +1,6 @@
 """A tiny model configuration that decodes in well under a second on a CPU, and caches for it: the fixtures of the
 reference tests and of quick experiments."""
 
-import torch
-
 from ess.core.settings import WARMUP_WINDOWS, EssConfig
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache

@@ -12,7 +12,6 @@ def run_both(steps_sets, ctx, capacity, warm_sets=(), max_pos=None, first_stamp=
     """Run the vectorised policy (all requests batched) and one oracle per request; compare every step. Step t has
     stamp first_stamp + t; the oracle's stamps are unbounded, the policy's are kept modulo STAMP_MOD."""
     R = len(ctx)
-    K = len(steps_sets[0][0])
     max_pos = max_pos or max(ctx) + len(steps_sets) + 1
     pool = SparseMemoryPool(1, R, capacity, max_pos, "cpu")
     sp, st, ps = pool.layer_state(0)
@@ -77,7 +76,7 @@ def test_adversarial_traces_match_oracle():
 
 def test_ties_break_by_position():
     # All residents share one stamp (warm-up window); eviction must then take the lowest positions first.
-    K, C = 4, 5
+    C = 5
     run_both([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], [30], capacity=C, warm_sets=[[[0, 5, 3, 4]]])
 
 

@@ -3,8 +3,6 @@ import pytest
 import torch
 
 from ess.core import layout
-from ess.reference.ess_cache import EssLatentCache
-from ess.core.settings import EssConfig
 from ess.reference import attention as A
 from ess.analysis.replay import replay_misses
 from ess.reference.flashmla import split_decode

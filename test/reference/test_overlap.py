@@ -10,7 +10,7 @@ from ess.reference.layer_setup import build_layer, graph_replay_check, preload, 
 from ess.reference.overlap import MODES, ess_layer_attention
 from ess.reference import attention as A
 from ess.reference.config import get_config
-from ess.reference.tiny import TINY, dense, ess_cache, tiny_model, tiny_prompts
+from ess.reference.tiny import dense, ess_cache, tiny_model, tiny_prompts
 
 ONE_LAYER = get_config("mini", num_layers=1, index_topk=32)
 FULL_HEADS = get_config("full", num_layers=1)  # FlashMLA takes 64 or 128 heads

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from ess.core import layout
 from ess.reference.ess_cache import EssLatentCache
 from ess.core.settings import EssConfig, KnobError as EssConfigError
 from ess.reference.host_pool import PAGE_TOKENS, HostPoolExhausted, TotalMemoryPool
