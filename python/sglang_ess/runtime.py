@@ -61,6 +61,7 @@ class EssRuntime:
         start_layer: int = 0,
         model: str = "",
         backend: str = "auto",
+        kernel: str = "auto",
     ):
         """token_table: SGLang's req_to_token [request slots, max context] (int32 locations); host: the ESS KV pool's
         host pool [layers, locations + 1, 656]; facts: from sglang_ess.validate.validate_model."""
@@ -69,7 +70,7 @@ class EssRuntime:
         self.num_layers = facts.layers
         self.token_table = token_table
         self.cache = ServingLatentCache(
-            self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend
+            self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend, kernel
         )
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.plan)

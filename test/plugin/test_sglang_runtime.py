@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from ess.core import flashtrans
 from ess.reference.ess_cache import EssLatentCache
 from ess.core.settings import EssConfig
 from ess.core.trace import load_trace
@@ -27,6 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E4
 from sglang_ess import hooks, pd_warmup  # noqa: E402
 
 L, K, C, CTX, STEPS = 2, 8, 12, 40, 12
+NEEDS_INTERPRETER = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8")  # fused, on a CPU
 SLOTS = [3, 1]  # SGLang request-pool slots of the two requests (slot 0 is SGLang's padding row)
 
 
@@ -36,7 +38,7 @@ def rows_of(loc: torch.Tensor, layer: int) -> torch.Tensor:
     return x.to(torch.uint8)
 
 
-def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None):
+def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None, kernel="torch"):
     """A runtime over SGLang's request-to-token table (pool: share another runtime's table)."""
     if pool is None:
         pool = ReqToTokenPool(4, CTX + STEPS * rows + 1, "cpu", False)
@@ -46,7 +48,7 @@ def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None):
     ess = EssArgs(enable=True, buffer_tokens=C, record_trace=str(tmp_path) if tmp_path else None, overlap=overlap,
                   warmup_windows=warmup)
     host = torch.zeros(L, 200 * 64 + 1, 656, dtype=torch.uint8)
-    rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend="torch")
+    rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend="torch", kernel=kernel)
     for layer in range(L):  # prefill: every prompt token's row lands in the host pool
         loc = pool.req_to_token[SLOTS, :CTX].flatten()
         store(rt, layer, loc, rows_of(loc, layer), decode=False)
@@ -64,10 +66,12 @@ def random_topk(rng, pos):
     return [rng.sample(range(p + 1), K) for p in pos]
 
 
-def test_translation_gives_the_right_rows_and_the_core_misses():
-    """swap_in_selected_pages (SGLang coordinates) = EssLatentCache (the core, its own coordinates), step by step."""
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("fused", marks=NEEDS_INTERPRETER)])
+def test_translation_gives_the_right_rows_and_the_core_misses(kernel):
+    """swap_in_selected_pages (SGLang coordinates) = EssLatentCache (the core, its own coordinates), step by step;
+    also with the fused LRU kernel (the default on a GPU; Triton's interpreter here), host rows from req_to_token."""
     rng = random.Random(0)
-    rt, pool = setup_runtime()
+    rt, pool = setup_runtime(kernel=kernel)
     core = EssLatentCache(EssConfig(topk=K, buffer_tokens=C, warmup_windows=0), L, [CTX, CTX], CTX + STEPS + 1, "cpu", "torch")
     req = torch.tensor(SLOTS)
     for t in range(STEPS):
@@ -83,7 +87,7 @@ def test_translation_gives_the_right_rows_and_the_core_misses():
             assert torch.equal(got, want), (t, layer)
     # the same trace through the core gives the same misses
     rng = random.Random(0)
-    rt2, _ = setup_runtime()
+    rt2, _ = setup_runtime(kernel=kernel)
     for t in range(STEPS):
         topk = torch.tensor(random_topk(rng, [CTX + t] * 2), dtype=torch.int32)
         rt2.cache.next_step()  # one stamp per forward pass, as swap_in_selected_pages does at layer 0
@@ -127,12 +131,14 @@ def decode_steps(rng, pool, steps, run_layer):
             yield layer, got, rows_of(pool.req_to_token[req.unsqueeze(1), topk.long()], layer)
 
 
-@pytest.mark.parametrize("mode", ["da", "dba"])
-def test_overlap_layers_start_at_the_indexer_and_equal_none(mode):
+@pytest.mark.parametrize("mode,kernel", [("da", "torch"), ("dba", "torch"),
+                                         pytest.param("da", "fused", marks=NEEDS_INTERPRETER)])
+def test_overlap_layers_start_at_the_indexer_and_equal_none(mode, kernel):
     """DA/DBA layers: the LRU step and the H2D start in `begin` (the indexer hook); the KV write then hands over
-    the own rows and the attention call waits. Same slots and rows as mode none, step by step."""
+    the own rows and the attention call waits. Same slots and rows as mode none, step by step (with the torch ops
+    in both, or the fused kernel in the DA runtime)."""
     ref, pool = setup_runtime(overlap="none")
-    rt, _ = setup_runtime(overlap=mode, pool=pool)
+    rt, _ = setup_runtime(overlap=mode, pool=pool, kernel=kernel)
     req = torch.tensor(SLOTS)
 
     def both(layer, pos, topk, own_loc):
