@@ -1,0 +1,22 @@
+"""The disk-page benchmark's smoke run (tiny sizes): it writes its JSON and leaves no scratch file behind."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_disk_pages_smoke_run(tmp_path):
+    out = tmp_path / "disk.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "disk_pages.py"), "--smoke", "--dir", str(tmp_path),
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    if run.returncode and "direct I/O (O_DIRECT) refused" in run.stderr:
+        pytest.skip("this filesystem refuses direct I/O")
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(out.read_text())
+    assert {r["op"] for r in doc["rows"]} == {"read", "write"} and all(r["mb_per_s"] > 0 for r in doc["rows"])
+    assert not list(tmp_path.glob("ess_disk_pages_*"))
