@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ess.core.settings import DEFAULT_SPARSE_RATIO, KERNELS, WARMUP_WINDOWS
+from ess.core.settings import DEFAULT_SPARSE_RATIO, KERNELS, REPLAY_POLICIES, WARMUP_WINDOWS
 
 err = Console(stderr=True)
 
@@ -369,7 +369,7 @@ def _add_sim_args(p, profile: bool = True) -> None:
 
 JSON_HELP = "print one JSON document on stdout instead of a table"
 SEED_HELP = "seed of the random weights and prompts"
-SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in ess/synth.py
+SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in ess/analysis/synth.py
     ("requests", POSITIVE, "requests in the trace"),
     ("steps", POSITIVE, "decode steps"),
     ("layers", POSITIVE, "layers"),
@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--buffer-tokens", "--buffer", dest="buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
     r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
     r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=WARMUP_WINDOWS, help="LRU-Warmup windows (with --warmup)")
-    r.add_argument("--policy", choices=("lru", "belady"), default="lru",
+    r.add_argument("--policy", choices=REPLAY_POLICIES, default="lru",
                    help="lru: ESS's policy; belady: the offline optimum (Belady's MIN), the fewest misses any policy "
                         "can have with these slots")
     r.add_argument("--kernel", choices=KERNELS, default="torch",
@@ -469,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Writes a SYNTHETIC trace: it is not a measurement. Each top-k set = sinks + local window + a "
         "per-layer hot set that drifts at a per-layer rate + per-layer churn drawn from a working-set pool (a share "
         "'fresh' from anywhere). Defaults give, at ratio 0.2 and 32K, layer means of tens to hundreds of misses per "
-        "request-step. See ess/synth.py.",
+        "request-step. See ess/analysis/synth.py.",
     )
     syn.add_argument("--out", required=True, help="trace file to write (its folder is created)")
     from ess.analysis.synth import SynthOptions

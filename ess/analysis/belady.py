@@ -64,9 +64,7 @@ def min_misses(sets: torch.Tensor, own: torch.Tensor, capacity: int, positions: 
         pre = pos_slot[rows, torch.where(valid, u, P)]
         resident = first & (pre >= 0)
         need = first & (pre < 0)
-        is_own = torch.zeros_like(valid)
-        is_own[:, E - 1] = True
-        out[t] = (need & ~is_own).sum(1).to(torch.int32)
+        out[t] = need[:, : E - 1].sum(1).to(torch.int32)  # the last column is the own position: never a miss
         # victims: empty slots first, then the farthest next use, ties by the lower position; U's slots protected
         protected = torch.zeros(N, C + 1, dtype=torch.bool, device=dev)
         protected.scatter_(1, torch.where(resident, pre, C), True)

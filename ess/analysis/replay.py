@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ess.analysis import belady
-from ess.core.settings import WARMUP_WINDOWS
+from ess.core.settings import REPLAY_POLICIES, WARMUP_WINDOWS
 from ess.core.sparse_pool import SparseMemoryPool
 from ess.core.trace import Trace
 
@@ -16,7 +16,6 @@ from ess.core.trace import Trace
 # Requests x layers of one trace replay together, one table row each (rows are independent in lru_update), in groups
 # of layers whose position -> slot tables fit this many bytes.
 TABLE_BYTES = 1 << 29
-POLICIES = ("lru", "belady")
 
 
 def _belady_group(trace: Trace, ls: slice, buffer_tokens: int, warmup: bool, windows: int, max_pos: int, device) -> np.ndarray:
@@ -52,8 +51,8 @@ def replay_misses(
     """Misses [R, steps, layers] int32 of every request, decode step and layer at `buffer_tokens` slots.
     progress(done, total) counts decode steps over all groups of layers. kernel: the LRU step's (ess.core.sparse_pool).
     policy: "lru" (ESS's), or "belady", the offline optimum (ess.analysis.belady), with the same steps."""
-    if policy not in POLICIES:
-        raise ValueError(f"--policy must be one of {POLICIES}, got {policy!r}")
+    if policy not in REPLAY_POLICIES:
+        raise ValueError(f"--policy must be one of {REPLAY_POLICIES}, got {policy!r}")
     R, steps, layers, K = trace.topk.shape
     if buffer_tokens < K + 1:
         raise ValueError(f"--buffer: {buffer_tokens} slots is below top-k + 1 = {K + 1}")
