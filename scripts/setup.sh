@@ -10,8 +10,17 @@ else
   echo "setup: creating .venv with $("$PY" --version)"
   "$PY" -m venv .venv
 fi
+# pip unpacks wheels (several GB) in TMPDIR: keep it beside .venv, on the disk that must hold them anyway (a small
+# /tmp would fail the install with "No space left on device"), and keep no wheel cache.
+export TMPDIR="$PWD/.venv/tmp"
+mkdir -p "$TMPDIR"
+free_gib=$(df -Pk .venv | awk 'NR==2 {print int($4 / 1048576)}')
+if [ "$free_gib" -lt 14 ]; then
+  echo "setup: warning: $free_gib GiB free on the disk of .venv; the installed packages take about 11 GB, and pip needs room to unpack them on the way"
+fi
 echo "setup: installing ESS, torch==2.14.1 and sglang==0.5.23 into .venv (a few minutes on a fresh machine)"
 # pip's own lines, less the noise (with pipefail a failed install still fails here)
-.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off -e '.[test]' \
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off --no-cache-dir -e '.[test]' \
   | { grep -E --line-buffered -v '^(Requirement already satisfied|WARNING: Location|  )' || true; }
 .venv/bin/python -c "import ess, sglang, torch; print(f'setup: done: torch {torch.__version__}, sglang {sglang.__version__}')"
+rm -rf "$TMPDIR"
