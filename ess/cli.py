@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ess.core.settings import DEFAULT_SPARSE_RATIO, KERNELS, REPLAY_POLICIES, WARMUP_WINDOWS
+from ess.core.settings import DEFAULT_DECAY_SHIFT, DEFAULT_SPARSE_RATIO, KERNELS, REPLAY_POLICIES, WARMUP_WINDOWS
 
 err = Console(stderr=True)
 
@@ -164,22 +164,38 @@ def cmd_demo(args) -> int:
 
 
 def cmd_cache_replay(args) -> int:
-    from ess.analysis.replay import replay_misses
+    from ess.analysis.replay import replay_counts
+    from ess.core.layout import LATENT_ROW_BYTES
     from ess.core.trace import load_trace
 
     trace = load_trace(args.trace)
     with _Progress(not args.quiet) as progress:
-        misses = replay_misses(
+        c = replay_counts(
             trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("decode steps", d, t),
-            kernel=args.kernel, policy=args.policy,
+            kernel=args.kernel, policy=args.policy, lookahead=args.lookahead, decay_shift=args.decay_shift,
         )
+    misses = c.misses
     doc = {"trace": args.trace, "buffer": args.buffer, "warmup": args.warmup, "policy": args.policy,
            "shape": list(misses.shape), "misses": misses.tolist()}
+    prefetching = args.policy == "prefetch"
+    if prefetching:
+        doc |= {"lookahead": args.lookahead or trace.lookahead, "prefetched": c.prefetched.tolist(),
+                "prefetch_hits": c.prefetch_hits.tolist(), "wasted": c.wasted.tolist()}
+    if args.policy == "score":
+        doc["decay_shift"] = args.decay_shift
+    # H2D bytes per request-step and layer: the misses' rows, plus the prefetched rows
+    doc["bytes_per_step"] = float((misses.mean() + c.prefetched.mean()) * LATENT_ROW_BYTES) if misses.size else 0.0
     table = Table(title=f"misses per layer ({args.trace}, buffer {args.buffer}, policy {args.policy})")
     table.add_column("layer")
     table.add_column("mean misses per request-step", justify="right")
+    if prefetching:
+        table.add_column("prefetched", justify="right")
+        table.add_column("wasted per request", justify="right")
     for li in range(misses.shape[2]):
-        table.add_row(str(li), f"{misses[:, :, li].mean():.2f}" if misses.size else "-")
+        cells = [f"{misses[:, :, li].mean():.2f}" if misses.size else "-"]
+        if prefetching:
+            cells += [f"{c.prefetched[:, :, li].mean():.2f}" if misses.size else "-", f"{c.wasted[:, li].mean():.1f}"]
+        table.add_row(str(li), *cells)
     _emit(args, doc, table)
     return 0
 
@@ -278,9 +294,10 @@ def cmd_trace_record(args) -> int:
     opt = DemoOptions(config=args.config, layers=args.layers, topk=args.topk, batch=args.batch, context=args.context,
                       steps=args.steps, seed=args.seed, device=args.device)
     with _Progress(not args.quiet) as progress:
-        trace = record_trace(opt, progress)
+        trace = record_trace(opt, progress, args.lookahead)
     save_trace(_output(args.out), trace)
-    say(f"wrote {args.out}: topk {list(trace.topk.shape)}")
+    ext = f", topk_ext {list(trace.topk_ext.shape)}" if trace.topk_ext is not None else ""
+    say(f"wrote {args.out}: topk {list(trace.topk.shape)}{ext}")
     return 0
 
 
@@ -318,14 +335,15 @@ def cmd_profile(args) -> int:
     traces = [(path, load_trace(path)) for path in args.traces]
     ratios = None if args.buffer_tokens else args.ratios
     with _Progress(not args.quiet) as progress:
-        prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t))
+        prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t),
+                              policy=args.policy, lookahead=args.lookahead, decay_shift=args.decay_shift)
     if args.plot:
         for path in plot_profile(prof, args.plot):
             say(f"wrote {path}")
     if args.out:
         with open(_output(args.out), "w") as f:
             json.dump(prof, f)
-    table = Table(title=f"miss profile of {args.traces[0]} (mean misses per request-step)")
+    table = Table(title=f"miss profile of {args.traces[0]}, policy {prof['policy']} (mean misses per request-step)")
     table.add_column("layer")
     for r in prof["ratios"]:
         table.add_column(f"ratio {r:.2f}", justify="right")
@@ -429,7 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=WARMUP_WINDOWS, help="LRU-Warmup windows (with --warmup)")
     r.add_argument("--policy", choices=REPLAY_POLICIES, default="lru",
                    help="lru: ESS's policy; belady: the offline optimum (Belady's MIN), the fewest misses any policy "
-                        "can have with these slots")
+                        "can have with these slots; prefetch: LRU plus the indexer's next ranks fetched ahead (needs "
+                        "topk_ext); score: eviction by a decayed use score (docs/policies.md)")
+    r.add_argument("--lookahead", type=POSITIVE, help="with --policy prefetch: ranks past the top-k to fetch "
+                                                       "(default: all the trace's topk_ext holds)")
+    r.add_argument("--decay-shift", type=POSITIVE, default=DEFAULT_DECAY_SHIFT,
+                   help="with --policy score: the score decays by 2^-s per step")
     r.add_argument("--kernel", choices=KERNELS, default="torch",
                    help="the LRU step: torch ops, or the fused Triton kernel (on a CPU: Triton's interpreter, slow); "
                         "auto: fused on a GPU")
@@ -460,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     rec = tsub.add_parser("record", help="run the reference model and write its trace")
     rec.add_argument("--out", required=True, help="trace file to write (its folder is created)")
     _add_model_args(rec, batch=2, steps_type=POSITIVE)
+    rec.add_argument("--lookahead", type=NON_NEGATIVE, default=0,
+                     help="also record the d positions the indexer ranks after each decode top-k (topk_ext; for "
+                          "`ess cache replay --policy prefetch`)")
     rec.add_argument("--quiet", action="store_true", help="no progress bar")
     rec.set_defaults(func=cmd_trace_record)
     syn = tsub.add_parser(
@@ -485,6 +511,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--buffer-tokens", type=_ints, help="GPU slots instead of ratios, comma-separated")
     pr.add_argument("--plot", help="directory for PNG plots (created)")
     pr.add_argument("--out", help="write the profile JSON here too")
+    pr.add_argument("--policy", choices=[p for p in REPLAY_POLICIES if p != "belady"], default="lru",
+                    help="the cache policy profiled (MIN is reported beside it); `ess plan` and `ess sim --profile` "
+                         "then take its misses (and, for prefetch, its prefetched rows as transfer)")
+    pr.add_argument("--lookahead", type=POSITIVE, help="with --policy prefetch: ranks past the top-k to fetch")
+    pr.add_argument("--decay-shift", type=POSITIVE, default=DEFAULT_DECAY_SHIFT, help="with --policy score")
     pr.add_argument("--json", action="store_true", help=JSON_HELP)
     pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)

@@ -232,7 +232,7 @@ def part_da_split(dev, smoke: bool) -> dict:
     unsplit, _ = c.attend(pool, idx)
     t_unsplit = graph_us(lambda: c.attend(pool, idx), s["iters"])
     none = torch.full_like(idx, -1)
-    rows, errs = [], []
+    rows = []
     for f in (0.0, 0.25, 0.5, 0.75, 0.9, 1.0):
         hit = torch.rand(idx.shape, device=dev) < f
         i0, i1 = torch.where(hit, idx, none), torch.where(hit, none, idx)

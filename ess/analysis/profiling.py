@@ -12,8 +12,9 @@ from typing import Callable
 
 import numpy as np
 
-from ess.analysis.replay import replay_misses
+from ess.analysis.replay import replay_counts, replay_misses
 from ess.analysis.sim.profile import FORMAT
+from ess.core.settings import DEFAULT_DECAY_SHIFT
 from ess.core.trace import Trace
 
 
@@ -44,7 +45,15 @@ def profile_traces(
     ratios: list[float] | None = None,
     buffer_tokens: list[int] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    policy: str = "lru",
+    lookahead: int | None = None,
+    decay_shift: int = DEFAULT_DECAY_SHIFT,
 ) -> dict:
+    """The profile of `policy` (ess.analysis.replay: lru, prefetch or score; MIN beside it). With prefetch, the
+    rows fetched ahead per request-step go in `mean_prefetched`, which the simulator charges as transfer too."""
+    if policy == "belady":
+        raise ValueError("--policy belady: MIN is the bound every profile reports beside its policy, not a policy to run")
+    kw = {"policy": policy, "lookahead": lookahead, "decay_shift": decay_shift}
     if (ratios is None) == (buffer_tokens is None):
         raise ValueError("give --ratios or --buffer-tokens")
     first_name, first = traces[0]
@@ -77,9 +86,11 @@ def profile_traces(
         if progress:
             progress(done, total)
 
-    mean_misses, min_misses = [], []
+    mean_misses, mean_prefetched, min_misses = [], [], []
     for _, buf in pairs:
-        mean_misses.append(replay_misses(first, buf, warmup=warm).mean(axis=(0, 1)))
+        c = replay_counts(first, buf, warmup=warm, **kw)
+        mean_misses.append(c.misses.mean(axis=(0, 1)))
+        mean_prefetched.append(c.prefetched.mean(axis=(0, 1)))
         tick()
         min_misses.append(replay_misses(first, buf, warmup=warm, policy="belady").mean(axis=(0, 1)))
         tick()
@@ -88,18 +99,19 @@ def profile_traces(
         c = float(tr.context_len.mean())
         row = []
         for r, _ in pairs:
-            row.append(float(replay_misses(tr, max(K + 1, math.ceil(r * c)), warmup=tr.prefill_topk is not None).mean()))
+            row.append(float(replay_misses(tr, max(K + 1, math.ceil(r * c)), warmup=tr.prefill_topk is not None, **kw).mean()))
             tick()
         by_context.append({"trace": name, "context": c, "mean_misses": row})
     # Misses against decode step at the ratio nearest 0.2, with and without warm-up.
     r_step, b_step = min(pairs, key=lambda p: abs(p[0] - 0.2))
-    cold = replay_misses(first, b_step, warmup=False).mean(axis=(0, 2))
+    cold = replay_misses(first, b_step, warmup=False, **kw).mean(axis=(0, 2))
     tick()
-    warm_curve = replay_misses(first, b_step, warmup=True).mean(axis=(0, 2)) if warm else None
+    warm_curve = replay_misses(first, b_step, warmup=True, **kw).mean(axis=(0, 2)) if warm else None
     tick()
-    return {
+    doc = {
         "format": FORMAT,
         "source": first.meta.get("source", first_name),
+        "policy": policy,
         "traces": [n for n, _ in traces],
         "num_layers": layers,
         "topk": K,
@@ -120,6 +132,9 @@ def profile_traces(
         },
         "by_context": sorted(by_context, key=lambda d: d["context"]),
     }
+    if policy == "prefetch":
+        doc["mean_prefetched"] = [[round(float(x), 4) for x in m] for m in mean_prefetched]
+    return doc
 
 
 def plot_profile(p: dict, out_dir: str) -> list[str]:
@@ -143,7 +158,9 @@ def plot_profile(p: dict, out_dir: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(10, 3.6))
     for i, (r, b, m) in enumerate(zip(p["ratios"], p["buffer_tokens"], p["mean_misses"])):
-        ax.plot(layers, m, marker=".", color=f"C{i}", label=f"LRU, ratio {r:.2f} ({b} slots)")
+        name = p.get("policy", "lru")
+        name = "LRU" if name == "lru" else name
+        ax.plot(layers, m, marker=".", color=f"C{i}", label=f"{name}, ratio {r:.2f} ({b} slots)")
         if p.get("min_mean_misses"):  # older profiles have no MIN
             ax.plot(layers, p["min_mean_misses"][i], ls=":", color=f"C{i}", label=f"MIN (the optimum), ratio {r:.2f}")
     ax.set_xlabel("layer")

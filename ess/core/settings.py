@@ -17,8 +17,11 @@ OVERLAP_CHOICES = ("auto",) + OVERLAP_MODES  # auto: per layer from a plan, else
 PAGE_TOKENS = 64  # FlashMLA's page; host-pool allocation unit of the reference
 HOST_PINNABLE_FRACTION = 0.8  # of a machine's memory, ESS's host pools may pin at most this share (the OS, the
 # serving processes and the page cache keep the rest)
-KERNELS = ("auto", "fused", "torch")
-REPLAY_POLICIES = ("lru", "belady")  # `ess cache replay --policy`: ESS's LRU, or the offline optimum (ess.analysis.belady)  # the LRU step: ess.core.lru_kernel's fused kernel, or ess.core.policy's torch ops
+KERNELS = ("auto", "fused", "torch")  # the LRU step: ess.core.lru_kernel's fused kernel, or ess.core.policy's torch ops
+# `ess cache replay --policy`: ESS's LRU, the offline optimum (ess.analysis.belady), and the candidates of
+# ess.analysis.policies (docs/policies.md)
+REPLAY_POLICIES = ("lru", "belady", "prefetch", "score")
+DEFAULT_DECAY_SHIFT = 2  # `--policy score`: the use score decays by 2^-2 per step (lambda = 0.75)
 
 FIELD_NAMES = {"buffer_tokens": "buffer_tokens", "sparse_ratio": "sparse_ratio", "warmup_windows": "warmup_windows",
                "host_pool_gib": "host_pool_gib"}

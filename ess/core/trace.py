@@ -2,6 +2,8 @@
 
     topk          int32 [R, steps, layers, K]   decode top-k, -1 padded
     prefill_topk  int32 [R, W, layers, K]       the last W prefill query positions, oldest first (optional)
+    topk_ext      int32 [R, steps, layers, K+d] the indexer's best K + d positions, best first: the top-k (the same
+                                                set as topk) and then the d ranked just after it (optional)
     context_len   int64 [R]                     prompt lengths; decode step t processes position context_len + t
     meta          JSON string                   source, model, notes
 """
@@ -26,6 +28,12 @@ class Trace:
     context_len: np.ndarray
     prefill_topk: np.ndarray | None = None
     meta: dict = dataclasses.field(default_factory=dict)
+    topk_ext: np.ndarray | None = None
+
+    @property
+    def lookahead(self) -> int:
+        """d, the ranks past the top-k that topk_ext holds (0 without it)."""
+        return 0 if self.topk_ext is None else self.topk_ext.shape[3] - self.topk.shape[3]
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -56,6 +64,15 @@ class Trace:
                 )
             if (p < -1).any() or (p >= c[:, None, None, None]).any():
                 raise TraceError(f"{where}: 'prefill_topk' holds positions outside the prompt")
+        e = self.topk_ext
+        if e is not None:
+            if e.ndim != 4 or e.shape[:3] != (R, steps, layers) or e.shape[3] <= K or e.dtype != np.int32:
+                raise TraceError(f"{where}: 'topk_ext' must be int32 [{R}, {steps}, {layers}, more than {K}], "
+                                 f"got {e.dtype} {e.shape}")
+            if (e < -1).any() or (e > limit).any():
+                raise TraceError(f"{where}: 'topk_ext' holds entries below -1 or future positions")
+            if not np.array_equal(np.sort(e[..., :K], axis=-1), np.sort(t, axis=-1)):
+                raise TraceError(f"{where}: the first K entries of 'topk_ext' are not the top-k set of 'topk'")
         return self
 
 
@@ -63,8 +80,9 @@ def save_trace(path, trace: Trace) -> None:
     """Writes exactly `path` (numpy would append .npz to a name without it)."""
     trace.validate(str(path))
     arrays = {"topk": trace.topk, "context_len": trace.context_len, "meta": np.array(json.dumps(trace.meta))}
-    if trace.prefill_topk is not None:
-        arrays["prefill_topk"] = trace.prefill_topk
+    for key in ("prefill_topk", "topk_ext"):
+        if getattr(trace, key) is not None:
+            arrays[key] = getattr(trace, key)
     with open(path, "wb") as f:
         np.savez_compressed(f, **arrays)
 
@@ -92,6 +110,7 @@ def load_trace(path) -> Trace:
                 context_len=z["context_len"],
                 prefill_topk=z["prefill_topk"] if "prefill_topk" in files else None,
                 meta=meta,
+                topk_ext=z["topk_ext"] if "topk_ext" in files else None,
             )
     except TraceError:
         raise

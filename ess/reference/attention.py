@@ -210,11 +210,13 @@ def attn_output(w: AttentionWeights, o_latent: torch.Tensor) -> torch.Tensor:
     return torch.einsum("nhr,hrv->nhv", o_latent, w.w_vc).flatten(1) @ w.o_proj.T
 
 
-def indexer_topk(w: AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer, part: slice = slice(None)):
+def indexer_topk(w: AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer, part: slice = slice(None),
+                 lookahead: int = 0):
     """The Lightning Indexer and top-k of decode queries, for the batch rows in `part` (their index-K rows, the
-    step's own included, already in index_k_layer [B, T, 132])."""
+    step's own included, already in index_k_layer [B, T, 132]). lookahead d > 0: the best K + d positions, best first
+    (the first K are the top-k)."""
     q_idx, weights = index_query(w, cfg, h[part], q_lora[part], pos[part])
-    return select_topk(index_scores(q_idx, weights, index_k_layer[part]), pos[part], cfg.index_topk)
+    return select_topk(index_scores(q_idx, weights, index_k_layer[part]), pos[part], cfg.index_topk + lookahead)
 
 
 def prefill_topk(q: torch.Tensor, weights: torch.Tensor, k_rows: torch.Tensor, k: int, chunk: int = 256) -> torch.Tensor:

@@ -190,14 +190,16 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
     return report
 
 
-def record_trace(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None):
+def record_trace(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None, lookahead: int = 0):
     """Run the reference model (baseline cache) and return its trace: decode top-k per step and layer and the last
-    32 prefill top-k sets (ess.core.trace format)."""
+    32 prefill top-k sets (ess.core.trace format); lookahead d > 0 adds topk_ext, the best K + d of each decode step."""
     from ess.core.trace import Trace
 
     cfg, device, model, prompts = _setup(opt)
+    model.lookahead = lookahead
     res, _ = _run(model, prompts, opt.steps,
                   lambda ctx, max_len: DenseLatentCache(cfg.num_layers, len(ctx), max_len, device), progress, "record")
     meta = {"source": f"reference {cfg.name} model, random weights (ess trace record)", "model": dataclasses.asdict(cfg),
             "seed": opt.seed}
-    return Trace(res.decode_topk.numpy(), res.context_len.numpy(), res.prefill_topk.numpy(), meta)
+    ext = None if res.decode_topk_ext is None else res.decode_topk_ext.numpy()
+    return Trace(res.decode_topk.numpy(), res.context_len.numpy(), res.prefill_topk.numpy(), meta, topk_ext=ext)

@@ -37,6 +37,7 @@ class GenerateResult:
     decode_topk: torch.Tensor  # [B, steps, layers, K] int32: decode top-k per request, step and layer
     prefill_topk: torch.Tensor  # [B, W, layers, K] int32: the last W prefill query positions, oldest first
     context_len: torch.Tensor  # [B] int64
+    decode_topk_ext: torch.Tensor | None = None  # [B, steps, layers, K + d]: with lookahead d, the best K + d, best first
 
     @property
     def tokens_sha256(self) -> str:
@@ -44,8 +45,10 @@ class GenerateResult:
 
 
 class MiniModel:
-    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu", lookahead: int = 0):
+        """lookahead d: the baseline decode also records the d positions the indexer ranks after each top-k."""
         self.cfg = cfg
+        self.lookahead = lookahead
         self.device = torch.device(device)
         gen = torch.Generator().manual_seed(seed)
         h = cfg.hidden
@@ -67,6 +70,7 @@ class MiniModel:
         ]
         self.final_norm = torch.ones(h, device=self.device)
         self.lm_head = lin(cfg.vocab, h)
+        self.last_ranked: torch.Tensor | None = None  # the last decode step's ranks with lookahead
 
     def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         h = A.rms_norm(x, lw.mlp_norm)
@@ -111,7 +115,7 @@ class MiniModel:
         cfg = self.cfg
         batch = torch.arange(tokens.shape[0], device=self.device)
         x = self.embed[tokens]
-        topks = []
+        topks, ext = [], []
         if modes is not None:
             cache.set_step(step)
         for li, lw in enumerate(self.layers):
@@ -122,7 +126,9 @@ class MiniModel:
             if modes is not None:
                 o, topk = ess_layer_attention(modes[li], w, cfg, h, q_lora, pos, index_k[li], cache, li)
             else:
-                topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k[li])
+                ranked = A.indexer_topk(w, cfg, h, q_lora, pos, index_k[li], lookahead=self.lookahead)
+                topk = ranked[:, : cfg.index_topk]  # the same top-k as without lookahead: a stable sort's head
+                ext.append(ranked)
                 own_rows = A.kv_latent_rows(w, cfg, h, pos)
                 q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
                 dr = cache.decode(li, step, topk, pos, own_rows)
@@ -133,6 +139,7 @@ class MiniModel:
             topks.append(topk)
             x = x + A.attn_output(w, o)
             x = x + self._mlp(lw, x)
+        self.last_ranked = torch.stack(ext, dim=1) if self.lookahead and ext else None  # [B, layers, K + d]
         return self._logits(x).argmax(-1), torch.stack(topks, dim=1)
 
     @torch.no_grad()
@@ -172,11 +179,13 @@ class MiniModel:
         tokens = torch.tensor(first, device=self.device)
         pos = torch.tensor(ctx, device=self.device)
         out = [tokens]
-        topks = []
+        topks, ranked = [], []
         for t in range(steps):
             tokens, topk = self.decode_step(t, tokens, pos + t, cache, index_k, attend, modes)
             out.append(tokens)
             topks.append(topk)
+            if self.last_ranked is not None:
+                ranked.append(self.last_ranked)
             if progress:
                 progress("decode", t + 1, steps)
         if self.device.type == "cuda":
@@ -194,6 +203,7 @@ class MiniModel:
             decode_topk=decode_topk.cpu(),
             prefill_topk=warm.cpu(),
             context_len=torch.tensor(ctx, dtype=torch.int64),
+            decode_topk_ext=torch.stack(ranked, dim=1).cpu() if ranked else None,
         )
         return result, cache
 

@@ -8,7 +8,7 @@ from importlib import resources
 from ess.analysis.sim import cost
 from ess.analysis.sim.cost import Calibration, Deployment, EssSetting
 from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
-from ess.analysis.sim.profile import misses_at, synthetic_profile
+from ess.analysis.sim.profile import moved_rows_at, synthetic_profile
 from ess.analysis.sim.specs import GIB, ModelSpec, get_hardware, get_model
 
 OVERLAP_CHOICES = ("none", "da", "dba", "plan")
@@ -25,10 +25,11 @@ def n_dsa_layers(spec: ModelSpec, mtp: int) -> int:
 
 
 def layer_misses(spec: ModelSpec, mtp: int, profile: dict | None, ratio: float) -> list[float]:
-    """Per-layer misses for the verify layers and, with MTP, the MTP layer; a profile of the model's own layer
-    count stands for the MTP layer with the mean of its layers."""
+    """Per-layer rows moved (misses, plus prefetched rows if the profile's policy prefetches) for the verify layers
+    and, with MTP, the MTP layer; a profile of the model's own layer count stands for the MTP layer with the mean of
+    its layers."""
     n = n_dsa_layers(spec, mtp)
-    misses = misses_at(profile or synthetic_profile(n), ratio)
+    misses = moved_rows_at(profile or synthetic_profile(n), ratio)
     if len(misses) == spec.layers and n == spec.layers + 1:
         misses = misses + [sum(misses) / len(misses)]
     if len(misses) != n:

@@ -2,7 +2,10 @@
 Ratios. `ess profile` writes them from traces (format below); until one is given, a synthetic default stands in.
 
 Profile JSON (the part the simulator reads):
-    {"format": "ess-miss-profile/1", "num_layers": N, "ratios": [r, ...], "mean_misses": [[m_layer, ...] per ratio]}
+    {"format": "ess-miss-profile/1", "num_layers": N, "ratios": [r, ...], "mean_misses": [[m_layer, ...] per ratio],
+     "mean_prefetched": [[...] per ratio] (optional: rows a prefetching policy fetched ahead, docs/policies.md)}
+The simulator charges every row a layer moves, misses and prefetched rows alike, on that layer's copy: for prefetched
+rows, which could move anywhere in the step, an upper bound on their cost.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def validate_profile(p: dict, where: str = "profile") -> dict:
         raise ProfileError(f"{where}: 'ratios' must be increasing, within (0, 1]")
     if (rows < 0).any() or not np.isfinite(rows).all():
         raise ProfileError(f"{where}: 'mean_misses' must be finite and non-negative")
+    if "mean_prefetched" in p:
+        pre = np.asarray(p["mean_prefetched"], dtype=float)
+        if pre.shape != rows.shape or (pre < 0).any() or not np.isfinite(pre).all():
+            raise ProfileError(f"{where}: 'mean_prefetched' must be finite, non-negative, shaped like 'mean_misses'")
     return p
 
 
@@ -58,13 +65,22 @@ def load_profile(path) -> dict:
     return validate_profile(p, str(path))
 
 
-def misses_at(profile: dict, ratio: float) -> list[float]:
-    """Per-layer mean misses per request-step at `ratio`: linear between profiled ratios, 0 at ratio 1, and
-    proportional to 1 / ratio below the smallest profiled ratio."""
+def misses_at(profile: dict, ratio: float, field: str = "mean_misses") -> list[float]:
+    """Per-layer mean misses (or another per-ratio field) per request-step at `ratio`: linear between profiled
+    ratios, 0 at ratio 1, and proportional to 1 / ratio below the smallest profiled ratio."""
     ratios = list(profile["ratios"])
-    rows = np.asarray(profile["mean_misses"], dtype=float)
+    rows = np.asarray(profile[field], dtype=float)
     if ratio <= ratios[0]:
         return (rows[0] * ratios[0] / ratio).tolist()
     xs = ratios + ([1.0] if ratios[-1] < 1.0 else [])
     ys = np.vstack([rows, np.zeros((1, rows.shape[1]))]) if ratios[-1] < 1.0 else rows
     return [float(np.interp(ratio, xs, ys[:, i])) for i in range(rows.shape[1])]
+
+
+def moved_rows_at(profile: dict, ratio: float) -> list[float]:
+    """Per-layer rows moved per request-step at `ratio`: the misses, plus the prefetched rows where the profile has
+    them."""
+    misses = misses_at(profile, ratio)
+    if "mean_prefetched" not in profile:
+        return misses
+    return [m + p for m, p in zip(misses, misses_at(profile, ratio, "mean_prefetched"))]
