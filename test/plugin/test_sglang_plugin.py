@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import pickle
+import pathlib
 import pkgutil
 import subprocess
 import sys
@@ -17,19 +18,8 @@ pytest.importorskip("sglang")
 import torch  # noqa: E402
 
 
-# A model directory (config.json only) for SGLang's argument resolution on the CPU
-DSV32 = {
-    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 7168,
-    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
-    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_topk": 2048,
-    "index_head_dim": 128, "index_n_heads": 64, "n_routed_experts": 256, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "moe_intermediate_size": 2048, "intermediate_size": 18432, "vocab_size": 129280,
-    "max_position_embeddings": 163840, "num_nextn_predict_layers": 1, "rope_theta": 10000, "torch_dtype": "bfloat16",
-    "rms_norm_eps": 1e-6, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-}
+# DeepSeek-V3.2's config.json (the fields SGLang's argument resolution reads), for a model directory on the CPU
+DSV32 = json.loads((pathlib.Path(__file__).parent / "dsv32_config.json").read_text())
 
 
 def model_dir(tmp_path, name="dsv32", **changes):

@@ -100,8 +100,9 @@ def decode_batch(req, pos, mode=None):
 
 
 def in_forward(pool):
-    """SGLang's forward context around a forward whose attention backend serves `pool`. The backend is a stand-in:
-    the real DeepseekSparseAttnBackend needs a ModelRunner on a GPU, and the plugin reads only its token_to_kv_pool."""
+    """SGLang's forward context around a forward whose attention backend serves `pool`. The backend is a stand-in
+    with the one attribute the plugin reads (token_to_kv_pool), so that these tests need no server arguments;
+    test_sglang_backend.py drives the real DeepseekSparseAttnBackend."""
     import types
 
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context

@@ -1,0 +1,142 @@
+"""Three layers of real decode forwards through SGLang's own DeepseekSparseAttnBackend, with ESS's plugin hooks as
+SGLang's hook registry applied them, against the stock backend over SGLang's stock DSA pool: the same attention
+output at every layer and step, and with DA the misses' copy starts at the indexer hook, before the attention call.
+
+Real here: ServerArgs resolved by SGLang with the ESS flags, its runtime context, ModelConfig, ReqToTokenPool,
+DSATokenToKVPool (stock) and ESS's subclass, the ESS runtime built by the plugin's model-runner hook, both
+DeepseekSparseAttnBackend objects, ForwardBatch, init_forward_metadata, forward_decode (FlashMLA's FP8 decode path),
+RadixAttention and the forward context. Torch references replace the GPU kernels only (test/plugin/conftest.py,
+`torch_kernels`).
+Two stand-ins, with the reason:
+- the ModelRunner: it loads a model onto a GPU; the backend and the hook read the attributes given here;
+- the Indexer's forward: `Indexer.forward_cuda` raises NotImplementedError off CUDA/HIP/XPU, and its rotary
+  embedding needs vllm on a non-CPU-engine build, so the test calls the plugin's AFTER hook with the arguments
+  SGLang's registry passes it (x, q_lora, positions, forward_batch, layer_id) and the top-k a real indexer returns
+  under a sparse-offload coordinator (positions, un-fused). test_sglang_plugin checks the hook's target signature.
+"""
+
+import json
+import pathlib
+import random
+import types
+
+import pytest
+import torch
+
+sglang = pytest.importorskip("sglang")
+
+L, K, C, SIZE, MAX_LEN, HEADS = 3, 16, 24, 40 * 64, 200, 128
+REQ = [3, 1]  # request-pool slots (0 is SGLang's padding row)
+CONFIG = {**json.loads((pathlib.Path(__file__).parent / "dsv32_config.json").read_text()), "num_hidden_layers": L,
+          "index_topk": K}  # DeepSeek-V3.2's config.json, with 3 layers and top-16
+
+
+@pytest.fixture
+def sglang_context(tmp_path, monkeypatch, plugin, torch_kernels):
+    """SGLang's server arguments for an ESS decode launch (DA on every layer), resolved and active."""
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))  # SGLang's DSA defaults: SM90
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    sa = prepare_server_args(["--model-path", str(tmp_path), "--skip-tokenizer-init", "--device", "cpu",
+                              "--context-length", str(MAX_LEN), "--kv-cache-dtype", "fp8_e4m3", "--enable-ess",
+                              "--ess-buffer-tokens", str(C), "--ess-overlap", "da"])
+    sa.resolve_once()
+    with runtime_context.use_context(runtime_context.create_context(sa, role="test")):
+        yield sa, ModelConfig.from_server_args(sa)
+    monkeypatch.setattr(plugin.state, "runtime", None)
+
+
+def model_runner(sa, model_config, pool, tokens):
+    """The ModelRunner attributes the DSA backend and ESS's hook read (a real one loads the model on a GPU)."""
+    return types.SimpleNamespace(device="cpu", page_size=64, model_config=model_config, token_to_kv_pool=pool,
+                                 req_to_token_pool=tokens, hisparse_coordinator=None, is_draft_worker=False,
+                                 kv_cache_dtype=torch.float8_e4m3fn, server_args=sa)
+
+
+def test_da_decode_through_the_real_backend_equals_the_stock_backend(sglang_context, plugin, monkeypatch):
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from sglang_ess.pool import EssDSATokenToKVPool, pool_class
+
+    sa, mc = sglang_context
+    kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
+              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
+    tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
+    tokens.req_to_token[REQ] = (torch.randperm(SIZE - 1)[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
+    stock_pool = DSATokenToKVPool(**kw)
+    ess_pool = pool_class(scratch_rows=8, stage_rows=64, backend="torch")(**kw)
+    assert isinstance(ess_pool, EssDSATokenToKVPool)
+
+    runner = model_runner(sa, mc, ess_pool, tokens)
+    plugin.after_init_sparse_coordinator(None, runner)  # SGLang calls it after maybe_init_hisparse_coordinator
+    rt = plugin.state.runtime
+    assert rt is not None and runner.hisparse_coordinator is rt and rt.modes == ["da"] * L
+    ess = DeepseekSparseAttnBackend(runner)
+    stock = DeepseekSparseAttnBackend(model_runner(sa, mc, stock_pool, tokens))
+    assert ess.hisparse_coordinator is rt and stock.hisparse_coordinator is None
+    assert ess.dsa_decode_impl == stock.dsa_decode_impl == "flashmla_kv"
+
+    events, misses = [], []
+    fetch = rt.cache.fetch
+
+    def logged_fetch(layer, req, table, r, **kw):  # the H2D of a step's misses (ess.core.serving)
+        events.append("h2d of the misses")
+        misses.append(int(r.n_miss.sum()))
+        return fetch(layer, req, table, r, **kw)
+
+    monkeypatch.setattr(rt.cache, "fetch", logged_fetch)
+
+    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
+                             v_head_dim=512) for i in range(L)]
+    gen, rng = torch.Generator().manual_seed(0), random.Random(0)
+    req = torch.tensor(REQ)
+    # the prompts' rows: written through both pools' own set_mla_kv_buffer (ESS's: staged prefill, then the host)
+    ctx = [40, 33]
+    ess_pool.stage_extend(tokens.req_to_token, req, ctx, [0, 0])
+    for layer in layers:
+        loc = torch.cat([tokens.req_to_token[r, :n] for r, n in zip(REQ, ctx)]).long()
+        nope, rope = torch.randn(loc.shape[0], 1, 512, generator=gen), torch.randn(loc.shape[0], 1, 64, generator=gen)
+        for pool in (stock_pool, ess_pool):
+            pool.set_mla_kv_buffer(layer, loc, nope.bfloat16(), rope.bfloat16())
+    pos = torch.tensor(ctx)
+    for step in range(3):
+        batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(REQ), input_ids=torch.zeros_like(req),
+                             req_pool_indices=req, seq_lens=pos + 1, seq_lens_cpu=pos + 1,
+                             out_cache_loc=tokens.req_to_token[req, pos].long(), seq_lens_sum=int((pos + 1).sum()),
+                             positions=pos)
+        ess.init_forward_metadata(batch)
+        stock.init_forward_metadata(batch)
+        rt.start_forward()
+        for layer in layers:
+            topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+            q = torch.randn(len(REQ), HEADS, 512, generator=gen).bfloat16()
+            q_rope = torch.randn(len(REQ), HEADS, 64, generator=gen).bfloat16()
+            k = torch.randn(len(REQ), 1, 512, generator=gen).bfloat16()
+            k_rope = torch.randn(len(REQ), 1, 64, generator=gen).bfloat16()
+            events.clear()
+            with forward_context(ForwardContext(attn_backend=ess)):
+                events.append("indexer")
+                plugin.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
+                events.append("attention")
+                got = ess.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
+            assert events[:3] == ["indexer", "h2d of the misses", "attention"], events  # DA: started at the indexer
+            assert not rt._pending  # the attention call took the step the indexer started
+            with forward_context(ForwardContext(attn_backend=stock)):
+                # the stock backend's indexer hands fused top-k (token locations) to its own page table
+                locs = torch.where(topk >= 0, tokens.req_to_token[req.unsqueeze(1), topk.long().clamp(min=0)], -1)
+                want = stock.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope,
+                                            topk_indices=locs.int())
+            assert torch.equal(got, want), (step, layer.layer_id)
+        rt.end_forward()
+        pos = pos + 1
+    assert len(misses) == 3 * L and min(misses[L:]) > 0  # C = 24 slots for top-16 of 40+ positions: misses every step
+    # the step's own rows reached the host pool, where SGLang's PD transfer and later prefills read them
+    for i in range(L):
+        assert torch.equal(ess_pool.ess_host[i, : SIZE + 64], stock_pool.kv_buffer[i][:, 0].view(torch.uint8))
