@@ -26,6 +26,7 @@ DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend
 INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
+PREFILL_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 METADATA_BUFFERS = "sglang.srt.disaggregation.utils.MetadataBuffers"
 DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
 NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
@@ -41,6 +42,7 @@ class ProcessState:
     sender: pd_warmup.WarmupSender | None = None  # a PD prefill node's, instead of a runtime
     sender_pool: object = None  # the target model's KV pool on that node (its MTP draft worker has another)
     wire: tuple[int, int] | None = None  # (layers, top-k) of the PD warm-up rows, once this process has ESS
+    stage_tokens: int | None = None  # the prefill staging rows sizing charged; the scheduler keeps batches within
 
 
 state = ProcessState()
@@ -114,12 +116,31 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
         model=str(server_args.model_path),
     )
     pool.ess_runtime = state.runtime
+    state.stage_tokens = pool.ess_stage.shape[0]
     reset_on_admit(model_runner.req_to_token_pool, state.runtime)
     model_runner.hisparse_coordinator = state.runtime
     model_runner.ess_runtime = state.runtime
     if facts.role == "pd-decode" and ess.warmup_windows:
         state.wire = (facts.layers, facts.topk)
     logger.info("ESS runtime: %s", state.runtime.stats())
+
+
+def staged_tokens(req) -> int:
+    """The staging rows a request in a prefill batch can take at most: all its tokens (cached prefix and new)."""
+    return req.seqlen
+
+
+def around_add_one_req(original, adder, req, *a, **kw):
+    """The scheduler's prefill admission: a prefill batch stages every token of its requests (sglang_ess.pool), and
+    sizing charged the staging buffer for one context. A request that would take the batch past it waits for the next
+    batch (SGLang's AddReqResult.OTHER); the first request of a batch always fits (it is at most one context)."""
+    cap = state.stage_tokens
+    if cap is not None and adder.can_run_list:
+        if sum(staged_tokens(r) for r in adder.can_run_list) + staged_tokens(req) > cap:
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.OTHER
+    return original(adder, req, *a, **kw)
 
 
 def _ess_pool(backend) -> EssDSATokenToKVPool | None:
@@ -335,6 +356,7 @@ def _hook_table():
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
         (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
+        (f"{PREFILL_ADDER}.add_one_req", HookType.AROUND, around_add_one_req),
         (f"{METADATA_BUFFERS}.__init__", HookType.AFTER, after_metadata_buffers_init),
         (f"{METADATA_BUFFERS}.get_buf_infos", HookType.AFTER, after_get_buf_infos),
         (f"{METADATA_BUFFERS}.set_buf", HookType.AFTER, after_set_buf),
@@ -358,6 +380,7 @@ EXPECTED_PARAMS = {
                                       "k_rope", "topk_indices"],
     f"{INDEXER}.forward_cuda": INDEXER_PARAMS,
     RELEASE_KV: ["req", "tree_cache"],
+    f"{PREFILL_ADDER}.add_one_req": ["self", "req", "has_chunked_req"],
     f"{METADATA_BUFFERS}.__init__": ["self", "size"],
     f"{METADATA_BUFFERS}.get_buf_infos": ["self"],
     f"{METADATA_BUFFERS}.set_buf": ["self", "req"],

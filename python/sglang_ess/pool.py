@@ -32,7 +32,8 @@ EXTEND, DECODE = "extend", "decode"
 class EssDSATokenToKVPool(DSATokenToKVPool):
     # Set on the subclass that `pool_class` makes for one launch.
     scratch_rows: int = 1  # rows a decode/verify step writes at most (requests x query rows)
-    stage_rows: int = 1  # initial staging rows for prefill (grows on demand; prefill is not graph-captured)
+    stage_rows: int = 1  # staging rows for prefill, charged by sizing; under SGLang the plugin's admission hook keeps
+    # every prefill batch within them, elsewhere (tools, tests) the buffer grows on demand
     backend: str = "auto"  # FlashTrans backend
 
     # -- buffers ---------------------------------------------------------------------------------------------

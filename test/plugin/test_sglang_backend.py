@@ -47,6 +47,7 @@ def sglang_context(tmp_path, monkeypatch, plugin, torch_kernels):
     with runtime_context.use_context(runtime_context.create_context(sa, role="test")):
         yield sa, ModelConfig.from_server_args(sa)
     monkeypatch.setattr(plugin.state, "runtime", None)
+    monkeypatch.setattr(plugin.state, "stage_tokens", None)
 
 
 def model_runner(sa, model_config, pool, tokens):
@@ -78,6 +79,7 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(sglang_cont
     plugin.after_init_sparse_coordinator(None, runner)  # SGLang calls it after maybe_init_hisparse_coordinator
     rt = plugin.state.runtime
     assert rt is not None and runner.hisparse_coordinator is rt and rt.modes == ["da"] * L
+    assert plugin.state.stage_tokens == ess_pool.ess_stage.shape[0]  # prefill admission keeps batches within it
     ess = DeepseekSparseAttnBackend(runner)
     stock = DeepseekSparseAttnBackend(model_runner(sa, mc, stock_pool, tokens))
     assert ess.hisparse_coordinator is rt and stock.hisparse_coordinator is None
