@@ -116,7 +116,8 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(sglang_cont
         ess.init_forward_metadata(batch)
         stock.init_forward_metadata(batch)
         # a sparse-offload coordinator makes the indexer hand over positions (un-fused top-k), as ESS's hook expects
-        assert ess.get_indexer_metadata(0, batch).force_unfused_topk and not stock.get_indexer_metadata(0, batch).force_unfused_topk
+        assert ess.get_indexer_metadata(0, batch).force_unfused_topk
+        assert not stock.get_indexer_metadata(0, batch).force_unfused_topk
         rt.start_forward()
         for layer in layers:
             topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
