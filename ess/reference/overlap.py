@@ -37,20 +37,25 @@ def batch_parts(batch: int, mode: str) -> list[slice]:
 
 
 def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer,
-                        cache: EssLatentCache, layer: int, attention: str = "reference"):
+                        cache: EssLatentCache, layer: int, attention: str = "reference", selected=None):
     """Returns (o_latent [B, H, 512], topk [B, K]). The cache's stamp must be set (cache.set_step).
-    attention: the sparse MLA backend of ess.reference.flashmla ("reference", "flashmla" or "auto")."""
+    attention: the sparse MLA backend of ess.reference.flashmla ("reference", "flashmla" or "auto").
+    selected [B, K]: top-k to use instead of the indexer's (a replayed trace); the indexer still runs, for its cost."""
     if mode not in MODES:
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
     streams = cache.streams
     own_rows = A.kv_latent_rows(w, cfg, h, pos)
+    def indexer(part=slice(None)):
+        topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
+        return topk if selected is None else selected[part]
+
     if mode == "none":  # the serial order, on the compute stream (ServingLatentCache.translate)
-        topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer)
+        topk = indexer()
         r = cache.translate(layer, topk, pos, own_rows)
     else:
         topks, results = [], []
         for part in batch_parts(h.shape[0], mode):
-            topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
+            topk = indexer(part)
             r = cache.update(layer, topk, pos[part], part)
             # the copy stream runs in order: the last part's event covers every H2D of the step
             fetched = streams.copy_after(lambda: cache.fetch(layer, r, part, overlapped=True), r.miss_pos, r.miss_slot)

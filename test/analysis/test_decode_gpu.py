@@ -1,0 +1,25 @@
+"""The decode-throughput benchmark's smoke run on the CPU: every mode, the keys decode.json promises, the plot."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KEYS = {"context", "mode", "ratio", "batch", "step_ms", "tokens_per_s", "exposed_transfer_ms",
+        "misses_per_request_layer", "simulator_step_ms"}
+
+
+def test_decode_gpu_smoke_run(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert (tmp_path / "decode.png").exists() and doc["date"] and "smoke" in doc["machine"]
+    assert {r["mode"] for r in doc["rows"]} == {"baseline", "none", "da", "dba", "plan"}
+    assert all(KEYS <= set(r) for r in doc["rows"])
+    assert doc["gain_32k_max_batch"] > 0 and doc["ratio_small_batch"] > 0
+    ess = [r for r in doc["rows"] if r["mode"] != "baseline"]
+    assert all(r["misses_per_request_layer"] >= 0 and r["exposed_transfer_ms"] >= 0 for r in ess)
+    assert {r["batch"] for r in doc["rows"]} >= {1, 2}
+    assert "SYNTHETIC" in doc["topk_label"]
