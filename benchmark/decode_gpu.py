@@ -22,7 +22,11 @@ step's time minus its time with every selected row resident.
     python benchmark/decode_gpu.py --out benchmark/results/gpu/<device>     # on a GPU (the sgl-flash-mla wheel)
     python benchmark/decode_gpu.py --smoke --out /tmp/decode                 # a CPU run of tiny shapes: checks the script
 
-Not built yet: MTP verify with 3 query rows per request (the reference stack decodes one query row per request).
+MTP verify (`--query-rows 1,3`, the default): 3 query rows per request at consecutive positions, one LRU step over
+their union with 3 own tokens (as the plugin runs target-verify), FlashMLA over every row; the draft passes are
+modelled (the simulator's), and a verify step yields `--accept` tokens per request (1.7). A ratio whose slots cannot
+hold 3 x (top-k + 1) is skipped, as the plugin refuses it. `--check` compares every ESS mode's attention outputs with
+the baseline's (the smoke run does).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from ess.reference import attention as A
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.ess_cache import EssLatentCache
-from ess.reference.flashmla import sparse_decode
+from ess.reference.flashmla import sparse_decode, split_decode
 from ess.reference.overlap import ess_layer_attention
 
 MODES = ("baseline", "none", "da", "dba", "plan")
@@ -70,37 +74,44 @@ class Setup:
     device: torch.device
     attention: str
     max_batch: int | None  # a cap on the largest batches (the smoke run's)
+    query_rows: list[int] = dataclasses.field(default_factory=lambda: [1])  # 1: decode; 1 + draft tokens: MTP verify
+    check: bool = False  # compare every ESS mode's outputs with the baseline's (a second stack: small runs only)
 
 
 def smoke_setup() -> Setup:
     cfg = get_config("mini", num_layers=2)
-    return Setup(cfg, 2, [256], [0.3], [1, 2], 2, 1, torch.device("cpu"), "reference", 3)
+    return Setup(cfg, 2, [256], [0.6], [1, 2], 2, 1, torch.device("cpu"), "reference", 3, [1, 2], check=True)
 
 
 def gpu_setup(args) -> Setup:
     if not torch.cuda.is_available():
         raise SystemExit("decode_gpu.py: needs a CUDA device (or --smoke)")
     return Setup(get_config("full", num_layers=args.layers), args.layers, args.contexts, args.ratios, [1, 2],
-                 args.warm_steps, args.iters, torch.device("cuda"), "flashmla", args.max_batch)
+                 args.warm_steps, args.iters, torch.device("cuda"), "flashmla", args.max_batch, args.query_rows,
+                 args.check)
 
 
 class Stack:
-    """L decode layers over one batch: the baseline's dense cache (buffer None) or ESS's cache with `buffer` slots."""
+    """L decode layers over one batch: the baseline's dense cache (buffer None) or ESS's cache with `buffer` slots.
+    rows S query rows per request and step: 1 in decode, 1 + draft tokens in MTP verify (rows b*S .. b*S+S-1 are
+    request b's, at consecutive positions; one LRU step takes their union and S own tokens, as the plugin does)."""
 
-    def __init__(self, s: Setup, batch: int, context: int, buffer: int | None, topk_steps: torch.Tensor | None,
+    def __init__(self, s: Setup, batch: int, context: int, buffer: int | None, rows: int, topk_steps: torch.Tensor | None,
                  warm_sets: torch.Tensor | None, seed: int = 0):
         cfg, dev, L = s.cfg, s.device, s.layers
         g = torch.Generator().manual_seed(seed)
-        self.s, self.B, self.context, self.buffer = s, batch, context, buffer
+        self.s, self.B, self.S, self.context, self.buffer = s, batch, rows, context, buffer
         steps = s.warm_steps + 1
-        self.max_len = -(-(context + steps) // 64) * 64  # whole FlashMLA pages
+        self.max_len = -(-(context + steps * rows) // 64) * 64  # whole FlashMLA pages
         self.w = A.AttentionWeights.random(cfg, g, dev)
-        self.h = torch.randn(steps, batch, cfg.hidden, generator=g).to(dev)  # each step's hidden states
+        self.h = torch.randn(steps, batch * rows, cfg.hidden, generator=g).to(dev)  # each step's hidden states
         keys = torch.randn(batch, self.max_len, cfg.index_head_dim, generator=g).to(dev)
-        self.index_k = layout.quantize_index_k(keys)  # [B, max_len, 132], shared by the layers
+        # index-K [B * S, max_len, 132]: each query row scores its request's keys (shared by the layers)
+        self.index_k = layout.quantize_index_k(keys).repeat_interleave(rows, 0)
+        self.row_req = torch.arange(batch, device=dev).repeat_interleave(rows)  # the request of each query row
         block = layout.quantize_latent(torch.randn(4096, 512, generator=g), torch.randn(4096, 64, generator=g)).to(dev)
-        rows = block.repeat(-(-context // 4096), 1)[:context]
-        self.topk_steps = topk_steps  # [steps, L, B, K] replayed top-k, or None: the indexer's
+        prompt = block.repeat(-(-context // 4096), 1)[:context]
+        self.topk_steps = topk_steps  # [steps, L, B * S, K] replayed top-k, or None: the indexer's
         if buffer is None:
             self.cache = DenseLatentCache(L, batch, self.max_len, dev)
         else:
@@ -108,45 +119,80 @@ class Stack:
                                         self.max_len, dev)
         for li in range(L):
             for b in range(batch):
-                self.cache.prefill(li, b, rows, None)
+                self.cache.prefill(li, b, prompt, None)
             if buffer is not None and warm_sets is not None:
                 self.cache.warmup_layer(li, warm_sets[li])
 
-    def step(self, t: int, mode: str) -> None:
-        """Decode step t of every layer (attention path only)."""
+    def positions(self, t: int) -> torch.Tensor:
+        """[B * S] the query rows' positions at step t."""
+        first = self.context + t * self.S
+        return first + torch.arange(self.S, device=self.s.device).repeat(self.B)
+
+    def step(self, t: int, mode: str) -> list[torch.Tensor]:
+        """Decode (or verify) step t of every layer, attention path only; returns each layer's attention output
+        [B * S, H, 512]."""
         s, cfg = self.s, self.s.cfg
-        pos = torch.full((self.B,), self.context + t, dtype=torch.int64, device=s.device)
-        h = self.h[t]
+        pos, h = self.positions(t), self.h[t]
         if self.buffer is not None:
             self.cache.set_step(t)
+        out = []
         for li in range(s.layers):
             q_lora = A.q_lora_of(self.w, h)
             sel = None if self.topk_steps is None else self.topk_steps[t, li]
             if self.buffer is None:
                 topk = A.indexer_topk(self.w, cfg, h, q_lora, pos, self.index_k)
                 topk = topk if sel is None else sel
-                own = A.kv_latent_rows(self.w, cfg, h, pos)
-                batch = torch.arange(self.B, device=s.device)
-                self.cache.rows[li, batch, pos] = own
+                self.cache.rows[li, self.row_req, pos] = A.kv_latent_rows(self.w, cfg, h, pos)
                 q_nope, q_pe = A.pre_attn(self.w, cfg, q_lora, pos)
-                idx = torch.where(topk >= 0, batch.unsqueeze(1) * self.max_len + topk, -1)
-                sparse_decode(q_nope, q_pe, self.cache.rows[li].view(-1, layout.LATENT_ROW_BYTES), idx,
-                              cfg.softmax_scale, s.attention)
-            else:
+                idx = torch.where(topk >= 0, self.row_req.unsqueeze(1) * self.max_len + topk, -1)
+                o, _ = sparse_decode(q_nope, q_pe, self.cache.rows[li].view(-1, layout.LATENT_ROW_BYTES), idx,
+                                     cfg.softmax_scale, s.attention)
+            elif self.S == 1:
                 layer_mode = self.modes[li] if mode == "plan" else mode
-                ess_layer_attention(layer_mode, self.w, cfg, h, q_lora, pos, self.index_k, self.cache, li,
-                                    s.attention, selected=sel)
+                o, _ = ess_layer_attention(layer_mode, self.w, cfg, h, q_lora, pos, self.index_k, self.cache, li,
+                                           s.attention, selected=sel)
+            else:
+                o = self.verify_layer(self.modes[li] if mode == "plan" else mode, li, h, q_lora, pos, sel)
+            out.append(o)
+        return out
+
+    def verify_layer(self, mode: str, li: int, h, q_lora, pos, sel) -> torch.Tensor:
+        """MTP verify on ESS: one LRU step over the union of each request's S rows (S own tokens), then FlashMLA over
+        every row's own top-k. none: the serial order; da (and dba, which runs as da here: one indexer call for the
+        batch, as in the plugin without TBO): the H2D on the copy stream under PreAttn and Attn0."""
+        cfg, cache, B, S = self.s.cfg, self.cache, self.B, self.S
+        topk = A.indexer_topk(self.w, cfg, h, q_lora, pos, self.index_k)
+        topk = topk if sel is None else sel
+        sets, own = topk.reshape(B, -1), pos.reshape(B, S)
+        own_rows = A.kv_latent_rows(self.w, cfg, h, pos)
+        if mode == "none":
+            r = cache.translate(li, sets, own, own_rows)
+        else:
+            r = cache.update(li, sets, own)
+            fetched = cache.streams.copy_after(lambda: cache.fetch(li, r, overlapped=True), r.miss_pos, r.miss_slot)
+            cache.store_own(li, r, own_rows)
+        backed_up = cache.backup_own(li, r, own)
+        cache.record(li, r)
+        q_nope, q_pe = A.pre_attn(self.w, cfg, q_lora, pos)
+        pool, slots = cache.serving.gpu[li], r.attn_slot.reshape(B * S, -1)
+        if mode == "none":
+            o, _ = sparse_decode(q_nope, q_pe, pool, slots, cfg.softmax_scale, self.s.attention)
+        else:
+            o, _ = split_decode(q_nope, q_pe, pool, slots, r.hit.reshape(B * S, -1), cfg.softmax_scale,
+                                lambda: cache.streams.wait(fetched), self.s.attention)
+        cache.streams.wait(backed_up)
+        return o
 
     modes: list[str] = []  # per layer, for mode "plan"
 
     def selected(self, t: int) -> list[torch.Tensor]:
-        """Each layer's top-k at step t: the replayed trace's, or the indexer's (the same in every layer: the layers
-        share weights and index-K)."""
+        """Each layer's top-k at step t, [B, S * K] per request: the replayed trace's, or the indexer's (the same in
+        every layer: the layers share weights and index-K)."""
         if self.topk_steps is not None:
-            return [self.topk_steps[t, li] for li in range(self.s.layers)]
-        h, cfg = self.h[t], self.s.cfg
-        pos = torch.full((self.B,), self.context + t, dtype=torch.int64, device=self.s.device)
-        return [A.indexer_topk(self.w, cfg, h, A.q_lora_of(self.w, h), pos, self.index_k)] * self.s.layers
+            return [self.topk_steps[t, li].reshape(self.B, -1) for li in range(self.s.layers)]
+        h, cfg, pos = self.h[t], self.s.cfg, self.positions(t)
+        topk = A.indexer_topk(self.w, cfg, h, A.q_lora_of(self.w, h), pos, self.index_k)
+        return [topk.reshape(self.B, -1)] * self.s.layers
 
     # ESS: the LRU tables decide the misses; they are snapshotted and restored around every timed replay
     def tables(self) -> list[torch.Tensor]:
@@ -161,27 +207,30 @@ class Stack:
             self.cache.warmup_layer(li, sel.unsqueeze(1))
 
 
-def trace_topk(s: Setup, batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SYNTHETIC top-k (ess trace synth at this context): decode sets [steps, L, B, K] and warm-up sets
-    [L, B, W, K]; batch row b replays trace request b mod 4."""
-    K = s.cfg.index_topk
-    opt = SynthOptions(requests=min(batch, 4), steps=s.warm_steps + 1, layers=s.layers, topk=K, context=context,
+def trace_topk(s: Setup, batch: int, context: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SYNTHETIC top-k (ess trace synth at this context): decode sets [steps, L, B * S, K] (query row j of step t
+    replays trace step t * S + j, at the same position) and warm-up sets [L, B, W, K]; request b replays trace request
+    b mod 4."""
+    K, steps = s.cfg.index_topk, s.warm_steps + 1
+    opt = SynthOptions(requests=min(batch, 4), steps=steps * rows, layers=s.layers, topk=K, context=context,
                        warmup_windows=WARMUP_WINDOWS, sinks=4, window=min(128, K // 8), churn_min=min(8, K // 16),
                        churn_max=min(600, K // 4), pool=min(8192, context // 2), seed=context)
     tr = synth_trace(opt)
-    rows = [b % tr.topk.shape[0] for b in range(batch)]
-    decode = torch.as_tensor(tr.topk[rows]).permute(1, 2, 0, 3).contiguous()  # [steps, L, B, K]
-    warm = torch.as_tensor(tr.prefill_topk[rows]).permute(2, 0, 1, 3).contiguous()  # [L, B, W, K]
+    reqs = [b % tr.topk.shape[0] for b in range(batch)]
+    decode = torch.as_tensor(tr.topk[reqs]).reshape(batch, steps, rows, s.layers, K)  # [B, steps, S, L, K]
+    decode = decode.permute(1, 3, 0, 2, 4).reshape(steps, s.layers, batch * rows, K).contiguous()
+    warm = torch.as_tensor(tr.prefill_topk[reqs]).permute(2, 0, 1, 3).contiguous()  # [L, B, W, K]
     return decode.to(s.device), warm.to(s.device)
 
 
-def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float | None, source: str, plan) -> dict:
-    """The attention path of one decode step of the L layers, per mode, on one stack (the baseline's, or ESS's at
-    `ratio`): {mode: {"attention_ms", "exposed_ms", "misses" (ESS: per request and layer), "modes" (plan)}}.
-    plan(per_layer_misses, batch, context) -> modes, for mode "plan"."""
-    buffer = None if ratio is None else max(s.cfg.index_topk + 1, math.ceil(ratio * context))
-    decode, warm = trace_topk(s, batch, context) if source == "synth" else (None, None)
-    stack = Stack(s, batch, context, buffer, decode, warm)
+def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float | None, rows: int, source: str,
+            plan) -> dict:
+    """The attention path of one decode (rows 1) or MTP verify step of the L layers, per mode, on one stack (the
+    baseline's, or ESS's at `ratio`): {mode: {"attention_ms", "exposed_ms", "misses" (ESS: per request and layer),
+    "modes" (plan)}}. plan(per_layer_misses, batch, context) -> modes, for mode "plan"."""
+    buffer = None if ratio is None else slots(s, ratio, context)
+    decode, warm = trace_topk(s, batch, context, rows) if source == "synth" else (None, None)
+    stack = Stack(s, batch, context, buffer, rows, decode, warm)
     t = s.warm_steps
     for i in range(t):  # the cache's state before the timed step: the same requests' earlier steps
         stack.step(i, "baseline" if buffer is None else "none")  # every ESS mode leaves the same LRU state
@@ -189,26 +238,45 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
     if buffer is None:
         return {"baseline": {"attention_ms": timer(lambda: stack.step(t, "baseline"), s.iters) / 1e3,
                              "exposed_ms": 0.0, "misses": None}}
-    snap = [x.clone() for x in stack.tables()]
+    # the timed replays restore the LRU tables only (they decide the misses; row contents do not change the time); the
+    # check restores the GPU pool's rows as well
+    state = (lambda: stack.tables() + [stack.cache.serving.gpu]) if s.check else stack.tables
+    snap = [x.clone() for x in state()]
 
-    def restore(state=snap):
-        for x, y in zip(stack.tables(), state):
+    def restore(saved=snap):
+        for x, y in zip(state(), saved):
             x.copy_(y)
 
     for m in stack.cache.misses:
         m.clear()
     stack.step(t, "none")  # eager, from the snapshot: the timed step's misses, per layer
     per_layer = [float(m[-1].float().mean()) for m in stack.cache.misses]
+    want = None
+    if s.check:  # lossless: the baseline's stack, same inputs, gives the outputs every ESS mode must give
+        base = Stack(s, batch, context, None, rows, decode, warm)
+        for i in range(t):
+            base.step(i, "baseline")
+        want = base.step(t, "baseline")
+        del base
     stack.all_resident(t)
-    resident = [x.clone() for x in stack.tables()]
+    resident = [x.clone() for x in state()]
     out = {}
     for mode in modes:
         stack.modes = plan(per_layer, batch, context) if mode == "plan" else []
+        diff = None
+        if want is not None:
+            restore()
+            got = stack.step(t, mode)
+            diff = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
         attn_us = timer(lambda: stack.step(t, mode), s.iters, restore)
         free_us = timer(lambda: stack.step(t, mode), s.iters, lambda: restore(resident))
         out[mode] = {"attention_ms": attn_us / 1e3, "exposed_ms": max(0.0, attn_us - free_us) / 1e3,
-                     "misses": sum(per_layer) / len(per_layer), "modes": list(stack.modes) or None}
+                     "misses": sum(per_layer) / len(per_layer), "modes": list(stack.modes) or None, "diff": diff}
     return out
+
+
+def slots(s: Setup, ratio: float, context: int) -> int:
+    return max(s.cfg.index_topk + 1, math.ceil(ratio * context))
 
 
 def largest_batch(budget: float, layers: int, context: int, buffer: int | None, cap: int | None) -> int:
@@ -218,7 +286,7 @@ def largest_batch(budget: float, layers: int, context: int, buffer: int | None, 
     return min(b, cap) if cap else b
 
 
-def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print) -> dict:
+def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, accept: float = 1.7) -> dict:
     spec, cal = get_model("dsv32"), load_calibration()
     paper_hw = get_hardware(PAPER_HARDWARE)
     dep = cost.Deployment(ep=EP, tbo=True)
@@ -228,8 +296,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print) 
     if s.device.type == "cpu":  # the smoke run: a tiny model, a budget that holds a few of its requests
         budget = 3 * cache_bytes(s.layers, s.contexts[0], layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, None)
 
-    def sim_layer(batch: int, context: int):
-        return cost.layer_cost(spec, hw, cal, dep, batch, batch, context, moe=True)
+    def sim_layer(tokens: int, context: int):
+        return cost.layer_cost(spec, hw, cal, dep, tokens, tokens, context, moe=True)
 
     def plan(per_layer, batch, context):
         return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer)
@@ -237,17 +305,27 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print) 
     rows = []
     for context in s.contexts:
         wall = largest_batch(budget, s.layers, context, None, s.max_batch)
-        stacks = [(None, b) for b in sorted({*s.small_batches, wall}) if b >= 1] if "baseline" in modes else []
         ess_modes = [m for m in modes if m != "baseline"]
-        for ratio in s.ratios if ess_modes else []:
-            C = max(s.cfg.index_topk + 1, math.ceil(ratio * context))
-            stacks += [(ratio, b) for b in sorted({*s.small_batches, largest_batch(budget, s.layers, context, C,
-                                                                                    s.max_batch)}) if b >= 1]
-        for ratio, batch in stacks:
+        stacks = []
+        for S in s.query_rows:
+            if "baseline" in modes:
+                stacks += [(None, b, S) for b in sorted({*s.small_batches, wall}) if b >= 1]
+            for ratio in s.ratios if ess_modes else []:
+                C = slots(s, ratio, context)
+                if C < S * (s.cfg.index_topk + 1):  # the plugin refuses it too: every row's set and own token
+                    progress(f"{context} ratio {ratio}: {C} slots < {S} rows x (top-k + 1); skipped")
+                    continue
+                top = largest_batch(budget, s.layers, context, C, s.max_batch)
+                stacks += [(ratio, b, S) for b in sorted({*s.small_batches, top}) if b >= 1]
+        for ratio, batch, S in stacks:
             t0 = time.perf_counter()
-            results = measure(s, ["baseline"] if ratio is None else ess_modes, batch, context, ratio, source, plan)
-            lc = sim_layer(batch, context)
+            results = measure(s, ["baseline"] if ratio is None else ess_modes, batch, context, ratio, S, source, plan)
+            lc = sim_layer(batch * S, context)
             rest_ms = (lc.post + lc.comm) * 1e3  # the modelled rest of a layer (w_vc, o_proj, MoE, all-to-all)
+            # MTP: the draft passes that make the S - 1 draft tokens, modelled (the simulator's), and the tokens a
+            # verify step yields per request on average (accept)
+            draft_ms = cost.step_time(spec, hw, cal, dep, batch, context, S - 1).draft_s * 1e3 if S > 1 else 0.0
+            tokens = accept if S > 1 else 1.0
             for mode, m in results.items():
                 sim_attn = lc.pre_indexer + lc.indexer + lc.pre_attn + lc.attention  # seconds per layer
                 if ratio is not None:
@@ -255,16 +333,18 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print) 
                     sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, cal))
                                     for md in (m["modes"] or [mode] * s.layers)) / s.layers
                 step_ms = m["attention_ms"] + s.layers * rest_ms
-                row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch,
+                row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S,
                        "attention_step_ms": round(m["attention_ms"], 4), "step_ms": round(step_ms, 4),
-                       "tokens_per_s": round(batch / (step_ms / s.layers * MODEL_LAYERS) * 1e3, 2),
+                       "tokens_per_s": round(batch * tokens / (step_ms / s.layers * MODEL_LAYERS + draft_ms) * 1e3, 2),
                        "exposed_transfer_ms": round(m["exposed_ms"], 4),
                        "misses_per_request_layer": None if m["misses"] is None else round(m["misses"], 2),
                        "simulator_step_ms": round(sim_attn * s.layers * 1e3, 4), "memory_wall_batch": wall}
+                if m.get("diff") is not None:
+                    row["max_abs_diff_vs_baseline"] = m["diff"]
                 if m.get("modes"):
                     row["plan"] = {x: m["modes"].count(x) for x in ("none", "da", "dba")}
                 rows.append(row)
-                progress(f"{context} {mode} ratio {ratio} batch {batch}: {row['attention_step_ms']} ms attention, "
+                progress(f"{context} {mode} ratio {ratio} batch {batch} rows {S}: {row['attention_step_ms']} ms attention, "
                          f"{row['tokens_per_s']} tok/s")
             progress(f"  ({time.perf_counter() - t0:.1f} s)")
     return {"rows": rows, **summary(rows, s)}
@@ -272,25 +352,30 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print) 
 
 def summary(rows: list[dict], s: Setup) -> dict:
     """gain_32k_max_batch: the best ESS mode at its largest batch over the baseline at its largest batch (hybrid
-    tokens/s, the first context); ratio_small_batch: ESS's best over the baseline at batch 1 and 2, the smaller."""
-    ctx = s.contexts[0]
-    at = [r for r in rows if r["context"] == ctx]
-    base = [r for r in at if r["mode"] == "baseline"]
-    ess = [r for r in at if r["mode"] != "baseline"]
-    if not base or not ess:
-        return {}
-    base_top = max(base, key=lambda r: r["batch"])
-    best_top = max((r for r in ess if r["batch"] not in s.small_batches or r["batch"] == max(x["batch"] for x in ess)),
-                   key=lambda r: r["tokens_per_s"])
-    small = []
-    for b in s.small_batches:
-        bb = [r["tokens_per_s"] for r in base if r["batch"] == b]
-        eb = [r["tokens_per_s"] for r in ess if r["batch"] == b]
-        if bb and eb:
-            small.append(max(eb) / bb[0])
-    return {"gain_32k_max_batch": round(best_top["tokens_per_s"] / base_top["tokens_per_s"], 4),
-            "gain_context": ctx, "best_ess": {k: best_top[k] for k in ("mode", "ratio", "batch")},
-            "ratio_small_batch": round(min(small), 4) if small else None}
+    tokens/s, the smallest context, decode); ratio_small_batch: ESS's best over the baseline at batch 1 and 2, the
+    smaller; the same with MTP verify rows under the keys ending in _mtp."""
+    out = {}
+    ctx = min(r["context"] for r in rows) if rows else None
+    for S in sorted({r["query_rows"] for r in rows}):
+        at = [r for r in rows if r["context"] == ctx and r["query_rows"] == S]
+        base = [r for r in at if r["mode"] == "baseline"]
+        ess = [r for r in at if r["mode"] != "baseline"]
+        if not base or not ess:
+            continue
+        base_top = max(base, key=lambda r: r["batch"])
+        largest = {r["ratio"]: max(x["batch"] for x in ess if x["ratio"] == r["ratio"]) for r in ess}
+        best_top = max((r for r in ess if r["batch"] == largest[r["ratio"]]), key=lambda r: r["tokens_per_s"])
+        small = []
+        for b in s.small_batches:
+            bb = [r["tokens_per_s"] for r in base if r["batch"] == b]
+            eb = [r["tokens_per_s"] for r in ess if r["batch"] == b]
+            if bb and eb:
+                small.append(max(eb) / bb[0])
+        key = "" if S == 1 else "_mtp"
+        out |= {f"gain_32k_max_batch{key}": round(best_top["tokens_per_s"] / base_top["tokens_per_s"], 4),
+                f"best_ess{key}": {k: best_top[k] for k in ("mode", "ratio", "batch")},
+                f"ratio_small_batch{key}": round(min(small), 4) if small else None}
+    return {"gain_context": ctx, **out} if out else {}
 
 
 def plot(doc: dict, path: str) -> None:
@@ -303,12 +388,13 @@ def plot(doc: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         rows = [r for r in doc["rows"] if r["context"] == ctx]
-        keys = sorted({(r["mode"], r["ratio"]) for r in rows}, key=lambda k: (k[0] != "baseline", str(k)))
-        for i, (mode, ratio) in enumerate(keys):
-            pts = sorted((r for r in rows if (r["mode"], r["ratio"]) == (mode, ratio)), key=lambda r: r["batch"])
-            label = "baseline" if ratio is None else f"ESS {mode}, ratio {ratio}"
-            ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o", color=f"C{i % 10}",
-                    label=label)
+        keys = sorted({(r["mode"], r["ratio"], r["query_rows"]) for r in rows}, key=lambda k: (k[0] != "baseline", str(k)))
+        for i, (mode, ratio, S) in enumerate(keys):
+            pts = sorted((r for r in rows if (r["mode"], r["ratio"], r["query_rows"]) == (mode, ratio, S)),
+                         key=lambda r: r["batch"])
+            label = ("baseline" if ratio is None else f"ESS {mode}, ratio {ratio}") + ("" if S == 1 else f", verify {S}")
+            ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o" if S == 1 else "^",
+                    ls="-" if S == 1 else ":", color=f"C{i % 10}", label=label)
         ax.axvline(rows[0]["memory_wall_batch"], color="k", ls="--", lw=1, label="memory wall (baseline)")
         ax.set_xlabel("batch (requests)")
         ax.set_ylabel("tokens/s (hybrid: measured attention + modelled rest)")
@@ -327,11 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=lambda x: [int(v) for v in x.split(",")], default=[32768, 131072])
     p.add_argument("--ratios", type=lambda x: [float(v) for v in x.split(",")], default=[0.1, 0.2, 0.3])
     p.add_argument("--modes", type=lambda x: x.split(","), default=list(MODES), help=f"of {','.join(MODES)}")
+    p.add_argument("--query-rows", type=lambda x: [int(v) for v in x.split(",")], default=[1, 3],
+                   help="query rows per request and step: 1 is decode, 3 is MTP verify of 2 draft tokens")
+    p.add_argument("--accept", type=float, default=1.7,
+                   help="tokens per request a verify step yields (the simulator's default for 2 draft tokens)")
     p.add_argument("--topk-source", choices=["synth", "indexer"], default="synth")
     p.add_argument("--warm-steps", type=int, default=4, help="eager steps before the timed one")
     p.add_argument("--iters", type=int, default=10, help="timed replays per configuration")
     p.add_argument("--max-batch", type=int, help="cap the largest batches (memory or time)")
     p.add_argument("--hardware", default="H100", help="simulator profile of this GPU, for the modelled rest of a layer")
+    p.add_argument("--check", action="store_true",
+                   help="also compare every ESS mode's outputs with the baseline's (a second stack: small runs)")
     p.add_argument("--append", action="store_true",
                    help="add the rows to OUT/decode.json (one context per run keeps each run short)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
@@ -346,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             old = json.load(f)
         earlier, commands = old["rows"], old.get("commands", [old.get("command")])
-    doc = run(s, args.modes, args.topk_source, args.hardware, progress=lambda x: print(x, flush=True))
+    doc = run(s, args.modes, args.topk_source, args.hardware, lambda x: print(x, flush=True), args.accept)
     if earlier:
         s.contexts = sorted({r["context"] for r in earlier} | set(s.contexts))
         doc = {"rows": earlier + doc["rows"], **summary(earlier + doc["rows"], s)}
@@ -361,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(doc, f, indent=1)
     plot(doc, os.path.join(args.out, "decode.png"))
     print(f"wrote {args.out}/decode.json and decode.png; gain {doc.get('gain_32k_max_batch')}, "
-          f"small-batch ratio {doc.get('ratio_small_batch')}")
+          f"small-batch ratio {doc.get('ratio_small_batch')}, with MTP {doc.get('gain_32k_max_batch_mtp')}")
     return 0
 
 

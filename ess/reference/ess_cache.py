@@ -97,13 +97,14 @@ class EssLatentCache:
         self.serving.store_own(layer, r, own_rows)
 
     def backup_own(self, layer: int, r: PolicyResult, pos: torch.Tensor):
-        """D2H of the step's own rows to the host pool, on the copy stream after store_own. Returns its event: the
+        """D2H of the step's own rows (pos [B], or [B, M] for M rows per request as in MTP verify) to the host pool, on the copy stream after store_own. Returns its event: the
         compute stream waits on it before the layer ends (so a later step cannot evict the slot mid-copy, and a
         captured graph joins its copy stream)."""
-        host_rows = self.serving.host_rows(self.token_table, self.slots, pos)
+        host_rows = self.serving.host_rows(self.token_table, self.slots, pos).reshape(-1)  # pos [B] or [B, M]
+        own_slot = r.own_slot.reshape(-1)
         return self.streams.copy_after(
-            lambda: flashtrans.scatter(self.serving.gpu[layer], r.own_slot, self.host.data[layer], host_rows, self.backend),
-            host_rows, r.own_slot,
+            lambda: flashtrans.scatter(self.serving.gpu[layer], own_slot, self.host.data[layer], host_rows, self.backend),
+            host_rows, own_slot,
         )
 
     def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:

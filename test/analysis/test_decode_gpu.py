@@ -23,3 +23,7 @@ def test_decode_gpu_smoke_run(tmp_path):
     assert all(r["misses_per_request_layer"] >= 0 and r["exposed_transfer_ms"] >= 0 for r in ess)
     assert {r["batch"] for r in doc["rows"]} >= {1, 2}
     assert "SYNTHETIC" in doc["topk_label"]
+    assert {r["query_rows"] for r in ess} == {1, 2}  # decode, and MTP verify (2 rows in the smoke run)
+    # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
+    for r in ess:
+        assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r
