@@ -140,6 +140,9 @@ def cmd_demo(args) -> int:
         device_mem_gib=args.device_mem_gib,
         overlap=args.overlap,
         layer_plan=args.layer_plan,
+        host_budget_mib=args.host_budget_mib,
+        disk_dir=args.disk_dir,
+        disk_gib=args.disk_gib,
     )
     with _Progress(not args.quiet) as progress:
         report = run_demo(opt, progress)
@@ -434,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ESS overlap mode for every layer, or plan: per layer from --layer-plan, which it requires "
                         "(with --ess)")
     d.add_argument("--layer-plan", help="layer plan JSON (format ess-layer-plan/1) with one mode per layer")
+    d.add_argument("--host-budget-mib", type=_positive_float,
+                   help="with --disk-dir: host memory for latent pages (a disk tier holds the rest; with --ess)")
+    d.add_argument("--disk-dir", help="directory for the disk tier's page file (with --host-budget-mib and --ess)")
+    d.add_argument("--disk-gib", type=_positive_float, help="refuse a batch whose pages need more disk than this")
     d.add_argument("--json", action="store_true", help=JSON_HELP)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)

@@ -33,6 +33,9 @@ class DemoOptions:
     device_mem_gib: float | None = None
     overlap: str = "none"  # none | da | dba | plan (plan: per layer, from layer_plan)
     layer_plan: str | None = None
+    host_budget_mib: float | None = None  # with disk_dir: the host frames of a disk tier (ess.reference.disk_tier)
+    disk_dir: str | None = None
+    disk_gib: float | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,7 +92,8 @@ def _setup(opt: DemoOptions):
     return cfg, device, MiniModel(cfg, seed=opt.seed, device=device), random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
 
 
-ESS_ONLY = {"buffer_tokens": "--buffer-tokens", "sparse_ratio": "--sparse-ratio", "layer_plan": "--layer-plan"}
+ESS_ONLY = {"buffer_tokens": "--buffer-tokens", "sparse_ratio": "--sparse-ratio", "layer_plan": "--layer-plan",
+            "host_budget_mib": "--host-budget-mib", "disk_dir": "--disk-dir", "disk_gib": "--disk-gib"}
 
 
 def ess_config(opt: DemoOptions, topk: int, tokens: int) -> EssConfig:
@@ -116,6 +120,13 @@ def check_options(opt: DemoOptions) -> None:
             raise ValueError(f"{', '.join(given)}: ESS settings, used only with --ess")
     if opt.device_mem_gib is not None and not opt.device_mem_gib > 0:
         raise ValueError(f"--device-mem-gib must be positive, got {opt.device_mem_gib}")
+    if (opt.host_budget_mib is None) != (opt.disk_dir is None):
+        raise ValueError("--host-budget-mib and --disk-dir go together: the host frames and the disk under them")
+    if opt.disk_gib is not None and opt.disk_dir is None:
+        raise ValueError("--disk-gib bounds the disk tier: give --disk-dir (and --host-budget-mib) too")
+    for flag, v in (("--host-budget-mib", opt.host_budget_mib), ("--disk-gib", opt.disk_gib)):
+        if v is not None and not v > 0:
+            raise ValueError(f"{flag} must be positive, got {v}")
 
 
 def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -150,15 +161,17 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
     if not opt.ess:
         return report
 
-    res, cache = _run(
-        model,
-        prompts,
-        opt.steps,
-        lambda ctx, max_len: EssLatentCache(ess_cfg, cfg.num_layers, ctx, max_len, device),
-        progress,
-        "ess",
-        modes,
-    )
+    def ess_cache(ctx, max_len):
+        tier = None
+        if opt.disk_dir is not None:
+            from ess.reference.disk_tier import TieredHostPool
+
+            disk = None if opt.disk_gib is None else int(opt.disk_gib * GIB)
+            tier = TieredHostPool(cfg.num_layers, len(ctx), max_len, int(opt.host_budget_mib * 2**20), opt.disk_dir,
+                                  disk, device)
+        return EssLatentCache(ess_cfg, cfg.num_layers, ctx, max_len, device, tier=tier)
+
+    res, cache = _run(model, prompts, opt.steps, ess_cache, progress, "ess", modes)
     misses = cache.miss_counts().double()  # [B, steps, layers]
     sets = cache.set_size_counts().double()
     per_layer = [
@@ -182,8 +195,12 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
         "total_misses": int(misses.sum()),
         "per_layer": per_layer,
         "gpu_latent_bytes": {"baseline": base_cache.device_bytes(), "ess": cache.device_bytes()},
-        "host_latent_bytes": cache.host.data.numel(),
+        "host_latent_bytes": cache.host.data.numel() if cache.tier is None else cache.tier.frame_rows.numel(),
     }
+    if cache.tier is not None:
+        report["ess"]["tier"] = cache.tier.report()
+        cache.tier.check()
+        cache.tier.close()
     report["tokens_identical"] = bool(torch.equal(res.tokens, base.tokens))
     if budget is not None:
         report["max_batch"]["ess"] = memory.max_batch(budget, memory.device_cache_bytes(cfg, tokens, C))

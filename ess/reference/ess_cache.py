@@ -7,10 +7,12 @@ GPU slots and are backed up to the host pool (D2H) on the copy stream, which ess
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ess.core import flashtrans, layout
 from ess.core.settings import PAGE_TOKENS, EssConfig
+from ess.reference.disk_tier import TieredHostPool
 from ess.reference.host_pool import TotalMemoryPool
 from ess.core.policy import PolicyResult
 from ess.reference.dense_cache import DecodeRows
@@ -27,23 +29,34 @@ class EssLatentCache:
         max_len: int,
         device: torch.device | str,
         backend: str = "auto",
+        tier: TieredHostPool | None = None,
     ):
+        """tier: a disk tier for the host pool (ess.reference.disk_tier), built for this batch; None: the whole Total
+        Memory Pool in host memory."""
         B = len(context_lens)
         self.cfg = cfg
         self.backend = backend
         self.capacity = cfg.capacity(max_len)
-        per_request = -(-max_len // PAGE_TOKENS) * PAGE_TOKENS
-        host_tokens = cfg.host_pool_tokens(num_layers, layout.LATENT_ROW_BYTES) or B * per_request
-        self.host = TotalMemoryPool(num_layers, host_tokens, B, max_len, device)
-        reqs = []
-        for _ in range(B):
-            r = self.host.alloc_request()
-            self.host.reserve(r, max_len)  # the whole request up front: no allocation inside decode steps
-            reqs.append(r)
-        self.req = torch.tensor(reqs, dtype=torch.int64, device=device)  # host-pool request ids
-        # batch row b is request slot b of the serving cache; its token table holds the host rows of b's positions
-        self.slots = torch.arange(B, device=device)
-        self.token_table = self.host.rows(self.req, torch.arange(max_len, device=device).expand(B, -1))
+        self.slots = torch.arange(B, device=device)  # batch row b is request slot b of the serving cache
+        self.tier = tier
+        if tier is None:
+            per_request = -(-max_len // PAGE_TOKENS) * PAGE_TOKENS
+            host_tokens = cfg.host_pool_tokens(num_layers, layout.LATENT_ROW_BYTES) or B * per_request
+            self.host = TotalMemoryPool(num_layers, host_tokens, B, max_len, device)
+            reqs = []
+            for _ in range(B):
+                r = self.host.alloc_request()
+                self.host.reserve(r, max_len)  # the whole request up front: no allocation inside decode steps
+                reqs.append(r)
+            self.req = torch.tensor(reqs, dtype=torch.int64, device=device)  # host-pool request ids
+            # request b's token table: the host rows of b's positions (the same on every layer)
+            table = self.host.rows(self.req, torch.arange(max_len, device=device).expand(B, -1))
+            self.tables = [table] * num_layers
+        else:
+            self.host = tier
+            self.req = self.slots
+            self.tables = [tier.rows_table(layer) for layer in range(num_layers)]  # moves with the pages
+        self.token_table = self.tables[0]
         self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend)
         self.sparse = self.serving.sparse
         self.stamp = self.serving.stamp
@@ -52,6 +65,7 @@ class EssLatentCache:
         self.warm: list[torch.Tensor | None] = [None] * num_layers  # per layer [B, W, K]
         self.misses: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.set_sizes: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.last_sets: list[torch.Tensor | None] = [None] * num_layers  # with a tier: each layer's last top-k
 
     # -- the latent-cache interface -------------------------------------------------------------------------
     def prefill(self, layer: int, b: int, rows: torch.Tensor, warm_sets: torch.Tensor | None) -> None:
@@ -71,7 +85,38 @@ class EssLatentCache:
     def warmup_layer(self, layer: int, sets: torch.Tensor) -> None:
         """sets [B, W', K], oldest first; the last min(W', warmup_windows) windows are used, stamped w - W."""
         W = min(self.cfg.warmup_windows, sets.shape[1])
-        self.serving.warmup(layer, self.slots, self.token_table, sets[:, sets.shape[1] - W :], first_stamp=-W)
+        sets = sets[:, sets.shape[1] - W :]
+        if self.tier is not None:  # the rows warm-up fetches come from the host: their pages first
+            self.tier.ensure(self.tier.pages_of(layer, self.slots, sets))
+        self.serving.warmup(layer, self.slots, self.tables[layer], sets, first_stamp=-W)
+
+    def _page_in(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice) -> None:
+        """With a disk tier, before a layer's LRU step: the pages of its misses (the selected positions not on the GPU,
+        exactly those the step will fetch) and of its own rows in host frames. The reference's tier works on the host:
+        it waits for the device first, so no copy in flight reads or writes a frame it moves."""
+        tier = self.tier
+        if self.serving.gpu.is_cuda:
+            torch.cuda.synchronize()
+        slots = self.slots[part]
+        own = pos.reshape(pos.shape[0], -1)
+        own_entry = (topk.unsqueeze(-1).long() == own.unsqueeze(1)).any(-1)  # a row's own positions are never misses
+        sets = torch.where(own_entry, -1, topk.long())
+        on_gpu = self.sparse.pos_slot[layer, slots.unsqueeze(1), sets.clamp(min=0)] >= 0
+        misses = torch.where(on_gpu | (sets < 0), -1, sets)
+        tier.ensure(np.concatenate([tier.pages_of(layer, slots, misses), tier.pages_of(layer, slots, own)]))
+        if self.last_sets[layer] is None or part.start in (None, 0):
+            self.last_sets[layer] = topk
+        else:
+            self.last_sets[layer] = torch.cat([self.last_sets[layer], topk])
+
+    def _after_layer(self, layer: int) -> None:
+        """With a disk tier, after a layer's step: write changed pages in the background, and start reading the disk
+        pages the next layer selected last step."""
+        tier = self.tier
+        tier.clean()
+        nxt = (layer + 1) % self.num_layers
+        if self.last_sets[nxt] is not None:
+            tier.prefetch(tier.pages_of(nxt, self.slots, self.last_sets[nxt]))
 
     # -- decode phases (ess.reference.overlap orders them per mode; `decode` is the serial order) ----------------------
     def set_step(self, step: int) -> None:
@@ -79,18 +124,22 @@ class EssLatentCache:
         self.stamp.fill_(step)
 
     def update(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice = slice(None)) -> PolicyResult:
-        """The LRU policy for the batch rows in `part` (device only)."""
-        return self.serving.update(layer, self.slots[part], topk, pos, self.token_table)
+        """The LRU policy for the batch rows in `part` (device only, without a disk tier)."""
+        if self.tier is not None:
+            self._page_in(layer, topk, pos, part)
+        return self.serving.update(layer, self.slots[part], topk, pos, self.tables[layer])
 
     def translate(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> PolicyResult:
         """The serial step, mode NONE, of the whole batch: ServingLatentCache.translate (policy, H2D of the misses, own
         rows into their slots, all on the compute stream), the one implementation of that order."""
-        return self.serving.translate(layer, self.slots, self.token_table, topk, pos, own_rows)
+        if self.tier is not None:
+            self._page_in(layer, topk, pos, slice(None))
+        return self.serving.translate(layer, self.slots, self.tables[layer], topk, pos, own_rows)
 
     def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None), overlapped: bool = False) -> None:
         """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots (current stream; overlapped: the
         copy stream, beside compute)."""
-        self.serving.fetch(layer, self.slots[part], self.token_table, r, overlapped)
+        self.serving.fetch(layer, self.slots[part], self.tables[layer], r, overlapped)
 
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """Write the step's own rows into their GPU slots (compute stream)."""
@@ -100,7 +149,9 @@ class EssLatentCache:
         """D2H of the step's own rows (pos [B], or [B, M] for M rows per request as in MTP verify) to the host pool, on the copy stream after store_own. Returns its event: the
         compute stream waits on it before the layer ends (so a later step cannot evict the slot mid-copy, and a
         captured graph joins its copy stream)."""
-        host_rows = self.serving.host_rows(self.token_table, self.slots, pos).reshape(-1)  # pos [B] or [B, M]
+        host_rows = self.serving.host_rows(self.tables[layer], self.slots, pos).reshape(-1)  # pos [B] or [B, M]
+        if self.tier is not None:
+            self.tier.mark_written(layer, self.slots, pos)
         own_slot = r.own_slot.reshape(-1)
         return self.streams.copy_after(
             lambda: flashtrans.scatter(self.serving.gpu[layer], own_slot, self.host.data[layer], host_rows, self.backend),
@@ -112,8 +163,11 @@ class EssLatentCache:
         return self.serving.rows(layer, r)
 
     def record(self, layer: int, r: PolicyResult) -> None:
+        """Once per layer and step, after its step (every overlap mode calls it)."""
         self.misses[layer].append(r.n_miss)
         self.set_sizes[layer].append(r.n_set)
+        if self.tier is not None:
+            self._after_layer(layer)
 
     def decode(self, layer: int, step: int | None, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> DecodeRows:
         """Serial order (mode NONE): policy, H2D, wait, own row, then the rows for one attention call.
@@ -141,4 +195,5 @@ class EssLatentCache:
 
     def release(self, b: int) -> None:
         self.serving.release(b)
-        self.host.release(int(self.req[b]))
+        if self.tier is None:
+            self.host.release(int(self.req[b]))
