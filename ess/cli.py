@@ -218,6 +218,8 @@ def _sim_table(rows: list[dict], title: str) -> Table:
     cols = ["context", "mtp", "accept_ratio", "batch_size", "sparse_ratio", "throughput", "otps", "step_ms",
             "exposed_transfer_ms", "gain_vs_baseline", "error_vs_paper", "fits_memory", "host_gib_per_gpu",
             "fits_host_memory"]
+    if any("exposed_disk_ms" in r for r in rows):
+        cols += ["disk_share", "exposed_disk_ms"]
     if any("system" in r for r in rows):
         cols.insert(0, "system")
     table = Table(title=title)
@@ -239,7 +241,7 @@ def cmd_sim_run(args) -> int:
 
     row = simulate(model=args.model, hardware=args.hardware, context=args.context, mtp=args.mtp, accept=args.accept,
                    batch=args.batch_size, sparse_ratio=args.sparse_ratio, tbo=args.tbo, overlap=args.overlap, ep=args.ep,
-                   profile=_profile_arg(args))
+                   profile=_profile_arg(args), disk_tier=args.disk_tier, nvme_gbps=args.nvme_gbps)
     _emit(args, row, _sim_table([row], f"ess sim run ({args.model} on {args.hardware})"))
     return 0
 
@@ -474,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=POSITIVE, required=True, help="requests per GPU")
     run.add_argument("--sparse-ratio", type=_positive_float, help="ESS GPU share of the latent cache (omit: baseline)")
     run.add_argument("--overlap", default="plan", choices=["none", "da", "dba", "plan"])
+    run.add_argument("--disk-tier", action="store_true",
+                     help="ESS's host pool holds what the host budget allows, a disk tier the rest (docs/design.md)")
+    run.add_argument("--nvme-gbps", type=_positive_float,
+                     help="with --disk-tier: a node's NVMe read bandwidth in GB/s (default: the profile's, assumed 48)")
     run.set_defaults(func=cmd_sim_run)
     paper = ssub.add_parser("paper", help="the ESS paper's evaluation table, predicted")
     paper.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -124,3 +124,20 @@ def test_the_host_memory_wall_is_counted_in_every_row():
     assert sweep([8, 64], 131072, 2, 1.7)["host_wall_batch"] == wall
     baseline = simulate(context=32768, batch=8)
     assert baseline["host_gib_per_gpu"] == 0.0 and baseline["fits_host_memory"]
+
+
+def test_a_disk_tier_takes_the_pages_past_the_host_wall_and_its_reads_enter_the_step():
+    """Past the host wall a disk tier holds the share of pages the host budget cannot; each miss on a disk page reads
+    the page (45,056 bytes) before its layer's H2D, at the node's NVMe bandwidth shared by its 8 GPUs."""
+    kw = dict(context=131072, sparse_ratio=0.2, overlap="da")
+    fits = simulate(batch=40, disk_tier=True, **kw)
+    assert fits["disk_share"] == 0 and fits["exposed_disk_ms"] == 0 and fits["step_ms"] == simulate(batch=40, **kw)["step_ms"]
+    past = simulate(batch=54, disk_tier=True, nvme_gbps=48, **kw)
+    plain = simulate(batch=54, **kw)
+    share = 1 - get_hardware("H200").host_budget_bytes() / (54 * 61 * 656 * 131072)
+    assert past["disk_share"] == round(share, 4) and past["fits_host_memory"] and not plain["fits_host_memory"]
+    read = plain["h2d_mb_per_step"] * 1e6 / 656 * share * 45056
+    assert past["disk_read_mb_per_step"] == pytest.approx(read / 1e6, rel=1e-3)
+    assert past["exposed_disk_ms"] == pytest.approx(read / (48e9 / 8) * 1e3, rel=1e-3)
+    assert past["step_ms"] == pytest.approx(plain["step_ms"] + past["exposed_disk_ms"], abs=2e-3)
+    assert simulate(batch=54, disk_tier=True, nvme_gbps=96, **kw)["exposed_disk_ms"] < past["exposed_disk_ms"]

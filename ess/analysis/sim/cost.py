@@ -254,5 +254,20 @@ def max_batch_host(spec: ModelSpec, hw: Hardware, context: float) -> int:
     return max(0, int(hw.host_budget_bytes() // host_request_bytes(spec, context)))
 
 
+DISK_PAGE_BYTES = 45056  # one layer's 64-token page of latent rows, 4 KiB-aligned (ess.reference.disk_tier)
+
+
+def disk_read_seconds(spec: ModelSpec, hw: Hardware, batch: float, context: float, h2d_bytes: float,
+                      host_budget_bytes: float, nvme_gbps_per_node: float) -> tuple[float, float, float]:
+    """A disk tier under the Total Memory Pool (docs/design.md, "Disk tier"): (share of the batch's latent pages on
+    disk, bytes read per step, seconds). The share that does not fit the host budget is on disk; a miss whose page is
+    there reads the whole page before its layer's H2D (exposed: the reference's tier waits for it), one page per miss
+    (an upper bound: misses that share a page share the read)."""
+    need = batch * host_request_bytes(spec, context)
+    share = max(0.0, 1.0 - host_budget_bytes / need) if need > 0 else 0.0
+    read = h2d_bytes / spec.latent_row_bytes * share * DISK_PAGE_BYTES
+    return share, read, read / (nvme_gbps_per_node * 1e9 / hw.gpus_per_node)
+
+
 def max_batch(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment, context: float, sparse_ratio: float | None = None) -> int:
     return max(0, int(cache_budget_bytes(spec, hw, cal, dep) // request_bytes(spec, context, sparse_ratio)))

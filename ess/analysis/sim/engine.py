@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from importlib import resources
 
@@ -82,8 +84,11 @@ def simulate(
     ep: int = EP,
     profile: dict | None = None,
     cal: Calibration | None = None,
+    disk_tier: bool = False,
+    nvme_gbps: float | None = None,
 ) -> dict:
-    """One row. sparse_ratio None means the baseline (the whole cache on the GPU)."""
+    """One row. sparse_ratio None means the baseline (the whole cache on the GPU). disk_tier: ESS's host pool takes
+    what the host budget holds and a disk tier the rest (nvme_gbps: the node's read bandwidth, default the profile's)."""
     if overlap not in OVERLAP_CHOICES:
         raise ValueError(f"--overlap must be one of {OVERLAP_CHOICES}, got {overlap!r}")
     if mtp < 0 or batch < 1 or context < 1 or not (1.0 <= accept <= mtp + 1):
@@ -102,6 +107,13 @@ def simulate(
         modes = plan_modes(spec, hw, cal, dep, batch, context, mtp, misses) if overlap == "plan" else [overlap] * len(misses)
         ess = EssSetting(sparse_ratio, misses, modes)
     r = cost.step_time(spec, hw, cal, dep, batch, context, mtp, ess)
+    disk = None
+    if disk_tier and ess is not None:
+        nvme = hw.nvme_read_gbps_per_node if nvme_gbps is None else nvme_gbps
+        if not nvme > 0:
+            raise ValueError(f"--nvme-gbps must be positive, got {nvme}")
+        disk = cost.disk_read_seconds(spec, hw, batch, context, r.h2d_bytes, hw.host_budget_bytes(), nvme)
+        r = dataclasses.replace(r, step_s=r.step_s + disk[2])
     nodes_gpus = 8
     row = {
         "model": model,
@@ -127,6 +139,9 @@ def simulate(
     row["host_gib_per_gpu"] = round(batch * cost.host_request_bytes(spec, context) / GIB, 2) if ess else 0.0
     row["host_budget_gib_per_gpu"] = round(hw.host_budget_bytes() / GIB, 1)
     row["fits_host_memory"] = (batch <= cost.max_batch_host(spec, hw, context)) if ess else True
+    if disk is not None:  # the host holds what fits, the disk tier the rest
+        row |= {"disk_share": round(disk[0], 4), "disk_read_mb_per_step": round(disk[1] / 1e6, 3),
+                "exposed_disk_ms": round(disk[2] * 1e3, 3), "fits_host_memory": True}
     if modes is not None:
         row["plan"] = {m: modes.count(m) for m in ("none", "da", "dba")}
     return row

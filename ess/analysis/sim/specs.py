@@ -96,6 +96,7 @@ class Hardware:
     host_memory_gib_per_node: float = 2048.0
     host_pinnable_fraction: float = 0.8
     gpus_per_node: int = 8
+    nvme_read_gbps_per_node: float = 48.0  # the disk tier's read bandwidth (assumed; hardware.json's _doc)
 
     def host_budget_bytes(self) -> float:
         """Pinned host memory one GPU's ESS Total Memory Pool may take."""
