@@ -33,6 +33,7 @@ class EssArgs:
     layer_plan: str | None = None
     warmup_windows: int = WARMUP_WINDOWS
     record_trace: str | None = None
+    record_lookahead: int = 0  # with record_trace: ranks past the top-k recorded as topk_ext
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
 
     # flag name of each field, for messages
@@ -45,6 +46,7 @@ class EssArgs:
         "layer_plan": "--ess-layer-plan",
         "warmup_windows": "--ess-warmup-windows",
         "record_trace": "--ess-record-trace",
+        "record_lookahead": "--ess-record-lookahead",
     }
 
     def check(self) -> "EssArgs":
@@ -61,6 +63,10 @@ class EssArgs:
             settings.check_knobs(self.buffer_tokens, self.sparse_ratio, self.warmup_windows, self.host_pool_gib, self.FLAGS)
         except settings.KnobError as e:
             raise EssArgsError(str(e)) from e
+        if not isinstance(self.record_lookahead, int) or self.record_lookahead < 0:
+            raise EssArgsError(f"--ess-record-lookahead must be a non-negative integer, got {self.record_lookahead!r}")
+        if self.record_lookahead and self.record_trace is None:
+            raise EssArgsError("--ess-record-lookahead adds ranks to recorded traces: give --ess-record-trace DIR too")
         if self.overlap not in OVERLAP_CHOICES:
             raise EssArgsError(f"--ess-overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.layer_plan is not None:
@@ -89,6 +95,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ess-layer-plan", type=str, default=None, help="Per-layer overlap plan from `ess plan` (format ess-layer-plan/1).")
     g.add_argument("--ess-warmup-windows", type=int, default=WARMUP_WINDOWS, help="LRU-Warmup: replay the top-k sets of the last W prefill positions before decode (0: off).")
     g.add_argument("--ess-record-trace", type=str, default=None, help="Directory to write top-k trace files (.npz, the `ess profile` input) of finished requests.")
+    g.add_argument("--ess-record-lookahead", type=int, default=0, help="With --ess-record-trace: also record the D positions the indexer ranks after each decode top-k (topk_ext, for `ess cache replay --policy prefetch`); one extra top-k over the logits per layer.")
 
 
 def from_namespace(ns: argparse.Namespace) -> EssArgs:

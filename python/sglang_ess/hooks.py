@@ -24,6 +24,7 @@ SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
 INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
+INDEXER_METADATA = "sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAIndexerMetadata"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
 PREFILL_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
@@ -249,6 +250,20 @@ def after_indexer(result, indexer, *a, **kw):
     return None
 
 
+def around_topk_transform(original, metadata, logits, topk, *a, **kw):
+    """--ess-record-lookahead: where the indexer turns its logits into the top-k (decode and verify of the target
+    model hand ESS un-fused positions), the runtime also keeps the positions ranked next, for the trace recorder."""
+    out = original(metadata, logits, topk, *a, **kw)
+    rt = state.runtime
+    if rt is None or not rt.ess.record_lookahead or not metadata.force_unfused_topk:
+        return out
+    if _ess_pool(_forward_backend()) is None:  # another model's indexer (the MTP draft worker's)
+        return out
+    lengths = kw.get("ke_offset")
+    rt.keep_next_ranked(logits, metadata.get_seqlens_expanded() if lengths is None else lengths, out)
+    return out
+
+
 def request_slot(req) -> int | None:
     """A Req's row of SGLang's request table: 0.5.23 keeps it in the Req's KV record (`req.kv`), no longer on the Req."""
     return req.kv.req_pool_idx
@@ -353,6 +368,7 @@ def _hook_table():
         (f"{MODEL_RUNNER}.forward", HookType.AROUND, around_model_forward),
         (f"{DSA_BACKEND}.init_forward_metadata", HookType.AFTER, after_init_forward_metadata),
         (f"{INDEXER}.forward_cuda", HookType.AFTER, after_indexer),
+        (f"{INDEXER_METADATA}.topk_transform", HookType.AROUND, around_topk_transform),
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
         (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
@@ -379,6 +395,7 @@ EXPECTED_PARAMS = {
     f"{DSA_BACKEND}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope",
                                       "k_rope", "topk_indices"],
     f"{INDEXER}.forward_cuda": INDEXER_PARAMS,
+    f"{INDEXER_METADATA}.topk_transform": ["self", "logits", "topk", "ks", "cu_seqlens_q", "ke_offset"],
     RELEASE_KV: ["req", "tree_cache"],
     f"{PREFILL_ADDER}.add_one_req": ["self", "req", "has_chunked_req"],
     f"{METADATA_BUFFERS}.__init__": ["self", "size"],

@@ -21,22 +21,28 @@ class StepRing:
     """The rows (layer, request slot, own position, top-k [K]) that one forward's decode steps select, in the order the
     steps ran, in fixed device buffers of `rows` rows (the tables' last row is a sink once they are full)."""
 
-    def __init__(self, rows: int, topk: int, device):
+    def __init__(self, rows: int, topk: int, device, lookahead: int = 0):
+        """lookahead d > 0: each row also keeps the d positions ranked after its top-k (topk_ext's tail)."""
         self.rows = rows
         self.layer = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.req = torch.zeros(rows + 1, dtype=torch.int64, device=device)
         self.own = torch.zeros(rows + 1, dtype=torch.int64, device=device)
         self.topk = torch.full((rows + 1, topk), -1, dtype=torch.int32, device=device)
+        self.ext = torch.full((rows + 1, lookahead), -1, dtype=torch.int32, device=device) if lookahead else None
         self.head = torch.zeros((), dtype=torch.int64, device=device)
 
-    def append(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own: torch.Tensor) -> None:
-        """Device ops only: the step's rows go to the next free rows."""
+    def append(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own: torch.Tensor,
+               ext: torch.Tensor | None = None) -> None:
+        """Device ops only: the step's rows go to the next free rows (ext [B, d]: their next-ranked positions)."""
         idx = self.head + torch.arange(req.shape[0], device=req.device)
         idx = torch.where(idx < self.rows, idx, self.rows)
         self.layer.index_fill_(0, idx, layer)
         self.req.index_copy_(0, idx, req.long())
         self.own.index_copy_(0, idx, own.long())
         self.topk.index_copy_(0, idx, topk.to(torch.int32))
+        if self.ext is not None:
+            self.ext.index_copy_(0, idx, ext.to(torch.int32) if ext is not None
+                                 else torch.full((req.shape[0], self.ext.shape[1]), -1, dtype=torch.int32, device=req.device))
         self.head.add_(req.shape[0]).clamp_(max=self.rows)
 
     def reset(self) -> None:
@@ -44,17 +50,21 @@ class StepRing:
 
     def drain(self) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
         """The rows appended since the last reset, as one (layer, request slots, top-k, own positions) per run of
-        consecutive rows of one layer (a step); then empty. Host sync: call it outside the graphs, after a forward."""
+        consecutive rows of one layer (a step), top-k followed by the next-ranked positions where the ring keeps them;
+        then empty. Host sync: call it outside the graphs, after a forward."""
         n = int(self.head)
         self.head.zero_()
-        layer, req, topk, own = (t[:n].cpu().numpy() for t in (self.layer, self.req, self.topk, self.own))
+        topk = self.topk if self.ext is None else torch.cat([self.topk, self.ext], dim=1)
+        layer, req, topk, own = (t[:n].cpu().numpy() for t in (self.layer, self.req, topk, self.own))
         cuts = np.flatnonzero(np.diff(layer)) + 1
         return [(int(layer[a]), req[a:b], topk[a:b], own[a:b]) for a, b in zip([0, *cuts], [*cuts, n]) if b > a]
 
 
 class TraceRecorder:
-    def __init__(self, directory: str, num_layers: int, model: str):
+    def __init__(self, directory: str, num_layers: int, model: str, topk: int | None = None):
+        """topk K: rows wider than K hold the next-ranked positions after the top-k (written as topk_ext)."""
         os.makedirs(directory, exist_ok=True)
+        self.topk = topk
         self.directory = directory
         self.num_layers = num_layers
         self.model = model
@@ -85,9 +95,11 @@ class TraceRecorder:
         steps = [s for s in (steps or []) if all(x is not None for x in s)]
         if not steps:
             return None
-        topk = np.stack([np.stack(s) for s in steps])[None]  # [1, steps, layers, K]
-        trace = Trace(topk=topk, context_len=np.array([context], dtype=np.int64),
-                      meta={"source": "sglang --ess-record-trace", "model": self.model, "rid": rid})
+        rows = np.stack([np.stack(s) for s in steps])[None]  # [1, steps, layers, K (+ d)]
+        K = self.topk or rows.shape[3]
+        trace = Trace(topk=np.ascontiguousarray(rows[..., :K]), context_len=np.array([context], dtype=np.int64),
+                      meta={"source": "sglang --ess-record-trace", "model": self.model, "rid": rid},
+                      topk_ext=rows if rows.shape[3] > K else None)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in rid)[:64]
         path = os.path.join(self.directory, f"{self._written:06d}-{safe}.npz")
         save_trace(path, trace)

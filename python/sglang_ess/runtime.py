@@ -74,9 +74,13 @@ class EssRuntime:
         )
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.plan)
-        self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model) if ess.record_trace else None
+        self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model, facts.topk) if ess.record_trace else None
         # one forward's decode rows: every layer of every request slot
-        self.ring = StepRing(self.num_layers * token_table.shape[0], facts.topk, device) if self.recorder else None
+        self.ring = (StepRing(self.num_layers * token_table.shape[0], facts.topk, device, ess.record_lookahead)
+                     if self.recorder else None)
+        # with --ess-record-lookahead: the next-ranked positions of each indexer call (sglang_ess.hooks), first in first
+        # out: every call's step takes the oldest (TBO's micro-batches run their indexers and steps in the same order)
+        self.next_ranked: list[torch.Tensor] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
         # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the
@@ -98,6 +102,7 @@ class EssRuntime:
             self._pending.clear()
         if self.ring is not None:
             self.ring.reset()
+        self.next_ranked.clear()
 
     def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, serial: bool = False,
               own_rows: torch.Tensor | None = None) -> PolicyResult:
@@ -116,9 +121,25 @@ class EssRuntime:
             r = self.cache.translate(layer, req, self.token_table, sets, own, own_rows)
         else:
             r = self.cache.update(layer, req, sets, own, self.token_table)
+        ext = self.next_ranked.pop(0) if self.next_ranked else None
         if self.ring is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
-            self.ring.append(layer, req, sets, own)
+            self.ring.append(layer, req, sets, own, ext)
         return r
+
+    def keep_next_ranked(self, logits: torch.Tensor, lengths: torch.Tensor, topk: torch.Tensor) -> None:
+        """--ess-record-lookahead d: the d positions the indexer ranks after its top-k (logits [rows, positions],
+        positions >= lengths [rows] invalid; topk [rows, K] the positions it selected), device ops only, kept for the
+        step of this indexer call."""
+        d = self.ess.record_lookahead
+        col = torch.arange(logits.shape[1], device=logits.device)
+        scores = torch.where(col < lengths.reshape(-1, 1), logits.float(), -torch.inf)
+        scores = scores.scatter(1, topk.long().clamp(min=0), -torch.inf)  # the top-k itself is not ranked again
+        # (a -1 entry clamps to column 0, which a short row then loses from the ranks: the top-k held every position)
+        vals, idx = torch.topk(scores, min(d, scores.shape[1]), dim=1)
+        ext = torch.where(vals > -torch.inf, idx, -1)
+        if ext.shape[1] < d:
+            ext = torch.nn.functional.pad(ext, (0, d - ext.shape[1]), value=-1)
+        self.next_ranked.append(ext)
 
     def end_forward(self) -> None:
         """After a forward, outside any graph: the recorded rows go to the trace recorder (SGLang's padding rows,

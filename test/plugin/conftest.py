@@ -9,6 +9,8 @@ kernels are replaced; every SGLang class and entry point around them is the inst
         same 656-byte row format (ess.core.layout.quantize_latent)
     the top-k v2 planner (sglang.kernels.ops.attention.dsv4.topk.plan_topk_v2, a CUDA JIT kernel): its plan only
         feeds the fused top-k kernel, which a sparse-offload coordinator (ESS) turns off in decode
+    the indexer's un-fused top-k (DSATopKBackend.topk_func, which only calls sgl_kernel's fast_topk_v2): the best
+        `topk` columns below each row's length, best first, -1 padded
 """
 
 import os
@@ -64,10 +66,20 @@ def write_mla_kv_buffer(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
     dst_buffer.view(torch.uint8)[loc.long(), 0] = rows
 
 
+def topk_func(self, score, lengths, topk, row_starts=None):
+    """The indexer's un-fused top-k: the best `topk` columns below each row's length, best first, -1 padded."""
+    col = torch.arange(score.shape[1], device=score.device)
+    masked = torch.where(col < lengths.reshape(-1, 1), score.float(), -torch.inf)
+    vals, idx = torch.topk(masked, min(topk, score.shape[1]), dim=1)
+    out = torch.where(vals > -torch.inf, idx, -1).to(torch.int32)
+    return torch.nn.functional.pad(out, (0, topk - out.shape[1]), value=-1)
+
+
 @pytest.fixture
 def torch_kernels(monkeypatch):
     """The references below in place of SGLang's GPU kernels, for one test."""
     from sglang.kernels.ops.attention.dsv4 import topk
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import DSATopKBackend
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
     fmi = types.ModuleType(FLASH_MLA_INTERFACE)
@@ -77,3 +89,4 @@ def torch_kernels(monkeypatch):
     monkeypatch.setitem(sys.modules, FLASH_MLA_INTERFACE, fmi)
     monkeypatch.setattr(topk, "plan_topk_v2", lambda seqlens: torch.zeros(1, dtype=torch.int32))
     monkeypatch.setattr(DSATokenToKVPool, "_write_mla_kv_buffer", write_mla_kv_buffer)
+    monkeypatch.setattr(DSATopKBackend, "topk_func", topk_func)

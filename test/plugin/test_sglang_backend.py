@@ -32,20 +32,29 @@ CONFIG = {**json.loads((pathlib.Path(__file__).parent / "dsv32_config.json").rea
 
 
 @pytest.fixture
-def sglang_context(tmp_path, monkeypatch, plugin, torch_kernels):
-    """SGLang's server arguments for an ESS decode launch (DA on every layer), resolved and active."""
+def launch(tmp_path, monkeypatch, plugin, torch_kernels):
+    """launch(*flags): SGLang's server arguments for an ESS decode launch (DA on every layer, plus flags), resolved
+    and active for the test."""
+    import contextlib
+
     from sglang.srt import runtime_context
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.server_args import prepare_server_args
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))  # SGLang's DSA defaults: SM90
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    sa = prepare_server_args(["--model-path", str(tmp_path), "--skip-tokenizer-init", "--device", "cpu",
-                              "--context-length", str(MAX_LEN), "--kv-cache-dtype", "fp8_e4m3", "--enable-ess",
-                              "--ess-buffer-tokens", str(C), "--ess-overlap", "da"])
-    sa.resolve_once()
-    with runtime_context.use_context(runtime_context.create_context(sa, role="test")):
-        yield sa, ModelConfig.from_server_args(sa)
+    stack = contextlib.ExitStack()
+
+    def start(*flags):
+        sa = prepare_server_args(["--model-path", str(tmp_path), "--skip-tokenizer-init", "--device", "cpu",
+                                  "--context-length", str(MAX_LEN), "--kv-cache-dtype", "fp8_e4m3", "--enable-ess",
+                                  "--ess-buffer-tokens", str(C), "--ess-overlap", "da", *flags])
+        sa.resolve_once()
+        stack.enter_context(runtime_context.use_context(runtime_context.create_context(sa, role="test")))
+        return sa, ModelConfig.from_server_args(sa)
+
+    with stack:
+        yield start
     monkeypatch.setattr(plugin.state, "runtime", None)
     monkeypatch.setattr(plugin.state, "stage_tokens", None)
 
@@ -57,16 +66,14 @@ def model_runner(sa, model_config, pool, tokens):
                                  kv_cache_dtype=torch.float8_e4m3fn, server_args=sa)
 
 
-def test_da_decode_through_the_real_backend_equals_the_stock_backend(sglang_context, plugin, monkeypatch):
+def build(plugin, sa, mc):
+    """SGLang's request table, its stock DSA pool and ESS's, the ESS runtime (through the plugin's model-runner hook)
+    and both real backends."""
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     from sglang_ess.pool import EssDSATokenToKVPool, pool_class
 
-    sa, mc = sglang_context
     kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
               device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
     tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
@@ -84,7 +91,23 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(sglang_cont
     stock = DeepseekSparseAttnBackend(model_runner(sa, mc, stock_pool, tokens))
     assert ess.hisparse_coordinator is rt and stock.hisparse_coordinator is None
     assert ess.dsa_decode_impl == stock.dsa_decode_impl == "flashmla_kv"
+    return tokens, stock_pool, ess_pool, rt, ess, stock
 
+
+def decode_batch(tokens, req, pos):
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(req), input_ids=torch.zeros_like(req),
+                        req_pool_indices=req, seq_lens=pos + 1, seq_lens_cpu=pos + 1,
+                        out_cache_loc=tokens.req_to_token[req, pos].long(), seq_lens_sum=int((pos + 1).sum()),
+                        positions=pos)
+
+
+def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plugin, monkeypatch):
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
     events, misses = [], []
     fetch = rt.cache.fetch
 
@@ -109,10 +132,7 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(sglang_cont
             pool.set_mla_kv_buffer(layer, loc, nope.bfloat16(), rope.bfloat16())
     pos = torch.tensor(ctx)
     for step in range(3):
-        batch = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=len(REQ), input_ids=torch.zeros_like(req),
-                             req_pool_indices=req, seq_lens=pos + 1, seq_lens_cpu=pos + 1,
-                             out_cache_loc=tokens.req_to_token[req, pos].long(), seq_lens_sum=int((pos + 1).sum()),
-                             positions=pos)
+        batch = decode_batch(tokens, req, pos)
         ess.init_forward_metadata(batch)
         stock.init_forward_metadata(batch)
         # a sparse-offload coordinator makes the indexer hand over positions (un-fused top-k), as ESS's hook expects
@@ -145,3 +165,53 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(sglang_cont
     # the step's own rows reached the host pool, where SGLang's PD transfer and later prefills read them
     for i in range(L):
         assert torch.equal(ess_pool.ess_host[i, : SIZE + 64], stock_pool.kv_buffer[i][:, 0].view(torch.uint8))
+
+
+def test_recorded_traces_carry_the_positions_the_indexer_ranks_next(launch, plugin, tmp_path):
+    """--ess-record-lookahead 4: where SGLang's indexer metadata turns logits into the top-k (the real
+    DSAIndexerMetadata of the ESS backend), the plugin keeps the 4 positions ranked next; the trace files of the
+    finished requests hold them as topk_ext, and the prefetch replay reads them."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from ess.analysis.replay import replay_counts
+    from ess.core.trace import load_trace
+
+    d = 4
+    out = tmp_path / "traces"
+    tokens, _, _, rt, ess, _ = build(plugin, *launch("--ess-record-trace", str(out), "--ess-record-lookahead", str(d)))
+    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
+                             v_head_dim=512) for i in range(L)]
+    gen = torch.Generator().manual_seed(1)
+    req, pos = torch.tensor(REQ), torch.tensor([40, 33])
+    want = {}
+    for step in range(3):
+        batch = decode_batch(tokens, req, pos)
+        ess.init_forward_metadata(batch)
+        rt.start_forward()
+        for layer in layers:
+            logits = torch.randn(len(REQ), MAX_LEN, generator=gen)
+            with forward_context(ForwardContext(attn_backend=ess)):
+                topk = ess.get_indexer_metadata(layer.layer_id, batch).topk_transform(logits, K)  # SGLang's call
+                plugin.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
+                q = torch.randn(len(REQ), HEADS, 576, generator=gen).bfloat16()
+                k = torch.randn(len(REQ), 1, 576, generator=gen).bfloat16()
+                ess.forward_decode(q[..., :512], k[..., :512], k[..., :512], layer, batch, q_rope=q[..., 512:],
+                                   k_rope=k[..., 512:], topk_indices=topk)
+            ranked = torch.argsort(torch.where(torch.arange(MAX_LEN) <= pos.unsqueeze(1), logits, -torch.inf), 1,
+                                   descending=True)
+            for b in range(len(REQ)):
+                want[REQ[b], step, layer.layer_id] = ranked[b, : K + d].tolist()
+        rt.end_forward()
+        pos = pos + 1
+    files = [rt.release(slot, f"r{slot}") for slot in REQ]
+    for slot, path in zip(REQ, files):
+        trace = load_trace(path)  # validated: the first K of topk_ext are the top-k set, causal
+        assert trace.lookahead == d and trace.topk_ext.shape == (1, 3, L, K + d)
+        for step in range(3):
+            for layer in range(L):
+                row = trace.topk_ext[0, step, layer]
+                assert sorted(row[:K]) == sorted(want[slot, step, layer][:K]), (slot, step, layer)
+                assert row[K:].tolist() == want[slot, step, layer][K:], (slot, step, layer)
+        counts = replay_counts(trace, C, warmup=False, policy="prefetch")
+        assert counts.prefetched.sum() > 0

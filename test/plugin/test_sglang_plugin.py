@@ -33,7 +33,7 @@ def model_dir(tmp_path, name="dsv32", **changes):
 
 
 ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess-host-pool-gib", "--ess-overlap",
-             "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace"]
+             "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace", "--ess-record-lookahead"]
 
 
 @pytest.fixture
@@ -144,6 +144,9 @@ BAD = [
     ("hisparse", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--enable-hisparse"], "--enable-hisparse both"),
     ("both", {}, ["--enable-ess", "--ess-buffer-tokens", "4096", "--ess-sparse-ratio", "0.2"], "not both"),
     ("no-enable", {}, ["--ess-buffer-tokens", "4096"], "--ess-buffer-tokens given without --enable-ess"),
+    ("lookahead-alone", {}, ["--enable-ess", "--ess-record-lookahead", "64"], "--ess-record-lookahead adds ranks"),
+    ("lookahead-negative", {}, ["--enable-ess", "--ess-record-trace", "T", "--ess-record-lookahead", "-1"],
+     "--ess-record-lookahead must be a non-negative integer"),
     ("prefill-node-cache-flag", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "6400",
                                      "--disaggregation-mode", "prefill"], "--ess-buffer-tokens shape\\(s\\) the decode node's cache"),
     ("pd-windows", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-warmup-windows", "64",
