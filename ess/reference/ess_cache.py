@@ -66,6 +66,7 @@ class EssLatentCache:
         self.misses: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.set_sizes: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.last_sets: list[torch.Tensor | None] = [None] * num_layers  # with a tier: each layer's last top-k
+        self._step_pages = np.zeros(0, dtype=np.int64)  # with a tier: the pages the layer's step in progress uses
 
     # -- the latent-cache interface -------------------------------------------------------------------------
     def prefill(self, layer: int, b: int, rows: torch.Tensor, warm_sets: torch.Tensor | None) -> None:
@@ -103,11 +104,13 @@ class EssLatentCache:
         sets = torch.where(own_entry, -1, topk.long())
         on_gpu = self.sparse.pos_slot[layer, slots.unsqueeze(1), sets.clamp(min=0)] >= 0
         misses = torch.where(on_gpu | (sets < 0), -1, sets)
-        tier.ensure(np.concatenate([tier.pages_of(layer, slots, misses), tier.pages_of(layer, slots, own)]))
-        if self.last_sets[layer] is None or part.start in (None, 0):
-            self.last_sets[layer] = topk
-        else:
+        pages = np.concatenate([tier.pages_of(layer, slots, misses), tier.pages_of(layer, slots, own)])
+        if part.start in (None, 0):  # the layer's first (or only) part
+            self.last_sets[layer], self._step_pages = topk, pages
+        else:  # DBA's second half: the first half's pages stay pinned (its own rows are backed up after both)
             self.last_sets[layer] = torch.cat([self.last_sets[layer], topk])
+            self._step_pages = np.concatenate([self._step_pages, pages])
+        tier.ensure(self._step_pages)
 
     def _after_layer(self, layer: int) -> None:
         """With a disk tier, after a layer's step: write changed pages in the background, and start reading the disk
@@ -146,9 +149,9 @@ class EssLatentCache:
         self.serving.store_own(layer, r, own_rows)
 
     def backup_own(self, layer: int, r: PolicyResult, pos: torch.Tensor):
-        """D2H of the step's own rows (pos [B], or [B, M] for M rows per request as in MTP verify) to the host pool, on the copy stream after store_own. Returns its event: the
-        compute stream waits on it before the layer ends (so a later step cannot evict the slot mid-copy, and a
-        captured graph joins its copy stream)."""
+        """D2H of the step's own rows (pos [B], or [B, M] for M rows per request as in MTP verify) to the host pool, on
+        the copy stream after store_own. Returns its event: the compute stream waits on it before the layer ends (so a
+        later step cannot evict the slot mid-copy, and a captured graph joins its copy stream)."""
         host_rows = self.serving.host_rows(self.tables[layer], self.slots, pos).reshape(-1)  # pos [B] or [B, M]
         if self.tier is not None:
             self.tier.mark_written(layer, self.slots, pos)
