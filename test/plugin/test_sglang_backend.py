@@ -1,6 +1,8 @@
-"""Three layers of real decode forwards through SGLang's own DeepseekSparseAttnBackend, with ESS's plugin hooks as
-SGLang's hook registry applied them, against the stock backend over SGLang's stock DSA pool: the same attention
-output at every layer and step, and with DA the misses' copy starts at the indexer hook, before the attention call.
+"""Three layers of real decode and MTP target-verify forwards through SGLang's own DeepseekSparseAttnBackend, with
+ESS's plugin hooks as SGLang's hook registry applied them, against the stock backend over SGLang's stock DSA pool:
+the same attention output at every layer and step, and with DA the misses' copy starts at the indexer hook, before
+the attention call. And the trace recorder's next-ranked positions, taken where SGLang's indexer metadata makes the
+top-k.
 
 Real here: ServerArgs resolved by SGLang with the ESS flags, its runtime context, ModelConfig, ReqToTokenPool,
 DSATokenToKVPool (stock) and ESS's subclass, the ESS runtime built by the plugin's model-runner hook, both
@@ -33,7 +35,7 @@ CONFIG = {**json.loads((pathlib.Path(__file__).parent / "dsv32_config.json").rea
 
 @pytest.fixture
 def launch(tmp_path, monkeypatch, plugin, torch_kernels):
-    """launch(*flags): SGLang's server arguments for an ESS decode launch (DA on every layer, plus flags), resolved
+    """launch(*flags, buffer=C): SGLang's server arguments for an ESS decode launch (DA on every layer, plus flags), resolved
     and active for the test."""
     import contextlib
 
@@ -45,10 +47,10 @@ def launch(tmp_path, monkeypatch, plugin, torch_kernels):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     stack = contextlib.ExitStack()
 
-    def start(*flags):
+    def start(*flags, buffer=C):
         sa = prepare_server_args(["--model-path", str(tmp_path), "--skip-tokenizer-init", "--device", "cpu",
                                   "--context-length", str(MAX_LEN), "--kv-cache-dtype", "fp8_e4m3", "--enable-ess",
-                                  "--ess-buffer-tokens", str(C), "--ess-overlap", "da", *flags])
+                                  "--ess-buffer-tokens", str(buffer), "--ess-overlap", "da", *flags])
         sa.resolve_once()
         stack.enter_context(runtime_context.use_context(runtime_context.create_context(sa, role="test")))
         return sa, ModelConfig.from_server_args(sa)
@@ -215,3 +217,64 @@ def test_recorded_traces_carry_the_positions_the_indexer_ranks_next(launch, plug
                 assert row[K:].tolist() == want[slot, step, layer][K:], (slot, step, layer)
         counts = replay_counts(trace, C, warmup=False, policy="prefetch")
         assert counts.prefetched.sum() > 0
+
+
+def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, plugin, monkeypatch):
+    """MTP target-verify (3 query rows per request: SGLang's forward_extend in TARGET_VERIFY mode) with DA: the step
+    starts at the indexer hook over the union of each request's rows, the attention reads ESS's slots, and every
+    row's output equals the stock backend's."""
+    from sglang.srt.layers.attention import dsa_backend
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    def seqlens_expand(extend_seq_lens, seq_lens, total_len, max_q_len):  # the Triton kernel's contract, in torch
+        rows = [max(int(s) - int(e) + 1 + j, 0) for e, s in zip(extend_seq_lens, seq_lens) for j in range(int(e))]
+        return torch.tensor(rows, dtype=torch.int32)
+
+    monkeypatch.setattr(dsa_backend, "seqlens_expand_triton", seqlens_expand)
+    S, buffer = 3, 3 * (K + 1) + 9  # every verify row's set and own token fit (the plugin refuses fewer)
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(
+        plugin, *launch("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(S), buffer=buffer))
+    assert ess.speculative_num_draft_tokens == S and rt.cache.capacity == buffer
+    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
+                             v_head_dim=512) for i in range(L)]
+    gen, rng = torch.Generator().manual_seed(2), random.Random(2)
+    req, ctx = torch.tensor(REQ), [40, 33]
+    ess_pool.stage_extend(tokens.req_to_token, req, ctx, [0, 0])
+    for layer in layers:
+        loc = torch.cat([tokens.req_to_token[r, :n] for r, n in zip(REQ, ctx)]).long()
+        nope, rope = torch.randn(loc.shape[0], 1, 512, generator=gen), torch.randn(loc.shape[0], 1, 64, generator=gen)
+        for pool in (stock_pool, ess_pool):
+            pool.set_mla_kv_buffer(layer, loc, nope.bfloat16(), rope.bfloat16())
+    seq = torch.tensor(ctx)
+    for step in range(3):
+        # the verify forward: S draft positions per request after its accepted ones; SGLang's seq_lens exclude them
+        pos = (seq.unsqueeze(1) + torch.arange(S)).reshape(-1)
+        out_loc = tokens.req_to_token[req.repeat_interleave(S), pos].long()
+        batch = ForwardBatch(forward_mode=ForwardMode.TARGET_VERIFY, batch_size=len(REQ),
+                             input_ids=torch.zeros(len(REQ) * S, dtype=torch.long), req_pool_indices=req,
+                             seq_lens=seq, seq_lens_cpu=seq, out_cache_loc=out_loc, seq_lens_sum=int(seq.sum()),
+                             positions=pos)
+        ess.init_forward_metadata(batch)
+        stock.init_forward_metadata(batch)
+        rt.start_forward()
+        for layer in layers:
+            topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+            q = torch.randn(len(pos), HEADS, 576, generator=gen).bfloat16()
+            k = torch.randn(len(pos), 1, 576, generator=gen).bfloat16()
+            with forward_context(ForwardContext(attn_backend=ess)):
+                plugin.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
+                assert len(rt._pending) == 1  # DA: the union's step started at the indexer
+                got = ess.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch, q_rope=q[..., 512:],
+                                         k_rope=k[..., 512:], topk_indices=topk)
+            assert not rt._pending
+            with forward_context(ForwardContext(attn_backend=stock)):
+                rows = req.repeat_interleave(S).unsqueeze(1)
+                locs = torch.where(topk >= 0, tokens.req_to_token[rows, topk.long().clamp(min=0)], -1).int()
+                want = stock.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch,
+                                            q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=locs)
+            assert torch.equal(got, want), (step, layer.layer_id)
+        rt.end_forward()
+        seq = seq + 1 + step % 2  # 1 or 2 tokens accepted
