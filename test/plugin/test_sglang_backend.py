@@ -1,8 +1,8 @@
-"""Three layers of real decode and MTP target-verify forwards through SGLang's own DeepseekSparseAttnBackend, with
-ESS's plugin hooks as SGLang's hook registry applied them, against the stock backend over SGLang's stock DSA pool:
-the same attention output at every layer and step, and with DA the misses' copy starts at the indexer hook, before
-the attention call. And the trace recorder's next-ranked positions, taken where SGLang's indexer metadata makes the
-top-k.
+"""Three layers of real prefill, decode and MTP target-verify forwards through SGLang's own
+DeepseekSparseAttnBackend, with ESS's plugin hooks as SGLang's hook registry applied them, against the stock backend
+over SGLang's stock DSA pool: the same attention output at every layer and step; with DA the misses' copy starts at
+the indexer hook, before the attention call; prefill's top-k warms decode up. And the trace recorder's next-ranked
+positions, taken where SGLang's indexer metadata makes the top-k.
 
 Real here: ServerArgs resolved by SGLang with the ESS flags, its runtime context, ModelConfig, ReqToTokenPool,
 DSATokenToKVPool (stock) and ESS's subclass, the ESS runtime built by the plugin's model-runner hook, both
@@ -35,8 +35,8 @@ CONFIG = {**json.loads((pathlib.Path(__file__).parent / "dsv32_config.json").rea
 
 @pytest.fixture
 def launch(tmp_path, monkeypatch, plugin, torch_kernels):
-    """launch(*flags, buffer=C): SGLang's server arguments for an ESS decode launch (DA on every layer, plus flags), resolved
-    and active for the test."""
+    """launch(*flags, buffer=C): SGLang's server arguments for an ESS decode launch (DA on every layer, plus flags),
+    resolved and active for the test."""
     import contextlib
 
     from sglang.srt import runtime_context
@@ -278,3 +278,53 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
             assert torch.equal(got, want), (step, layer.layer_id)
         rt.end_forward()
         seq = seq + 1 + step % 2  # 1 or 2 tokens accepted
+
+
+def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(launch, plugin):
+    """A prefill forward (SGLang's forward_extend, EXTEND): ESS stages the batch at metadata time, the backend's fused
+    top-k (token locations) reads staged rows equal to the stock pool's, and the same call's top-k leaves each
+    request's GPU slots as LRU-Warmup over its last W query rows (the oracle LRU's resident set)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from ess.reference.lru_oracle import OracleLRU
+
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
+    W = rt.ess.warmup_windows
+    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
+                             v_head_dim=512) for i in range(L)]
+    gen, rng = torch.Generator().manual_seed(3), random.Random(3)
+    req, lens = torch.tensor(REQ), [40, 33]
+    pos = torch.cat([torch.arange(n) for n in lens])
+    row_req = torch.tensor([r for r, n in zip(REQ, lens) for _ in range(n)])
+    seq = torch.tensor(lens)
+    batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(REQ),
+                         input_ids=torch.zeros(len(pos), dtype=torch.long), req_pool_indices=req, seq_lens=seq,
+                         seq_lens_cpu=seq, out_cache_loc=tokens.req_to_token[row_req, pos].long(),
+                         seq_lens_sum=int(seq.sum()), positions=pos, extend_seq_lens=seq, extend_seq_lens_cpu=lens,
+                         extend_prefix_lens=torch.zeros(2, dtype=torch.long), extend_prefix_lens_cpu=[0, 0])
+    ess.init_forward_metadata(batch)  # the plugin's hook stages the batch and plans LRU-Warmup
+    stock.init_forward_metadata(batch)
+    assert not ess.use_mha and not stock.use_mha
+    warm = {}
+    for layer in layers:
+        sets = [rng.sample(range(p + 1), min(K, p + 1)) + [-1] * max(0, K - p - 1) for p in pos.tolist()]
+        topk = torch.tensor(sets)
+        locs = torch.where(topk >= 0, tokens.req_to_token[row_req.unsqueeze(1), topk.clamp(min=0)], -1).int()
+        q = torch.randn(len(pos), HEADS, 576, generator=gen).bfloat16()
+        k = torch.randn(len(pos), 1, 576, generator=gen).bfloat16()
+        outs = []
+        for backend in (ess, stock):  # both indexers hand over fused top-k: token locations
+            with forward_context(ForwardContext(attn_backend=backend)):
+                outs.append(backend.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch,
+                                                   q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=locs))
+        assert torch.equal(outs[0], outs[1]), layer.layer_id
+        for b, r in enumerate(REQ):
+            rows = [i for i in range(len(pos)) if int(row_req[i]) == r][-W:]
+            oracle = OracleLRU(rt.cache.capacity)
+            for w, i in enumerate(rows):
+                oracle.step(sets[i], -1, w)
+            warm[layer.layer_id, r] = set(oracle.stamp)
+    for (layer, r), want in warm.items():
+        assert rt.cache.sparse.resident(layer, r) == want, (layer, r)
