@@ -21,6 +21,8 @@ slot on a decode node and per running request on a prefill node.
 
 from __future__ import annotations
 
+import dataclasses
+
 import collections
 import logging
 
@@ -117,6 +119,16 @@ def read_row(row: torch.Tensor, room, layers: int, topk: int) -> torch.Tensor | 
 
 
 # -- the prefill node ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PrefillForward:
+    """One prefill forward's warm-up record on a PD prefill node."""
+
+    plan: WarmupPlan  # its requests and their warm-up windows
+    entries: torch.Tensor  # [layers, requests, N] the compacted state, filled as the layers run
+    fused: bool  # SGLang's top-k holds token locations (mapped back to positions)
+    done: object  # a CUDA event recorded after each layer's record (None on the CPU)
+
+
 class WarmupSender:
     """On a PD prefill node: records, per prefill forward, each request's warm-up state (compacted per layer on the
     GPU as the layers run) and writes it into the request's metadata row when SGLang sends the request's last chunk."""
@@ -143,7 +155,7 @@ class WarmupSender:
             self._pos_of_loc[locs] = pos
         staging = torch.full((self.layers, req.shape[0], self.n), -1, dtype=torch.int32, device=req.device)
         done = torch.cuda.Event() if req.is_cuda else None  # recorded after each layer's record
-        self._forwards.append({"plan": WarmupPlan(req, extend_lens, self.windows), "entries": staging, "fused": fused, "done": done})
+        self._forwards.append(PrefillForward(WarmupPlan(req, extend_lens, self.windows), staging, fused, done))
 
     def _to_positions(self, loc: torch.Tensor) -> torch.Tensor:
         return torch.where(loc >= 0, self._pos_of_loc[loc.clamp(min=0)], -1)
@@ -154,23 +166,23 @@ class WarmupSender:
         if not self._forwards or not 0 <= layer < self.layers:
             return
         fwd = self._forwards[-1]
-        got = fwd["plan"].sets(top_k, token_range, self._to_positions if fwd["fused"] else None)
+        got = fwd.plan.sets(top_k, token_range, self._to_positions if fwd.fused else None)
         if got is None:
             return
         _, sets, keep = got
-        staged = fwd["entries"][layer, keep].long()
-        fwd["entries"][layer, keep] = compact(torch.cat([staged, encode(sets)], dim=1), self.n)
-        if fwd["done"] is not None:
-            fwd["done"].record()
+        staged = fwd.entries[layer, keep].long()
+        fwd.entries[layer, keep] = compact(torch.cat([staged, encode(sets)], dim=1), self.n)
+        if fwd.done is not None:
+            fwd.done.record()
 
     def write(self, row: torch.Tensor, req_slot: int, room) -> None:
         """SGLang is sending request req_slot's last chunk: its metadata row gets the newest forward's state for it.
         Host-side, after the forward (the host waits for the recorded work, which has finished by then)."""
         for fwd in reversed(self._forwards):
-            hit = torch.nonzero(fwd["plan"].req == req_slot).flatten()
+            hit = torch.nonzero(fwd.plan.req == req_slot).flatten()
             if hit.numel():
-                if fwd["done"] is not None:
-                    fwd["done"].synchronize()
-                write_row(row, self.layers, self.n, fwd["entries"][:, hit[0]].cpu(), self.windows, room)
+                if fwd.done is not None:
+                    fwd.done.synchronize()
+                write_row(row, self.layers, self.n, fwd.entries[:, hit[0]].cpu(), self.windows, room)
                 return
         write_row(row, self.layers, self.n, None, 0, room)
