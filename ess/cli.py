@@ -265,11 +265,12 @@ def cmd_sim_sweep(args) -> int:
     from ess.analysis.sim.engine import plot_sweep, sweep
 
     batches = list(range(args.batch_min, args.batch_max + 1, args.batch_step))
-    result = sweep(batches, args.context, args.mtp, args.accept, args.model, args.hardware, args.tbo, args.ep, _profile_arg(args))
+    result = sweep(batches, args.context, args.mtp, args.accept, args.model, args.hardware, args.tbo, args.ep, _profile_arg(args),
+                   args.disk_tier, args.nvme_gbps)
     if args.plot:
         plot_sweep(result, _output(args.plot), f"{args.model} on {args.hardware}, context {args.context}, MTP {args.mtp} "
                    f"(accept {args.accept}), EP {args.ep}, TBO {'on' if args.tbo else 'off'}")
-    rows = result["baseline"] + result["hisparse"] + result["ess"]
+    rows = result["baseline"] + result["hisparse"] + result["ess"] + result["ess_disk"]
     _emit(args, result, _sim_table(rows, f"sweep (GPU memory wall at batch {result['memory_wall_batch']}, host memory "
                                           f"wall of ESS at batch {result['host_wall_batch']})"))
     return 0
@@ -490,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batch-max", type=POSITIVE, default=192, help="largest batch per GPU")
     sw.add_argument("--batch-step", type=POSITIVE, default=8, help="batch increment")
     sw.add_argument("--plot", help="PNG path")
+    sw.add_argument("--disk-tier", action="store_true", help="also ESS past its host memory wall, with a disk tier")
+    sw.add_argument("--nvme-gbps", type=_positive_float, help="with --disk-tier: a node's NVMe read bandwidth, GB/s")
     sw.set_defaults(func=cmd_sim_sweep)
     tr = sub.add_parser("trace", help="record or synthesise top-k trace files")
     tsub = tr.add_subparsers(dest="trace_command", required=True)

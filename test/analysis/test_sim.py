@@ -141,3 +141,5 @@ def test_a_disk_tier_takes_the_pages_past_the_host_wall_and_its_reads_enter_the_
     assert past["exposed_disk_ms"] == pytest.approx(read / (48e9 / 8) * 1e3, rel=1e-3)
     assert past["step_ms"] == pytest.approx(plain["step_ms"] + past["exposed_disk_ms"], abs=2e-3)
     assert simulate(batch=54, disk_tier=True, nvme_gbps=96, **kw)["exposed_disk_ms"] < past["exposed_disk_ms"]
+    swept = sweep([32, 48], 131072, 2, 1.7, disk_tier=True)
+    assert [r["batch_size"] for r in swept["ess_disk"]] == [48] and swept["ess_disk"][0]["exposed_disk_ms"] > 0

@@ -169,15 +169,17 @@ def paper_table(cal: Calibration | None = None) -> list[dict]:
 
 
 def sweep(batches: list[int], context: int, mtp: int, accept: float, model: str = "dsv32", hardware: str = HARDWARE,
-          tbo: bool = True, ep: int = EP, profile: dict | None = None) -> dict:
+          tbo: bool = True, ep: int = EP, profile: dict | None = None, disk_tier: bool = False,
+          nvme_gbps: float | None = None) -> dict:
     """Throughput and OTPS against batch for the baseline (up to its memory wall), HiSparse-style offload (serial
-    swap-in: overlap none) and ESS (per-layer plan), both at the largest ratio that fits each batch."""
+    swap-in: overlap none) and ESS (per-layer plan), both at the largest ratio that fits each batch; with disk_tier,
+    ESS past the host memory wall too, its extra pages on disk (`ess_disk`)."""
     spec, hw = get_model(model), get_hardware(hardware)
     cal = load_calibration()
     dep = Deployment(ep=ep, tbo=tbo)
     wall = cost.max_batch(spec, hw, cal, dep, context)
     out = {"memory_wall_batch": wall, "host_wall_batch": cost.max_batch_host(spec, hw, context),
-           "baseline": [], "hisparse": [], "ess": []}
+           "baseline": [], "hisparse": [], "ess": [], "ess_disk": []}
     common = dict(model=model, hardware=hardware, context=context, mtp=mtp, accept=accept, tbo=tbo, ep=ep, profile=profile, cal=cal)
     for b in batches:
         if b <= wall:
@@ -186,6 +188,9 @@ def sweep(batches: list[int], context: int, mtp: int, accept: float, model: str 
         if spec.index_topk and r * context >= spec.index_topk + 1:  # the buffer must hold top-k + 1
             out["hisparse"].append({"system": "hisparse", **simulate(batch=b, sparse_ratio=r, overlap="none", **common)})
             out["ess"].append({"system": "ess", **simulate(batch=b, sparse_ratio=r, overlap="plan", **common)})
+            if disk_tier and b > out["host_wall_batch"]:
+                out["ess_disk"].append({"system": "ess+disk", **simulate(batch=b, sparse_ratio=r, overlap="plan",
+                                                                         disk_tier=True, nvme_gbps=nvme_gbps, **common)})
     return out
 
 
@@ -196,8 +201,9 @@ def plot_sweep(result: dict, path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, label, style in (("hisparse", "HiSparse-style (serial swap-in)", "C1-s"), ("ess", "ESS (per-layer plan)", "C0-^"), ("baseline", "baseline (all on GPU)", "k-o")):
-        rows = result[key]
+    for key, label, style in (("hisparse", "HiSparse-style (serial swap-in)", "C1-s"), ("ess", "ESS (per-layer plan)", "C0-^"),
+                              ("ess_disk", "ESS + disk tier, past the host wall", "C3-v"), ("baseline", "baseline (all on GPU)", "k-o")):
+        rows = result.get(key)
         if rows:
             x = [r["batch_size"] for r in rows]
             a.plot(x, [r["throughput"] for r in rows], style, label=label, ms=4)
