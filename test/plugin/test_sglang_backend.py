@@ -96,6 +96,25 @@ def build(plugin, sa, mc):
     return tokens, stock_pool, ess_pool, rt, ess, stock
 
 
+def attention_layers():
+    """SGLang's RadixAttention of each layer, as DeepSeek-V3.2's absorbed MLA calls the backend (576-wide q and k)."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
+                           v_head_dim=512) for i in range(L)]
+
+
+def write_prompts(tokens, stock_pool, ess_pool, layers, ctx, gen):
+    """The prompts' rows (ctx[b] positions of request REQ[b]), written through both pools' own set_mla_kv_buffer
+    (ESS's: staged prefill, then the host)."""
+    ess_pool.stage_extend(tokens.req_to_token, torch.tensor(REQ), ctx, [0] * len(ctx))
+    for layer in layers:
+        loc = torch.cat([tokens.req_to_token[r, :n] for r, n in zip(REQ, ctx)]).long()
+        nope, rope = torch.randn(loc.shape[0], 1, 512, generator=gen), torch.randn(loc.shape[0], 1, 64, generator=gen)
+        for pool in (stock_pool, ess_pool):
+            pool.set_mla_kv_buffer(layer, loc, nope.bfloat16(), rope.bfloat16())
+
+
 def decode_batch(tokens, req, pos):
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -106,7 +125,6 @@ def decode_batch(tokens, req, pos):
 
 
 def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plugin, monkeypatch):
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
@@ -120,18 +138,11 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
 
     monkeypatch.setattr(rt.cache, "fetch", logged_fetch)
 
-    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
-                             v_head_dim=512) for i in range(L)]
+    layers = attention_layers()
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
     req = torch.tensor(REQ)
-    # the prompts' rows: written through both pools' own set_mla_kv_buffer (ESS's: staged prefill, then the host)
     ctx = [40, 33]
-    ess_pool.stage_extend(tokens.req_to_token, req, ctx, [0, 0])
-    for layer in layers:
-        loc = torch.cat([tokens.req_to_token[r, :n] for r, n in zip(REQ, ctx)]).long()
-        nope, rope = torch.randn(loc.shape[0], 1, 512, generator=gen), torch.randn(loc.shape[0], 1, 64, generator=gen)
-        for pool in (stock_pool, ess_pool):
-            pool.set_mla_kv_buffer(layer, loc, nope.bfloat16(), rope.bfloat16())
+    write_prompts(tokens, stock_pool, ess_pool, layers, ctx, gen)
     pos = torch.tensor(ctx)
     for step in range(3):
         batch = decode_batch(tokens, req, pos)
@@ -173,7 +184,6 @@ def test_recorded_traces_carry_the_positions_the_indexer_ranks_next(launch, plug
     """--ess-record-lookahead 4: where SGLang's indexer metadata turns logits into the top-k (the real
     DSAIndexerMetadata of the ESS backend), the plugin keeps the 4 positions ranked next; the trace files of the
     finished requests hold them as topk_ext, and the prefetch replay reads them."""
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     from ess.analysis.replay import replay_counts
@@ -182,8 +192,7 @@ def test_recorded_traces_carry_the_positions_the_indexer_ranks_next(launch, plug
     d = 4
     out = tmp_path / "traces"
     tokens, _, _, rt, ess, _ = build(plugin, *launch("--ess-record-trace", str(out), "--ess-record-lookahead", str(d)))
-    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
-                             v_head_dim=512) for i in range(L)]
+    layers = attention_layers()
     gen = torch.Generator().manual_seed(1)
     req, pos = torch.tensor(REQ), torch.tensor([40, 33])
     want = {}
@@ -224,7 +233,6 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
     starts at the indexer hook over the union of each request's rows, the attention reads ESS's slots, and every
     row's output equals the stock backend's."""
     from sglang.srt.layers.attention import dsa_backend
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
@@ -238,16 +246,10 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
         plugin, *launch("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
                         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(S), buffer=buffer))
     assert ess.speculative_num_draft_tokens == S and rt.cache.capacity == buffer
-    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
-                             v_head_dim=512) for i in range(L)]
+    layers = attention_layers()
     gen, rng = torch.Generator().manual_seed(2), random.Random(2)
     req, ctx = torch.tensor(REQ), [40, 33]
-    ess_pool.stage_extend(tokens.req_to_token, req, ctx, [0, 0])
-    for layer in layers:
-        loc = torch.cat([tokens.req_to_token[r, :n] for r, n in zip(REQ, ctx)]).long()
-        nope, rope = torch.randn(loc.shape[0], 1, 512, generator=gen), torch.randn(loc.shape[0], 1, 64, generator=gen)
-        for pool in (stock_pool, ess_pool):
-            pool.set_mla_kv_buffer(layer, loc, nope.bfloat16(), rope.bfloat16())
+    write_prompts(tokens, stock_pool, ess_pool, layers, ctx, gen)
     seq = torch.tensor(ctx)
     for step in range(3):
         # the verify forward: S draft positions per request after its accepted ones; SGLang's seq_lens exclude them
@@ -284,7 +286,6 @@ def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(
     """A prefill forward (SGLang's forward_extend, EXTEND): ESS stages the batch at metadata time, the backend's fused
     top-k (token locations) reads staged rows equal to the stock pool's, and the same call's top-k leaves each
     request's GPU slots as LRU-Warmup over its last W query rows (the oracle LRU's resident set)."""
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
@@ -292,8 +293,7 @@ def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(
 
     tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
     W = rt.ess.warmup_windows
-    layers = [RadixAttention(num_heads=HEADS, head_dim=576, scaling=576**-0.5, num_kv_heads=1, layer_id=i,
-                             v_head_dim=512) for i in range(L)]
+    layers = attention_layers()
     gen, rng = torch.Generator().manual_seed(3), random.Random(3)
     req, lens = torch.tensor(REQ), [40, 33]
     pos = torch.cat([torch.arange(n) for n in lens])
