@@ -18,11 +18,20 @@ import torch
 NEVER = torch.iinfo(torch.int32).max  # the next use of a position never used again
 
 
-def _uses(sets: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-    """U per step and row [T, N, K + 1]: the set's positions without the own one (-1 where not), duplicates kept
-    (dropped later), and the own position last."""
+def step_uses(sets: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """U per (step and) row [..., K + 1] of sets [..., K] and own [...]: the set's positions without the own one (-1
+    where not), duplicates kept (first_of_each drops them), and the own position last."""
     s = torch.where(sets == own.unsqueeze(-1), -1, sets.long())
     return torch.cat([s, own.long().unsqueeze(-1)], dim=-1)
+
+
+def first_of_each(u: torch.Tensor, sink: int) -> torch.Tensor:
+    """Mask of the first entry of each distinct position >= 0 in every row of u [N, E] (every position < sink)."""
+    valid = u >= 0
+    srt, order = torch.sort(torch.where(valid, u, sink), dim=1, stable=True)
+    lead = torch.ones_like(valid)
+    lead[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    return torch.zeros_like(valid).scatter_(1, order, lead & (srt < sink))
 
 
 def next_uses(uses: torch.Tensor, positions: int) -> torch.Tensor:
@@ -45,7 +54,7 @@ def min_misses(sets: torch.Tensor, own: torch.Tensor, capacity: int, positions: 
     if capacity < K + 1:
         raise ValueError(f"--buffer-tokens: {capacity} slots is below top-k + 1 = {K + 1}")
     dev = sets.device
-    uses = _uses(sets, own)
+    uses = step_uses(sets, own)
     nxt = next_uses(uses, positions)
     E, C, P = K + 1, capacity, positions
     slot_pos = torch.full((N, C + 1), -1, dtype=torch.int64, device=dev)  # column C: a sink
@@ -56,11 +65,7 @@ def min_misses(sets: torch.Tensor, own: torch.Tensor, capacity: int, positions: 
     for t in range(T):
         u, n = uses[t], nxt[t].long()
         valid = u >= 0
-        # each position once: the first entry of each (a stable sort by position)
-        srt, order = torch.sort(torch.where(valid, u, P), dim=1, stable=True)
-        lead = torch.ones_like(valid)
-        lead[:, 1:] = srt[:, 1:] != srt[:, :-1]
-        first = torch.zeros_like(valid).scatter_(1, order, lead & (srt < P))
+        first = first_of_each(u, P)  # each position once: its first entry
         pre = pos_slot[rows, torch.where(valid, u, P)]
         resident = first & (pre >= 0)
         need = first & (pre < 0)

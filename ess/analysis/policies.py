@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 
+from ess.analysis.belady import first_of_each, step_uses
 from ess.core.settings import DEFAULT_DECAY_SHIFT
 
 SCORE_UNIT = 256  # a use's score; fixed point, so that decay stays exact in integers
@@ -42,15 +43,6 @@ class PolicyCounts:
     prefetched: torch.Tensor
     prefetch_hits: torch.Tensor
     wasted: torch.Tensor
-
-
-def _first_of_each(u: torch.Tensor, sink: int) -> torch.Tensor:
-    """Mask of the first entry of each distinct position >= 0 in every row of u [N, E]."""
-    valid = u >= 0
-    srt, order = torch.sort(torch.where(valid, u, sink), dim=1, stable=True)
-    lead = torch.ones_like(valid)
-    lead[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    return torch.zeros_like(valid).scatter_(1, order, lead & (srt < sink))
 
 
 def replay_policy(sets: torch.Tensor, own: torch.Tensor, capacity: int, positions: int, policy: str = "lru",
@@ -88,10 +80,10 @@ def replay_policy(sets: torch.Tensor, own: torch.Tensor, capacity: int, position
 
     def place(slot: torch.Tensor, pos: torch.Tensor, take: torch.Tensor, t: int, prefetched: bool) -> None:
         """Positions pos [N, k] into slots slot [N, k] where take; the slots' old positions leave."""
-        old = torch.where(take, slot_pos[rows, torch.where(take, slot, C)], -1)
-        out.wasted.add_((take & (old >= 0) & slot_pref[rows, torch.where(take, slot, C)]).sum(1).to(torch.int32))
-        pos_slot[rows, torch.where(old >= 0, old, P)] = -1
         at = torch.where(take, slot, C)
+        old = torch.where(take, slot_pos[rows, at], -1)
+        out.wasted.add_((take & (old >= 0) & slot_pref[rows, at]).sum(1).to(torch.int32))
+        pos_slot[rows, torch.where(old >= 0, old, P)] = -1
         pos_slot[rows, torch.where(take, pos, P)] = torch.where(take, slot, -1)
         slot_pos[rows, at] = torch.where(take, pos, -1)
         slot_stamp[rows, at] = t
@@ -100,8 +92,8 @@ def replay_policy(sets: torch.Tensor, own: torch.Tensor, capacity: int, position
 
     for t in range(T):
         o = own[t].long()
-        u = torch.cat([torch.where(sets[t] == o.unsqueeze(1), -1, sets[t].long()), o.unsqueeze(1)], dim=1)  # [N, E]
-        first = _first_of_each(u, P)
+        u = step_uses(sets[t], o)  # [N, E]
+        first = first_of_each(u, P)
         pre = pos_slot[rows, torch.where(first, u, P)]
         resident, need = first & (pre >= 0), first & (pre < 0)
         out.misses[t] = need[:, : E - 1].sum(1).to(torch.int32)  # the last column is the own position: never a miss
@@ -124,7 +116,7 @@ def replay_policy(sets: torch.Tensor, own: torch.Tensor, capacity: int, position
         if policy == "prefetch":
             cand = ext[t].long()
             cand = torch.where((cand != o.unsqueeze(1)) & (cand >= 0), cand, -1)
-            cand = torch.where(_first_of_each(cand, P) & (pos_slot[rows, torch.where(cand >= 0, cand, P)] < 0), cand, -1)
+            cand = torch.where(first_of_each(cand, P) & (pos_slot[rows, torch.where(cand >= 0, cand, P)] < 0), cand, -1)
             in_use = torch.zeros(N, C + 1, dtype=torch.bool, device=dev)
             in_use.scatter_(1, torch.where(first, slot, C), True)
             room = C - first.sum(1, keepdim=True)  # slots outside this step's set: empty or evictable
