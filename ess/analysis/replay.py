@@ -41,9 +41,7 @@ def _offline_group(trace: Trace, ls: slice, buffer_tokens: int, warmup: bool, wi
     own = (torch.as_tensor(trace.context_len, device=device).repeat_interleave(G).unsqueeze(0)
            + torch.arange(steps, device=device).unsqueeze(1))
     ext = None
-    if policy == "prefetch":
-        if trace.topk_ext is None:
-            raise ValueError("--policy prefetch needs a trace with 'topk_ext' (ranks past the top-k: ess trace record --lookahead)")
+    if policy == "prefetch":  # replay_counts checked that the trace holds `lookahead` ranks past the top-k
         ext = torch.as_tensor(trace.topk_ext[:, :, ls, K : K + lookahead], device=device).permute(1, 0, 2, 3)
         ext = ext.reshape(steps, R * G, -1)
     W = 0
@@ -94,6 +92,8 @@ def replay_counts(
         raise ValueError("--warmup: this trace has no 'prefill_topk' sets")
     if lookahead is None:
         lookahead = trace.lookahead
+    if policy == "prefetch" and trace.topk_ext is None:
+        raise ValueError("--policy prefetch needs a trace with 'topk_ext' (ranks past the top-k: ess trace record --lookahead)")
     if policy == "prefetch" and not 1 <= lookahead <= trace.lookahead:
         raise ValueError(f"--lookahead: {lookahead} ranks past the top-k; the trace holds {trace.lookahead} (topk_ext)")
     max_pos = int(trace.context_len.max()) + steps

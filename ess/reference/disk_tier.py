@@ -30,10 +30,10 @@ import torch
 
 from ess.core import layout
 from ess.core.pinned import pinned_zeros
-from ess.core.settings import PAGE_TOKENS
+from ess.core.settings import DISK_PAGE_BYTES, PAGE_TOKENS
 
 PAGE_BYTES = PAGE_TOKENS * layout.LATENT_ROW_BYTES
-DISK_PAGE = -(-PAGE_BYTES // 4096) * 4096  # 4 KiB-aligned for direct I/O
+DISK_PAGE = DISK_PAGE_BYTES  # PAGE_BYTES, 4 KiB-aligned for direct I/O
 IO_THREADS = 8
 
 

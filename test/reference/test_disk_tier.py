@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ess.reference.demo import DemoOptions, run_demo
-from ess.reference.disk_tier import PAGE_BYTES, DiskTierError, TieredHostPool
+from ess.reference.disk_tier import DISK_PAGE, PAGE_BYTES, DiskTierError, TieredHostPool
 
 L, B, CONTEXT, STEPS = 2, 2, 256, 8
 DEMO_LAYERS = 4  # a quarter of the cache then holds one layer's pages, all a step may need (no locality here)
@@ -55,6 +55,10 @@ def read_back(t, rows):
         t.ensure(t.pages_of(layer, torch.tensor([b]), torch.arange(128).unsqueeze(0)))
         got = t.data[layer][t.rows_table(layer)[b, :128]]
         assert torch.equal(got, want), (layer, b)
+
+
+def test_a_disk_page_is_a_layer_page_aligned_for_direct_io():
+    assert PAGE_BYTES == 64 * 656 and DISK_PAGE == -(-PAGE_BYTES // 4096) * 4096 == 45056
 
 
 def test_every_page_survives_many_passes_through_the_frames(tmp_path):

@@ -24,7 +24,7 @@ import dataclasses
 import math
 
 from ess.core.memory import cache_bytes
-from ess.core.settings import OVERLAP_MODES
+from ess.core.settings import DISK_PAGE_BYTES, OVERLAP_MODES
 from ess.analysis.sim.specs import GIB, Hardware, ModelSpec
 
 MODES = OVERLAP_MODES + ("plan",)
@@ -252,9 +252,6 @@ def host_request_bytes(spec: ModelSpec, context: float) -> float:
 def max_batch_host(spec: ModelSpec, hw: Hardware, context: float) -> int:
     """The host-memory wall: the largest ESS batch per GPU whose Total Memory Pool fits the GPU's pinnable share."""
     return max(0, int(hw.host_budget_bytes() // host_request_bytes(spec, context)))
-
-
-DISK_PAGE_BYTES = 45056  # one layer's 64-token page of latent rows, 4 KiB-aligned (ess.reference.disk_tier)
 
 
 def disk_read_seconds(spec: ModelSpec, hw: Hardware, batch: float, context: float, h2d_bytes: float,
