@@ -45,10 +45,9 @@ class GenerateResult:
 
 
 class MiniModel:
-    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu", lookahead: int = 0):
-        """lookahead d: the baseline decode also records the d positions the indexer ranks after each top-k."""
+    def __init__(self, cfg: ModelConfig, seed: int = 0, device: torch.device | str = "cpu"):
         self.cfg = cfg
-        self.lookahead = lookahead
+        self.lookahead = 0  # d > 0: the baseline decode also returns the d positions ranked after each top-k
         self.device = torch.device(device)
         gen = torch.Generator().manual_seed(seed)
         h = cfg.hidden
@@ -70,7 +69,6 @@ class MiniModel:
         ]
         self.final_norm = torch.ones(h, device=self.device)
         self.lm_head = lin(cfg.vocab, h)
-        self.last_ranked: torch.Tensor | None = None  # the last decode step's ranks with lookahead
 
     def _mlp(self, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         h = A.rms_norm(x, lw.mlp_norm)
@@ -104,7 +102,8 @@ class MiniModel:
 
     def decode_step(self, step: int, tokens: torch.Tensor, pos: torch.Tensor, cache, index_k: torch.Tensor, attend=None,
                     modes: list[str] | None = None):
-        """One greedy decode step for the batch: tokens [B] at positions pos [B]. Returns (next tokens, top-k [B, layers, K]).
+        """One greedy decode step for the batch: tokens [B] at positions pos [B]. Returns (next tokens, top-k [B, layers, K];
+        K + lookahead wide, best first, on the baseline path with a lookahead).
 
         With an ESS cache and `modes` (one overlap mode per layer), each layer runs ess.reference.overlap's schedule. Otherwise
         the cache's serial `decode` serves the rows and `attend(layer, q_nope_abs, q_pe, decode_rows)` computes the
@@ -115,7 +114,7 @@ class MiniModel:
         cfg = self.cfg
         batch = torch.arange(tokens.shape[0], device=self.device)
         x = self.embed[tokens]
-        topks, ext = [], []
+        topks = []
         if modes is not None:
             cache.set_step(step)
         for li, lw in enumerate(self.layers):
@@ -128,7 +127,6 @@ class MiniModel:
             else:
                 ranked = A.indexer_topk(w, cfg, h, q_lora, pos, index_k[li], lookahead=self.lookahead)
                 topk = ranked[:, : cfg.index_topk]  # the same top-k as without lookahead: a stable sort's head
-                ext.append(ranked)
                 own_rows = A.kv_latent_rows(w, cfg, h, pos)
                 q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
                 dr = cache.decode(li, step, topk, pos, own_rows)
@@ -136,10 +134,9 @@ class MiniModel:
                     o, _ = A.sparse_attention(q_nope_abs, q_pe, dr.rows, dr.valid, cfg.softmax_scale)
                 else:
                     o = attend(li, q_nope_abs, q_pe, dr)
-            topks.append(topk)
+            topks.append(topk if modes is not None else ranked)
             x = x + A.attn_output(w, o)
             x = x + self._mlp(lw, x)
-        self.last_ranked = torch.stack(ext, dim=1) if self.lookahead and ext else None  # [B, layers, K + d]
         return self._logits(x).argmax(-1), torch.stack(topks, dim=1)
 
     @torch.no_grad()
@@ -179,13 +176,11 @@ class MiniModel:
         tokens = torch.tensor(first, device=self.device)
         pos = torch.tensor(ctx, device=self.device)
         out = [tokens]
-        topks, ranked = [], []
+        topks = []
         for t in range(steps):
             tokens, topk = self.decode_step(t, tokens, pos + t, cache, index_k, attend, modes)
             out.append(tokens)
             topks.append(topk)
-            if self.last_ranked is not None:
-                ranked.append(self.last_ranked)
             if progress:
                 progress("decode", t + 1, steps)
         if self.device.type == "cuda":
@@ -200,10 +195,10 @@ class MiniModel:
             tokens=torch.stack(out, dim=1).cpu(),
             prefill_s=t1 - t0,
             decode_s=t2 - t1,
-            decode_topk=decode_topk.cpu(),
+            decode_topk=decode_topk[..., : cfg.index_topk].cpu(),
             prefill_topk=warm.cpu(),
             context_len=torch.tensor(ctx, dtype=torch.int64),
-            decode_topk_ext=torch.stack(ranked, dim=1).cpu() if ranked else None,
+            decode_topk_ext=decode_topk.cpu() if decode_topk.shape[-1] > cfg.index_topk else None,
         )
         return result, cache
 
