@@ -50,7 +50,7 @@ from ess.analysis.synth import SynthOptions, synth_trace
 from ess.analysis.timing import graph_us, median_us
 from ess.core import layout
 from ess.core.memory import cache_bytes
-from ess.core.settings import WARMUP_WINDOWS, EssConfig
+from ess.core.settings import PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
 from ess.reference import attention as A
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
@@ -102,7 +102,7 @@ class Stack:
         g = torch.Generator().manual_seed(seed)
         self.s, self.B, self.S, self.context, self.buffer = s, batch, rows, context, buffer
         steps = s.warm_steps + 1
-        self.max_len = -(-(context + steps * rows) // 64) * 64  # whole FlashMLA pages
+        self.max_len = -(-(context + steps * rows) // PAGE_TOKENS) * PAGE_TOKENS  # whole FlashMLA pages
         self.w = A.AttentionWeights.random(cfg, g, dev)
         self.h = torch.randn(steps, batch * rows, cfg.hidden, generator=g).to(dev)  # each step's hidden states
         keys = torch.randn(batch, self.max_len, cfg.index_head_dim, generator=g).to(dev)
@@ -112,6 +112,7 @@ class Stack:
         block = layout.quantize_latent(torch.randn(4096, 512, generator=g), torch.randn(4096, 64, generator=g)).to(dev)
         prompt = block.repeat(-(-context // 4096), 1)[:context]
         self.topk_steps = topk_steps  # [steps, L, B * S, K] replayed top-k, or None: the indexer's
+        self.modes: list[str] = []  # per layer, for mode "plan"
         if buffer is None:
             self.cache = DenseLatentCache(L, batch, self.max_len, dev)
         else:
@@ -182,8 +183,6 @@ class Stack:
                                 lambda: cache.streams.wait(fetched), self.s.attention)
         cache.streams.wait(backed_up)
         return o
-
-    modes: list[str] = []  # per layer, for mode "plan"
 
     def selected(self, t: int) -> list[torch.Tensor]:
         """Each layer's top-k at step t, [B, S * K] per request: the replayed trace's, or the indexer's (the same in

@@ -157,9 +157,8 @@ def plot_profile(p: dict, out_dir: str) -> list[str]:
         paths.append(path)
 
     fig, ax = plt.subplots(figsize=(10, 3.6))
+    name = {"lru": "LRU"}.get(p.get("policy", "lru"), p.get("policy"))  # older profiles name no policy: LRU's
     for i, (r, b, m) in enumerate(zip(p["ratios"], p["buffer_tokens"], p["mean_misses"])):
-        name = p.get("policy", "lru")
-        name = "LRU" if name == "lru" else name
         ax.plot(layers, m, marker=".", color=f"C{i}", label=f"{name}, ratio {r:.2f} ({b} slots)")
         if p.get("min_mean_misses"):  # older profiles have no MIN
             ax.plot(layers, p["min_mean_misses"][i], ls=":", color=f"C{i}", label=f"MIN (the optimum), ratio {r:.2f}")

@@ -45,6 +45,7 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
     streams = cache.streams
     own_rows = A.kv_latent_rows(w, cfg, h, pos)
+
     def indexer(part=slice(None)):
         topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
         return topk if selected is None else selected[part]

@@ -21,9 +21,8 @@ slot on a decode node and per running request on a prefill node.
 
 from __future__ import annotations
 
-import dataclasses
-
 import collections
+import dataclasses
 import logging
 
 import torch
