@@ -56,7 +56,6 @@ class EssLatentCache:
             self.host = tier
             self.req = self.slots
             self.tables = [tier.rows_table(layer) for layer in range(num_layers)]  # moves with the pages
-        self.token_table = self.tables[0]
         self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend)
         self.sparse = self.serving.sparse
         self.stamp = self.serving.stamp
