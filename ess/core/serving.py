@@ -4,18 +4,23 @@ A serving engine (SGLang) gives every live request a slot in a request pool and 
 pool, with a table token_table[request slot, position] = location (SGLang's req_to_token). ESS keeps its two pools
 in those coordinates, so the engine's allocator stays the one owner of tokens and requests:
     host   [layers, locations + 1 sink, 656]  the Total Memory Pool, pinned, indexed by token location (owned by the
-                                             engine's KV pool, which writes every new row into it)
+                                             engine's KV pool, which writes every new row into it); or, with a disk
+                                             tier (ess.core.disk_tier), its frames, addressed through the tier
     sparse (ess.core.sparse_pool) per layer, C GPU slots per request slot, with the LRU tables
 The decode step translates the indexer's top-k positions into GPU slots (`translate`), fetching the misses from the
 host pool with FlashTrans; the step's own rows go to their GPU slots and to the host pool.
-Everything in the step is fixed-shape device work (no host sync), so a CUDA graph can capture it.
+Everything in the step is fixed-shape device work (no host sync), so a CUDA graph can capture it; with a disk tier
+`page_in` first brings the step's pages into host frames (host work: eager only).
 """
 
 from __future__ import annotations
 
 import torch
 
+import numpy as np
+
 from ess.core import flashtrans, layout
+from ess.core.disk_tier import PagedHostTier
 from ess.core.policy import STAMP_MOD, PolicyResult
 from ess.core.settings import PAGE_TOKENS
 from ess.core.sparse_pool import SparseMemoryPool
@@ -49,14 +54,17 @@ class ServingLatentCache:
         device: torch.device | str,
         backend: str = "auto",
         kernel: str = "auto",
+        tier: PagedHostTier | None = None,
     ):
         """host: the engine's host pool [layers, locations + 1 sink, 656], pinned (the ESS KV pool owns it and writes
-        every new row into it). backend: FlashTrans' (ess.core.flashtrans); kernel: the LRU step's (ess.core.sparse_pool)."""
+        every new row into it). backend: FlashTrans' (ess.core.flashtrans); kernel: the LRU step's (ess.core.sparse_pool).
+        tier: a disk tier whose virtual rows are the token table's values; host is then its `data`."""
         if host.dim() != 3 or host.shape[0] != num_layers or host.shape[2] != layout.LATENT_ROW_BYTES:
             raise ValueError(f"host pool shape {tuple(host.shape)}, expected ({num_layers}, locations + 1, {layout.LATENT_ROW_BYTES})")
         self.capacity = capacity
         self.host = host
         self.host_sink = host.shape[1] - 1
+        self.tier = tier
         self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, kernel)
         slots = whole_pages(max_requests * capacity + 1)  # + the sink slot
         self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
@@ -65,11 +73,41 @@ class ServingLatentCache:
         self.stamp = torch.zeros((), dtype=torch.int32, device=device)
 
     # -- addressing -------------------------------------------------------------------------------------------
-    def host_rows(self, token_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Host row (= token location) of each (request slot, position); the sink row where pos < 0."""
+    def locations(self, token_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Token location of each (request slot, position) [B, ...]; -1 where pos < 0."""
         flat = pos.long().reshape(pos.shape[0], -1)
         loc = token_table[req.long().unsqueeze(1), flat.clamp(min=0)].long()
-        return torch.where(flat >= 0, loc, torch.full_like(loc, self.host_sink)).reshape(pos.shape)
+        return torch.where(flat >= 0, loc, -1).reshape(pos.shape)
+
+    def host_of(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
+        """Host rows of token locations on `layer` (-1: the sink row): the location itself, or with a disk tier its
+        row in the frames."""
+        if self.tier is not None:
+            return self.tier.rows(layer, loc)
+        loc = loc.long()
+        return torch.where(loc >= 0, loc, torch.full_like(loc, self.host_sink))
+
+    def host_rows(self, layer: int, token_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Host row of each (request slot, position) on `layer`; the sink row where pos < 0."""
+        return self.host_of(layer, self.locations(token_table, req, pos))
+
+    # -- a disk tier: pages into host frames before the device reads them (host work, outside CUDA graphs) -----------
+    def missing(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """The positions of sets [B, N] that the coming LRU step will fetch: selected, not in req's GPU slots, not
+        the step's own (own [B] or [B, M]); -1 elsewhere."""
+        sets = sets.long()
+        own = own.long().reshape(own.shape[0], -1)
+        is_own = (sets.unsqueeze(-1) == own.unsqueeze(1)).any(-1)
+        resident = self.sparse.pos_slot[layer, req.long().unsqueeze(1), sets.clamp(min=0)] >= 0
+        return torch.where(is_own | resident | (sets < 0), -1, sets)
+
+    def page_in(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor,
+                own: torch.Tensor) -> np.ndarray:
+        """Before a layer's LRU step: the pages of its misses into host frames (waited for). Returns the pages of
+        every selected position, which a later step may prefetch."""
+        tier = self.tier
+        tier.ensure(tier.pages(layer, self.locations(token_table, req, self.missing(layer, req, sets, own))))
+        return tier.pages(layer, self.locations(token_table, req, sets))
 
     # -- LRU-Warmup ---------------------------------------------------------------------------------------------
     def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor, first_stamp=None) -> None:
@@ -81,17 +119,22 @@ class ServingLatentCache:
         took = self.sparse.warm(layer, req, sets, first_stamp)
         pos, slots = self.sparse.resident_slots(layer, req)  # rows of the slots that took a position are fetched
         slots = torch.where(took, slots, torch.full_like(slots, -1))
-        flashtrans.gather(self.host[layer], self.host_rows(token_table, req, pos).flatten(), self.gpu[layer], slots.flatten(), self.backend)
+        loc = self.locations(token_table, req, torch.where(took, pos, -1))
+        if self.tier is not None:
+            self.tier.ensure(self.tier.pages(layer, loc))
+        flashtrans.gather(self.host[layer], self.host_of(layer, loc).flatten(), self.gpu[layer], slots.flatten(), self.backend)
 
     def load_warm(self, req: int, token_table: torch.Tensor, pos: torch.Tensor, stamps: torch.Tensor) -> None:
         """Request slot req's LRU state on every layer from another node's warm-up (SparseMemoryPool.load: pos and
         stamps [layers, M]), then one gather of the resident rows of all layers from the host pool."""
+        if self.tier is not None:
+            raise NotImplementedError("a disk tier does not take a PD warm-up (the plugin refuses --ess-disk-dir on PD nodes)")
         self.sparse.load(req, pos, stamps)
         L, slots = self.gpu.shape[:2]
         C = self.capacity
         held = self.sparse.slot_pos[:, req, :C].long()  # [L, C]
         r = torch.tensor([req], device=held.device)
-        rows = self.host_rows(token_table, r, held.reshape(1, -1)).reshape(L, C)  # the sink row where empty
+        rows = self.host_rows(0, token_table, r, held.reshape(1, -1)).reshape(L, C)  # locations (no tier): every layer's rows; the sink where empty
         layer = torch.arange(L, device=held.device).unsqueeze(1)
         src = (layer * self.host.shape[1] + rows).flatten()
         dst = torch.where(held >= 0, layer * slots + req * C + torch.arange(C, device=held.device), -1).flatten()
@@ -111,7 +154,10 @@ class ServingLatentCache:
     def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult, overlapped: bool = False) -> None:
         """H2D of the misses into their GPU slots (FlashTrans over the compacted miss lists, current stream;
         overlapped: on the copy stream, beside compute)."""
-        rows = r.miss_row if r.miss_row is not None else self.host_rows(token_table, req, r.miss_pos)
+        if r.miss_row is None:
+            rows = self.host_rows(layer, token_table, req, r.miss_pos)
+        else:  # the fused step read each miss's location from the token table
+            rows = r.miss_row if self.tier is None else self.tier.rows(layer, r.miss_row)
         flashtrans.gather_lists(self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss, self.backend, overlapped)
 
     def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:

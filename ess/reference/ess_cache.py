@@ -55,8 +55,8 @@ class EssLatentCache:
         else:
             self.host = tier
             self.req = self.slots
-            self.tables = [tier.rows_table(layer) for layer in range(num_layers)]  # moves with the pages
-        self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend)
+            self.tables = [tier.token_table()] * num_layers  # virtual rows, which the serving cache maps to frames
+        self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend, tier=tier)
         self.sparse = self.serving.sparse
         self.stamp = self.serving.stamp
         self.num_layers = num_layers
@@ -64,8 +64,8 @@ class EssLatentCache:
         self.warm: list[torch.Tensor | None] = [None] * num_layers  # per layer [B, W, K]
         self.misses: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.set_sizes: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self.last_sets: list[torch.Tensor | None] = [None] * num_layers  # with a tier: each layer's last top-k
-        self._step_pages = np.zeros(0, dtype=np.int64)  # with a tier: the pages the layer's step in progress uses
+        # with a tier: the pages each layer's last step selected (the next step's prefetch)
+        self.last_pages: list[np.ndarray | None] = [None] * num_layers
 
     # -- the latent-cache interface -------------------------------------------------------------------------
     def prefill(self, layer: int, b: int, rows: torch.Tensor, warm_sets: torch.Tensor | None) -> None:
@@ -86,30 +86,16 @@ class EssLatentCache:
         """sets [B, W', K], oldest first; the last min(W', warmup_windows) windows are used, stamped w - W."""
         W = min(self.cfg.warmup_windows, sets.shape[1])
         sets = sets[:, sets.shape[1] - W :]
-        if self.tier is not None:  # the rows warm-up fetches come from the host: their pages first
-            self.tier.ensure(self.tier.pages_of(layer, self.slots, sets))
         self.serving.warmup(layer, self.slots, self.tables[layer], sets, first_stamp=-W)
 
     def _page_in(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice) -> None:
-        """With a disk tier, before a layer's LRU step: the pages of its misses (the selected positions not on the GPU,
-        exactly those the step will fetch) and of its own rows in host frames. The reference's tier works on the host:
-        it waits for the device first, so no copy in flight reads or writes a frame it moves."""
-        tier = self.tier
-        if self.serving.gpu.is_cuda:
-            torch.cuda.synchronize()
-        slots = self.slots[part]
-        own = pos.reshape(pos.shape[0], -1)
-        own_entry = (topk.unsqueeze(-1).long() == own.unsqueeze(1)).any(-1)  # a row's own positions are never misses
-        sets = torch.where(own_entry, -1, topk.long())
-        on_gpu = self.sparse.pos_slot[layer, slots.unsqueeze(1), sets.clamp(min=0)] >= 0
-        misses = torch.where(on_gpu | (sets < 0), -1, sets)
-        pages = np.concatenate([tier.pages_of(layer, slots, misses), tier.pages_of(layer, slots, own)])
+        """With a disk tier, before a layer's LRU step: the pages of its misses into host frames
+        (ServingLatentCache.page_in); the pages it selects are the next step's prefetch."""
+        pages = self.serving.page_in(layer, self.slots[part], self.tables[layer], topk, pos)
         if part.start in (None, 0):  # the layer's first (or only) part
-            self.last_sets[layer], self._step_pages = topk, pages
-        else:  # DBA's second half: the first half's pages stay pinned (its own rows are backed up after both)
-            self.last_sets[layer] = torch.cat([self.last_sets[layer], topk])
-            self._step_pages = np.concatenate([self._step_pages, pages])
-        tier.ensure(self._step_pages)
+            self.last_pages[layer] = pages
+        else:  # DBA's second half
+            self.last_pages[layer] = np.union1d(self.last_pages[layer], pages)
 
     def _after_layer(self, layer: int) -> None:
         """With a disk tier, after a layer's step: write changed pages in the background, and start reading the disk
@@ -117,8 +103,8 @@ class EssLatentCache:
         tier = self.tier
         tier.clean()
         nxt = (layer + 1) % self.num_layers
-        if self.last_sets[nxt] is not None:
-            tier.prefetch(tier.pages_of(nxt, self.slots, self.last_sets[nxt]))
+        if self.last_pages[nxt] is not None:
+            tier.prefetch(self.last_pages[nxt])
 
     # -- decode phases (ess.reference.overlap orders them per mode; `decode` is the serial order) ----------------------
     def set_step(self, step: int) -> None:
@@ -151,9 +137,9 @@ class EssLatentCache:
         """D2H of the step's own rows (pos [B], or [B, M] for M rows per request as in MTP verify) to the host pool, on
         the copy stream after store_own. Returns its event: the compute stream waits on it before the layer ends (so a
         later step cannot evict the slot mid-copy, and a captured graph joins its copy stream)."""
-        host_rows = self.serving.host_rows(self.tables[layer], self.slots, pos).reshape(-1)  # pos [B] or [B, M]
-        if self.tier is not None:
-            self.tier.mark_written(layer, self.slots, pos)
+        if self.tier is not None:  # the own rows' pages in frames, changed by this copy
+            self.tier.ensure(self.tier.pages_of(layer, self.slots, pos), dirty=True)
+        host_rows = self.serving.host_rows(layer, self.tables[layer], self.slots, pos).reshape(-1)  # pos [B] or [B, M]
         own_slot = r.own_slot.reshape(-1)
         return self.streams.copy_after(
             lambda: flashtrans.scatter(self.serving.gpu[layer], own_slot, self.host.data[layer], host_rows, self.backend),

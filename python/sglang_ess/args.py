@@ -34,6 +34,8 @@ class EssArgs:
     warmup_windows: int = WARMUP_WINDOWS
     record_trace: str | None = None
     record_lookahead: int = 0  # with record_trace: ranks past the top-k recorded as topk_ext
+    disk_dir: str | None = None  # a disk tier under the host pool (ess.core.disk_tier); host_pool_gib is then its frames
+    disk_gib: float | None = None  # the disk tier's budget (default: the directory's free space)
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
 
     # flag name of each field, for messages
@@ -47,6 +49,8 @@ class EssArgs:
         "warmup_windows": "--ess-warmup-windows",
         "record_trace": "--ess-record-trace",
         "record_lookahead": "--ess-record-lookahead",
+        "disk_dir": "--ess-disk-dir",
+        "disk_gib": "--ess-disk-gib",
     }
 
     def check(self) -> "EssArgs":
@@ -67,6 +71,19 @@ class EssArgs:
             raise EssArgsError(f"--ess-record-lookahead must be a non-negative integer, got {self.record_lookahead!r}")
         if self.record_lookahead and self.record_trace is None:
             raise EssArgsError("--ess-record-lookahead adds ranks to recorded traces: give --ess-record-trace DIR too")
+        if self.disk_gib is not None:
+            if self.disk_dir is None:
+                raise EssArgsError("--ess-disk-gib bounds the disk tier: give --ess-disk-dir too")
+            if not self.disk_gib > 0:
+                raise EssArgsError(f"--ess-disk-gib must be positive, got {self.disk_gib!r}")
+        if self.disk_dir is not None:
+            if self.host_pool_gib is None:
+                raise EssArgsError("--ess-disk-dir adds a disk tier under the host pool: give --ess-host-pool-gib, "
+                                   "the pinned host memory that holds the pages in use")
+            if not os.path.isdir(self.disk_dir):
+                raise EssArgsError(f"--ess-disk-dir {self.disk_dir}: no such directory")
+            if not os.access(self.disk_dir, os.W_OK | os.X_OK):
+                raise EssArgsError(f"--ess-disk-dir {self.disk_dir}: not writable")
         if self.overlap not in OVERLAP_CHOICES:
             raise EssArgsError(f"--ess-overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.layer_plan is not None:
@@ -90,7 +107,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-ess", action="store_true", help="Keep the MLA latent cache in pinned host memory and a per-request LRU working set on the GPU (ESS).")
     g.add_argument("--ess-buffer-tokens", type=int, default=None, help="GPU latent slots per request and layer (at least top-k + 1; the ESS paper recommends >= 6.4K).")
     g.add_argument("--ess-sparse-ratio", type=float, default=None, help=f"GPU latent slots as a share of the context length (Sparse Memory Ratio), instead of --ess-buffer-tokens. Default {DEFAULT_SPARSE_RATIO}.")
-    g.add_argument("--ess-host-pool-gib", type=float, default=None, help="Pinned host memory for the full latent cache (Total Memory Pool), per GPU. Default: sized to the token pool.")
+    g.add_argument("--ess-host-pool-gib", type=float, default=None, help="Pinned host memory for the full latent cache (Total Memory Pool), per GPU. Default: sized to the token pool. With --ess-disk-dir: the host frames over the disk tier.")
+    g.add_argument("--ess-disk-dir", type=str, default=None, help="A directory on local NVMe for a disk tier under the host pool: pages no recent step used are written there and read back when a step needs them (eager mode: needs --disable-cuda-graph; co-located only).")
+    g.add_argument("--ess-disk-gib", type=float, default=None, help="With --ess-disk-dir: the most the page file may take, per GPU (default: the directory's free space).")
     g.add_argument("--ess-overlap", choices=OVERLAP_CHOICES, default="auto", help="How the H2D of misses overlaps compute: none, da (Dual-Attention), dba (DualBatch-Attention), or auto (per layer from --ess-layer-plan, else da).")
     g.add_argument("--ess-layer-plan", type=str, default=None, help="Per-layer overlap plan from `ess plan` (format ess-layer-plan/1).")
     g.add_argument("--ess-warmup-windows", type=int, default=WARMUP_WINDOWS, help="LRU-Warmup: replay the top-k sets of the last W prefill positions before decode (0: off).")

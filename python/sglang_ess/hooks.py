@@ -80,7 +80,8 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
     if target is not None:
         facts = target[1]
         dsa_pool_class = pool_class(
-            scratch_rows=max_running_requests * facts.query_rows, stage_rows=facts.context
+            scratch_rows=max_running_requests * facts.query_rows, stage_rows=facts.context,
+            tier=getattr(kvc, "ess_tier_spec", None),
         )
     return original(kvc, *a, max_running_requests=max_running_requests, dsa_pool_class=dsa_pool_class, **kw)
 
@@ -115,6 +116,7 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
         device=model_runner.device,
         start_layer=pool.start_layer,
         model=str(server_args.model_path),
+        tier=pool.ess_tier,
     )
     pool.ess_runtime = state.runtime
     state.stage_tokens = pool.ess_stage.shape[0]

@@ -15,18 +15,27 @@ Reads, by phase (set by the plugin around the DSA backend's forward calls):
                       which live in the runtime's per-request GPU slots (ess.core.serving).
 Writes: SGLang's own quantiser (`_write_mla_kv_buffer`) makes the 656-byte FP8 rows in GPU memory, then FlashTrans
 copies them to their host rows (D2H); in decode the same rows are the step's own rows for the runtime.
+
+With --ess-disk-dir the host pool is a disk tier (ess.core.disk_tier) whose virtual rows are the token locations:
+`ess_host` holds its frames, every access first brings the locations' pages into frames (`_pages_in`, host work
+that waits for the device: eager mode only) and addresses them through the tier's page map (`_host_rows`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ess.core import flashtrans, layout
+from ess.core.disk_tier import PagedHostTier
 from ess.core.pinned import pinned_zeros
 from ess.core.serving import batch_tokens, whole_pages
+from sglang_ess.sizing import DiskTierSpec
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
 EXTEND, DECODE = "extend", "decode"
+# the plugin's flags, which the disk tier's messages name
+TIER_FLAGS = {"host_budget": "--ess-host-pool-gib", "disk_dir": "--ess-disk-dir", "disk_gib": "--ess-disk-gib"}
 
 
 class EssDSATokenToKVPool(DSATokenToKVPool):
@@ -35,6 +44,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
     stage_rows: int = 1  # staging rows for prefill, charged by sizing; under SGLang the plugin's admission hook keeps
     # every prefill batch within them, elsewhere (tools, tests) the buffer grows on demand
     backend: str = "auto"  # FlashTrans backend
+    tier_spec: DiskTierSpec | None = None  # --ess-disk-dir
 
     # -- buffers ---------------------------------------------------------------------------------------------
     def _create_buffers(self):
@@ -43,10 +53,18 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             raise ValueError(f"--enable-ess needs the packed 656-byte FP8 latent rows, got {self.kv_cache_dim} x {self.store_dtype}")
         pin = torch.device(self.device).type == "cuda"
         locs = self.size + self.page_size  # SGLang's location space (location 0 is its padding slot)
-        # + 1 sink row that fixed-shape gathers read for -1 entries
-        # pinned at exactly its size (ess.core.pinned: torch's pinned allocator would round it up to a power of two)
-        self.ess_host = pinned_zeros((self.layer_num, locs + 1, layout.LATENT_ROW_BYTES), pin=pin)
-        self.kv_buffer = [self.ess_host[i, :locs].unsqueeze(1) for i in range(self.layer_num)]
+        self.ess_tier = None
+        if self.tier_spec is None:
+            # + 1 sink row that fixed-shape gathers read for -1 entries
+            # pinned at exactly its size (ess.core.pinned: torch's pinned allocator would round it up to a power of two)
+            self.ess_host = pinned_zeros((self.layer_num, locs + 1, layout.LATENT_ROW_BYTES), pin=pin)
+            self.kv_buffer = [self.ess_host[i, :locs].unsqueeze(1) for i in range(self.layer_num)]
+        else:  # the frames of a disk tier over the location space (one view per layer, all of the same frames)
+            spec = self.tier_spec
+            self.ess_tier = PagedHostTier(self.layer_num, locs, spec.host_bytes, spec.disk_dir, spec.disk_bytes,
+                                          self.device, TIER_FLAGS)
+            self.ess_host = self.ess_tier.data
+            self.kv_buffer = [self.ess_host[i].unsqueeze(1) for i in range(self.layer_num)]
         self.ess_scratch = torch.zeros(self.scratch_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
         self.ess_scratch_idx = torch.arange(self.scratch_rows, device=self.device)
         self.ess_stage = torch.zeros(self.stage_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
@@ -57,6 +75,15 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self._stage_pos: torch.Tensor | None = None  # their positions within their requests
         self._stage_cached: tuple[torch.Tensor, torch.Tensor] | None = None  # cached prefix: (locations, staging rows)
         self._staged_layers: set[int] = set()
+
+    # -- host rows: by location, or through the disk tier ------------------------------------------------------------
+    def _host_rows(self, layer: int, loc: torch.Tensor) -> torch.Tensor:
+        return loc.long() if self.ess_tier is None else self.ess_tier.rows(layer, loc)
+
+    def _pages_in(self, layer: int, loc: torch.Tensor, dirty: bool = False) -> None:
+        """With a disk tier: the pages of these locations on `layer` into host frames (dirty: about to be written)."""
+        if self.ess_tier is not None:
+            self.ess_tier.ensure(self.ess_tier.pages(layer, loc), dirty)
 
     def get_kv_size_bytes(self):
         """Device bytes (SGLang logs this as the KV cache size); the host pool is reported by the runtime."""
@@ -90,8 +117,9 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             return
         self._staged_layers.add(layer)
         if self._stage_cached is not None:
-            flashtrans.gather(self.ess_host[layer], self._stage_cached[0], self.ess_stage[:, 0], self._stage_cached[1],
-                              self.backend)
+            locs, rows = self._stage_cached
+            self._pages_in(layer, locs)
+            flashtrans.gather(self.ess_host[layer], self._host_rows(layer, locs), self.ess_stage[:, 0], rows, self.backend)
 
     def translate_loc_to_hisparse_device(self, locs: torch.Tensor) -> torch.Tensor:
         """Token locations -> staging rows (-1 and padding stay -1). The DSA backend calls this on its prefill page
@@ -119,7 +147,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
                 raise RuntimeError(f"ESS decode scratch holds {self.scratch_rows} rows, the step wrote {n}")
             buf, rows = self.ess_scratch, self.ess_scratch_idx[:n]
         self._write_mla_kv_buffer(buf, rows, cache_k_nope, cache_k_rope)  # SGLang's FP8 quantiser
-        flashtrans.scatter(buf[:, 0], rows, self.ess_host[local], loc.long(), self.backend)  # D2H backup
+        self._pages_in(local, loc, dirty=True)
+        flashtrans.scatter(buf[:, 0], rows, self.ess_host[local], self._host_rows(local, loc), self.backend)  # D2H backup
         if self.ess_phase != EXTEND and self.ess_runtime is not None:
             self.ess_runtime.keep_own_rows(layer_id, buf[:n, 0])  # a view: read before the next layer writes
 
@@ -142,29 +171,55 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         if tgt_loc.numel() == 0:
             return
         t, s = tgt_loc.reshape(-1).long().to(self.device), src_loc.reshape(-1).long().to(self.device)
-        layers, rows = self.ess_host.shape[:2]
-        base = torch.arange(layers, device=self.device).unsqueeze(1) * rows
-        flat = self.ess_host.view(-1, layout.LATENT_ROW_BYTES)
-        moving = torch.empty(layers * t.numel(), layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
-        order = torch.arange(moving.shape[0], device=self.device)
-        flashtrans.gather(flat, (base + s).flatten(), moving, order, self.backend)
-        flashtrans.scatter(moving, order, flat, (base + t).flatten(), self.backend)
+        if self.ess_tier is None:
+            layers, rows = self.ess_host.shape[:2]
+            base = torch.arange(layers, device=self.device).unsqueeze(1) * rows
+            src, dst = (base + s).flatten(), (base + t).flatten()
+            flat = self.ess_host.view(-1, layout.LATENT_ROW_BYTES)
+            self._move_rows(flat, src, flat, dst)
+        else:  # layer by layer, each layer's source and target pages in frames
+            for layer in range(self.layer_num):
+                tier = self.ess_tier
+                tier.ensure(np.union1d(tier.pages(layer, s), tier.pages(layer, t)))
+                tier.ensure(tier.pages(layer, t), dirty=True)
+                self._move_rows(self.ess_host[layer], tier.rows(layer, s), self.ess_host[layer], tier.rows(layer, t))
         self.index_key_cache.move(tgt_loc, src_loc)
 
+    def _move_rows(self, src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        moving = torch.empty(src_rows.shape[0], layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        order = torch.arange(moving.shape[0], device=self.device)
+        flashtrans.gather(src, src_rows, moving, order, self.backend)
+        flashtrans.scatter(moving, order, dst, dst_rows, self.backend)
+
+    def _frame_rows(self, layer: int, idx: torch.Tensor, dirty: bool = False) -> torch.Tensor:
+        """The disk tier's frame rows (a host tensor) of locations idx on `layer`, their pages in frames first."""
+        self._pages_in(layer, idx, dirty)
+        return self.ess_tier.rows(layer, idx.to(self.device)).cpu()
+
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
-        idx = indices.long().cpu()
-        return {"kv": self.ess_host[:, idx].clone(), "index_k": self.index_key_cache.cpu_copy(indices)}
+        idx = indices.long()
+        if self.ess_tier is None:
+            kv = self.ess_host[:, idx.cpu()].clone()
+        else:
+            kv = torch.stack([self.ess_host[i][self._frame_rows(i, idx)] for i in range(self.layer_num)])
+        return {"kv": kv, "index_k": self.index_key_cache.cpu_copy(indices)}
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
-        self.ess_host[:, indices.long().cpu()] = kv_cache_cpu["kv"]
+        idx = indices.long()
+        if self.ess_tier is None:
+            self.ess_host[:, idx.cpu()] = kv_cache_cpu["kv"]
+        else:
+            for i in range(self.layer_num):
+                self.ess_host[i][self._frame_rows(i, idx, dirty=True)] = kv_cache_cpu["kv"][i]
         self.index_key_cache.load_cpu_copy(kv_cache_cpu["index_k"], indices)
 
 
-def pool_class(scratch_rows: int, stage_rows: int, backend: str = "auto") -> type:
+def pool_class(scratch_rows: int, stage_rows: int, backend: str = "auto", tier: DiskTierSpec | None = None) -> type:
     """The pool class for one launch (SGLang constructs the pool itself, with its own arguments)."""
     return type(
         "EssDSATokenToKVPool",
         (EssDSATokenToKVPool,),
-        {"scratch_rows": max(1, scratch_rows), "stage_rows": whole_pages(stage_rows), "backend": backend},
+        {"scratch_rows": max(1, scratch_rows), "stage_rows": whole_pages(stage_rows), "backend": backend,
+         "tier_spec": tier},
     )
 

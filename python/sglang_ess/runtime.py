@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from ess.core.disk_tier import DISK_PAGE
 from ess.core.policy import PolicyResult
 from ess.core.serving import ServingLatentCache
 from ess.core.streams import Streams
@@ -62,16 +63,19 @@ class EssRuntime:
         model: str = "",
         backend: str = "auto",
         kernel: str = "auto",
+        tier=None,
     ):
         """token_table: SGLang's req_to_token [request slots, max context] (int32 locations); host: the ESS KV pool's
-        host pool [layers, locations + 1, 656]; facts: from sglang_ess.validate.validate_model."""
+        host pool [layers, locations + 1, 656], or with --ess-disk-dir its disk tier's frames (tier: the
+        ess.core.disk_tier.PagedHostTier over token locations); facts: from sglang_ess.validate.validate_model."""
         self.ess = ess
         self.start_layer = start_layer
         self.num_layers = facts.layers
         self.token_table = token_table
         self.cache = ServingLatentCache(
-            self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend, kernel
+            self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend, kernel, tier
         )
+        self._last_pages: list = [None] * self.num_layers  # disk tier: the pages each layer's last step selected
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.plan)
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model, facts.topk) if ess.record_trace else None
@@ -117,6 +121,8 @@ class EssRuntime:
         # its issue 32771) would translate to another token's slot or index past the tables: mask them (device op).
         newest = own if own.dim() == 1 else own.max(dim=1).values
         sets = torch.where(sets > newest.unsqueeze(1), -1, sets)
+        if self.cache.tier is not None:
+            self._page_in(layer, req, sets, own)
         if serial:
             r = self.cache.translate(layer, req, self.token_table, sets, own, own_rows)
         else:
@@ -125,6 +131,18 @@ class EssRuntime:
         if self.ring is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
             self.ring.append(layer, req, sets, own, ext)
         return r
+
+    def _page_in(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> None:
+        """--ess-disk-dir, before a layer's LRU step: the pages of its misses into host frames, waited for (exposed;
+        host work, so eager mode only); then, in the background, changed pages no step of this call used are written
+        out and the pages the next layer selected at its last step are read ahead (docs/plugin.md, "Disk tier")."""
+        tier = self.cache.tier
+        pages = self.cache.page_in(layer, req, self.token_table, sets, own)
+        tier.clean()
+        ahead = self._last_pages[(layer + 1) % self.num_layers]
+        if ahead is not None:
+            tier.prefetch(ahead)
+        self._last_pages[layer] = pages
 
     def keep_next_ranked(self, logits: torch.Tensor, lengths: torch.Tensor, topk: torch.Tensor) -> None:
         """--ess-record-lookahead d: the d positions the indexer ranks after its top-k (logits [rows, positions],
@@ -240,4 +258,9 @@ class EssRuntime:
         return None
 
     def stats(self) -> dict:
-        return {"device_bytes": self.cache.device_bytes(), "host_bytes": self.cache.host.numel(), "modes": self.modes}
+        tier = self.cache.tier
+        out = {"device_bytes": self.cache.device_bytes(), "modes": self.modes}
+        if tier is None:
+            return out | {"host_bytes": self.cache.host.numel()}
+        return out | {"host_bytes": tier.frame_rows.numel(), "disk_bytes": tier.L * tier.P * DISK_PAGE,
+                      "tier": tier.report()}

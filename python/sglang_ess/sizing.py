@@ -2,7 +2,8 @@
 per request and the LRU tables; the pinned host pool keeps the latent row of every token.
 
 `resolve_memory_pool_config` is what SGLang's KV cache configurator runs instead of its own sizing when ESS is on:
-SGLang charges every token its full cell (latent + index-K); ESS charges the latent only to the host."""
+SGLang charges every token its full cell (latent + index-K); ESS charges the latent only to the host, or with
+--ess-disk-dir to the disk tier's page file, the host then holding --ess-host-pool-gib of frames."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import logging
 import os
 
 from ess.core import layout
-from ess.core.settings import GIB, HOST_PINNABLE_FRACTION
+from ess.core.disk_tier import PAGE_BYTES, free_disk_bytes
+from ess.core.settings import DISK_PAGE_BYTES, GIB, HOST_PINNABLE_FRACTION, PAGE_TOKENS
 from ess.core.memory import cache_bytes
 from ess.core.serving import whole_pages
 
@@ -23,8 +25,18 @@ class EssPoolSizes:
     tokens: int  # token pool size (locations): the host pool's rows, and index-K rows on the device
     max_requests: int
     device_bytes: int  # index-K of every token + the sparse pool + its tables
-    host_bytes: int
-    limited_by: str  # "device", "host" or "requests" (max_requests x context_len fit both)
+    host_bytes: int  # the host pool, or a disk tier's frames
+    limited_by: str  # "device", "host", "disk" or "requests" (max_requests x context_len fit all)
+    disk_bytes: int = 0  # a disk tier's page file
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskTierSpec:
+    """A disk tier under the host pool, as `disk_tier_spec` resolved it for the pool (sglang_ess.pool)."""
+
+    host_bytes: int  # the pinned frames (--ess-host-pool-gib)
+    disk_dir: str
+    disk_bytes: int  # the page file's budget (--ess-disk-gib, or this rank's share of the free space)
 
 
 def host_limit_bytes(ranks_on_node: int) -> int:
@@ -36,49 +48,78 @@ def host_limit_bytes(ranks_on_node: int) -> int:
 
 def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: float | None, max_requests: int | None,
                    context_len: int, capacity: int, per_token_bytes: int | None = None,
-                   host_limit: int | None = None) -> EssPoolSizes:
+                   host_limit: int | None = None, disk_budget_bytes: int | None = None) -> EssPoolSizes:
     """Sizes for `max_requests` requests of up to `context_len` tokens with `capacity` GPU slots each. Tokens are what
     the device budget leaves after the per-request sparse pools, capped by the host pool (default: no cap beyond
     max_requests x context_len). max_requests None: as many requests as fit at full context on the device and in
     the host budget. per_token_bytes: device bytes per token (default index-K of every layer; SGLang adds an MTP
     draft layer's share). host_limit: the pinned host bytes this rank may take (host_limit_bytes): a larger
     --ess-host-pool-gib is refused, and without it the pool is capped there, so the host wall is found at start-up,
-    never by running out. Raises ValueError naming the flag when nothing fits."""
+    never by running out. disk_budget_bytes: a disk tier's page file budget, which then caps the tokens, the host
+    budget being its frames. Raises ValueError naming the flag when nothing fits."""
     L = num_layers
     # slots + slot tables + the position -> slot table (sized by context, per request); then index-K per token
     per_request = cache_bytes(L, context_len, layout.LATENT_ROW_BYTES, 0, capacity)
     per_token = L * layout.INDEX_ROW_BYTES if per_token_bytes is None else per_token_bytes
-    host_tokens = None if host_budget_gib is None else int(host_budget_gib * GIB) // (L * layout.LATENT_ROW_BYTES)
+    # tokens whose latent rows the host pool (or a disk tier) holds
+    latent_tokens = None if host_budget_gib is None else int(host_budget_gib * GIB) // (L * layout.LATENT_ROW_BYTES)
+    cap_name = "host"
+    if disk_budget_bytes is not None:  # the tokens live on disk; the host budget is the tier's frames
+        latent_tokens = disk_budget_bytes // (L * DISK_PAGE_BYTES) * PAGE_TOKENS
+        cap_name = "disk"
+        if latent_tokens < context_len:
+            raise ValueError(f"--ess-disk-gib: {disk_budget_bytes / GIB:.1f} GiB of disk hold {latent_tokens} tokens, below "
+                             f"one request of {context_len}")
     if host_limit is not None:
         if host_budget_gib is not None and host_budget_gib * GIB > host_limit:
             raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: more than this rank may pin, {host_limit / GIB:.1f} GiB "
                              f"({HOST_PINNABLE_FRACTION:.0%} of the machine's memory over its ranks)")
-        if host_tokens is None:
-            host_tokens = host_limit // (L * layout.LATENT_ROW_BYTES)
-            if host_tokens < context_len:
-                raise ValueError(f"--ess-host-pool-gib: this rank may pin {host_limit / GIB:.1f} GiB, room for {host_tokens} "
+        if latent_tokens is None:  # no budget given (a disk tier gives one): the pinnable share
+            latent_tokens = host_limit // (L * layout.LATENT_ROW_BYTES)
+            if latent_tokens < context_len:
+                raise ValueError(f"--ess-host-pool-gib: this rank may pin {host_limit / GIB:.1f} GiB, room for {latent_tokens} "
                                  f"tokens, below one request of {context_len}")
-    if host_tokens is not None and host_tokens < context_len:
-        raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: room for {host_tokens} tokens, below one request of {context_len}")
+    if latent_tokens is not None and latent_tokens < context_len:
+        raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: room for {latent_tokens} tokens, below one request of {context_len}")
     if max_requests is None:
         max_requests = device_budget_bytes // (per_request + context_len * per_token)
-        if host_tokens is not None:
-            max_requests = min(max_requests, host_tokens // context_len)
+        if latent_tokens is not None:
+            max_requests = min(max_requests, latent_tokens // context_len)
         if max_requests < 1:
             raise ValueError(f"--ess-buffer-tokens/--ess-sparse-ratio: one request of {context_len} tokens with {capacity} slots does not fit the device budget")
     device_tokens = (device_budget_bytes - max_requests * per_request) // per_token
     if device_tokens < 1:
         raise ValueError(f"--ess-buffer-tokens/--ess-sparse-ratio: {max_requests} requests x {capacity} slots do not fit the device budget")
     want = max_requests * context_len
-    tokens = min(device_tokens, want if host_tokens is None else host_tokens, want)
-    limited_by = "requests" if tokens == want else "device" if tokens == device_tokens else "host"
+    tokens = min(device_tokens, want if latent_tokens is None else latent_tokens, want)
+    limited_by = "requests" if tokens == want else "device" if tokens == device_tokens else cap_name
+    tiered = disk_budget_bytes is not None
     return EssPoolSizes(
         tokens=int(tokens),
         max_requests=int(max_requests),
         device_bytes=int(max_requests * per_request + tokens * per_token),
-        host_bytes=int(tokens * L * layout.LATENT_ROW_BYTES),
+        host_bytes=int(host_budget_gib * GIB) if tiered else int(tokens * L * layout.LATENT_ROW_BYTES),
         limited_by=limited_by,
+        disk_bytes=int(-(-tokens // PAGE_TOKENS) * L * DISK_PAGE_BYTES) if tiered else 0,
     )
+
+
+def disk_tier_spec(ess, ranks_on_node: int) -> DiskTierSpec | None:
+    """--ess-disk-dir's tier for one rank: --ess-host-pool-gib of frames, a page file of --ess-disk-gib or, without
+    it, the rank's share of the directory's free space (each rank of the node writes its own file there)."""
+    if ess.disk_dir is None:
+        return None
+    disk = int(ess.disk_gib * GIB) if ess.disk_gib is not None else free_disk_bytes(ess.disk_dir) // max(1, ranks_on_node)
+    return DiskTierSpec(int(ess.host_pool_gib * GIB), ess.disk_dir, disk)
+
+
+def tier_min_frames(tokens: int, max_requests: int, topk: int, query_rows: int, context_len: int) -> int:
+    """Host frames a disk tier needs at least: one layer's pages that a decode step may fetch (every selected row
+    and own row in a page of its own) or a prefill batch may stage (one context over the batch's requests), never
+    more than a layer of the token pool holds."""
+    step = max_requests * query_rows * (topk + 1)
+    stage = -(-context_len // PAGE_TOKENS) + max_requests
+    return min(max(step, stage), -(-tokens // PAGE_TOKENS) + 1)
 
 
 def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts):
@@ -107,12 +148,22 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts):
     extra = extra_request_rows()
     sa = kvc.server_args  # each rank of the node pins its own host pool
     ranks_on_node = max(1, (sa.tp_size or 1) * (sa.pp_size or 1) // max(1, sa.nnodes or 1))
+    spec = disk_tier_spec(ess, ranks_on_node)
     sizes = ess_pool_sizes(layers, budget, ess.host_pool_gib,
                            None if r is None else r + extra, facts.context, facts.buffer, per_token,
-                           host_limit=host_limit_bytes(ranks_on_node))
+                           host_limit=host_limit_bytes(ranks_on_node),
+                           disk_budget_bytes=None if spec is None else spec.disk_bytes)
     max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
     page = get_schedule().page_size
     tokens = kvc._apply_token_constraints(sizes.tokens) // page * page
+    kvc.ess_tier_spec = spec  # for the pool (hooks.around_build_dsa_kv_pool)
+    if spec is not None:
+        need = tier_min_frames(tokens, max_requests, facts.topk, facts.query_rows, facts.context)
+        if spec.host_bytes // PAGE_BYTES < need:
+            raise EssArgsError(f"--ess-host-pool-gib {ess.host_pool_gib}: a disk tier's frames must hold the {need} pages "
+                               f"one layer's step may need ({need * PAGE_BYTES / GIB:.2f} GiB) for {max_requests} requests")
+        logger.info("ESS disk tier: %.1f GiB of host frames over %.1f GiB of pages in %s", spec.host_bytes / GIB,
+                    sizes.disk_bytes / GIB, spec.disk_dir)
     logger.info(
         "ESS pool: %d tokens (index-K on the GPU, latent rows in %.1f GiB pinned host memory), %d requests x %d GPU "
         "slots, %.1f GiB device, limited by %s", tokens, sizes.host_bytes / GIB, max_requests, facts.buffer,

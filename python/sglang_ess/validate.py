@@ -91,6 +91,8 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
             f"--enable-ess stages prefill rows behind the paged prefill route; launch with --dsa-prefill-backend "
             f"{' or '.join(ESS_PREFILL_BACKENDS)} (got {cfg.dsa_prefill_backend})"
         )
+    if ess.disk_dir is not None:
+        _check_disk_tier(cfg)
     if query_rows_per_request(cfg) > 1 and (getattr(cfg, "speculative_eagle_topk", 1) or 1) > 1:
         raise EssArgsError(f"--enable-ess supports --speculative-eagle-topk 1 (got {cfg.speculative_eagle_topk}): a "
                            "tree verify repeats own positions across branches")
@@ -127,7 +129,25 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
 
 
 # Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd_warmup).
-DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "layer_plan", "record_trace")
+DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "layer_plan", "record_trace", "disk_dir",
+               "disk_gib")
+GRAPH_PHASES = ("decode", "prefill")  # SGLang's cuda_graph_config phases
+
+
+def _check_disk_tier(cfg: Any) -> None:
+    """--ess-disk-dir faults pages in from disk on the host between layers (docs/plugin.md, "Disk tier"): no CUDA
+    graph can hold that, and a PD decode node receives KV into host rows by location, which a tier moves."""
+    if cfg.disaggregation_mode == "decode":
+        raise EssArgsError("--ess-disk-dir is not supported on a PD decode node yet: the transfer engine writes received "
+                           "KV into host memory by token location, and the disk tier keeps only some locations there")
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    graphs = getattr(cfg, "cuda_graph_config", None)
+    on = [p for p in GRAPH_PHASES if graphs is not None and getattr(graphs, p).backend != Backend.DISABLED]
+    if on:
+        raise EssArgsError(f"--ess-disk-dir reads pages from disk between layers on the host, which a CUDA graph cannot "
+                           f"hold ({' and '.join(on)} graphs are on): add "
+                           + " ".join(f"--cuda-graph-backend-{p} disabled" for p in on))
 
 
 def _check_pd_warmup(ess: EssArgs, context: int) -> None:

@@ -68,20 +68,42 @@ def model_runner(sa, model_config, pool, tokens):
                                  kv_cache_dtype=torch.float8_e4m3fn, server_args=sa)
 
 
+FRAMES = 42  # with --ess-disk-dir: a third of the pages (3 layers x 41), one layer's worth
+
+
+def tier_flags(tmp_path) -> list[str]:
+    """A disk tier of FRAMES host pages over a page file in tmp_path/disk (SIZE's locations scatter every request's
+    positions over all 41 pages of a layer: no locality, the tier's worst case)."""
+    (tmp_path / "disk").mkdir(exist_ok=True)
+    return ["--ess-host-pool-gib", str((FRAMES + 0.5) * 64 * 656 / 2**30), "--ess-disk-dir", str(tmp_path / "disk"),
+            "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+
+
+def host_rows_by_location(pool, layer):
+    """ESS's host rows of every location on `layer` (through the disk tier's frames when there is one)."""
+    locs = torch.arange(SIZE + 64)
+    if pool.ess_tier is None:
+        return pool.ess_host[layer, : SIZE + 64]
+    pool.ess_tier.ensure(pool.ess_tier.pages(layer, locs))
+    return pool.ess_host[layer][pool.ess_tier.rows(layer, locs)]
+
+
 def build(plugin, sa, mc):
-    """SGLang's request table, its stock DSA pool and ESS's, the ESS runtime (through the plugin's model-runner hook)
-    and both real backends."""
+    """SGLang's request table, its stock DSA pool and ESS's (with the launch's disk tier, if any), the ESS runtime
+    (through the plugin's model-runner hook) and both real backends."""
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
+    from sglang_ess.args import ess_args
     from sglang_ess.pool import EssDSATokenToKVPool, pool_class
+    from sglang_ess.sizing import disk_tier_spec
 
     kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
               device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
     tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
     tokens.req_to_token[REQ] = (torch.randperm(SIZE - 1)[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
     stock_pool = DSATokenToKVPool(**kw)
-    ess_pool = pool_class(scratch_rows=8, stage_rows=64, backend="torch")(**kw)
+    ess_pool = pool_class(scratch_rows=8, stage_rows=64, backend="torch", tier=disk_tier_spec(ess_args(sa), 1))(**kw)
     assert isinstance(ess_pool, EssDSATokenToKVPool)
 
     runner = model_runner(sa, mc, ess_pool, tokens)
@@ -124,10 +146,12 @@ def decode_batch(tokens, req, pos):
                         positions=pos)
 
 
-def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plugin, monkeypatch):
+@pytest.mark.parametrize("tier", [False, True], ids=["host", "disk-tier"])
+def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plugin, monkeypatch, tmp_path, tier):
+    """With --ess-disk-dir too: a third of the pages in host frames, the rest on disk, and the same output."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch(*(tier_flags(tmp_path) if tier else [])))
     events, misses = [], []
     fetch = rt.cache.fetch
 
@@ -175,9 +199,16 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
         rt.end_forward()
         pos = pos + 1
     assert len(misses) == 3 * L and min(misses[L:]) > 0  # C = 24 slots for top-16 of 40+ positions: misses every step
+    if tier:  # the decode steps themselves read pages back from disk
+        assert ess_pool.ess_tier.stats["disk_reads"] > 0 and ess_pool.ess_tier.stats["exposed_disk_ms"] > 0
     # the step's own rows reached the host pool, where SGLang's PD transfer and later prefills read them
     for i in range(L):
-        assert torch.equal(ess_pool.ess_host[i, : SIZE + 64], stock_pool.kv_buffer[i][:, 0].view(torch.uint8))
+        assert torch.equal(host_rows_by_location(ess_pool, i), stock_pool.kv_buffer[i][:, 0].view(torch.uint8))
+    if tier:  # pages went to disk and came back (every location was read back above, equal to the stock pool's)
+        report = rt.stats()["tier"]
+        assert report["frames"] == FRAMES and report["disk_reads"] > 0 and report["disk_writes"] > 0, report
+        ess_pool.ess_tier.check()
+        ess_pool.ess_tier.close()
 
 
 def test_recorded_traces_carry_the_positions_the_indexer_ranks_next(launch, plugin, tmp_path):
@@ -282,7 +313,8 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
         seq = seq + 1 + step % 2  # 1 or 2 tokens accepted
 
 
-def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(launch, plugin):
+@pytest.mark.parametrize("tier", [False, True], ids=["host", "disk-tier"])
+def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(launch, plugin, tmp_path, tier):
     """A prefill forward (SGLang's forward_extend, EXTEND): ESS stages the batch at metadata time, the backend's fused
     top-k (token locations) reads staged rows equal to the stock pool's, and the same call's top-k leaves each
     request's GPU slots as LRU-Warmup over its last W query rows (the oracle LRU's resident set)."""
@@ -291,7 +323,7 @@ def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(
 
     from ess.reference.lru_oracle import OracleLRU
 
-    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch(*(tier_flags(tmp_path) if tier else [])))
     W = rt.ess.warmup_windows
     layers = attention_layers()
     gen, rng = torch.Generator().manual_seed(3), random.Random(3)
@@ -328,3 +360,14 @@ def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(
             warm[layer.layer_id, r] = set(oracle.stamp)
     for (layer, r), want in warm.items():
         assert rt.cache.sparse.resident(layer, r) == want, (layer, r)
+    for layer in layers:  # the warm rows in the GPU slots are the prompt's rows, through the tier's frames too
+        i = layer.layer_id
+        for r in REQ:
+            pos_, slots = rt.cache.sparse.resident_slots(i, torch.tensor([r]))
+            held = pos_ >= 0
+            locs = tokens.req_to_token[r, pos_[held].long()].long()
+            want = stock_pool.kv_buffer[i][locs, 0].view(torch.uint8)
+            assert torch.equal(rt.cache.gpu[i][slots[held].long()], want), (i, r)
+    if tier:
+        ess_pool.ess_tier.check()
+        ess_pool.ess_tier.close()

@@ -33,7 +33,11 @@ def model_dir(tmp_path, name="dsv32", **changes):
 
 
 ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess-host-pool-gib", "--ess-overlap",
-             "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace", "--ess-record-lookahead"]
+             "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace", "--ess-record-lookahead", "--ess-disk-dir",
+             "--ess-disk-gib"]
+NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+DISK = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-host-pool-gib", "8",
+        "--ess-disk-dir", "DISK"]
 
 
 @pytest.fixture
@@ -173,6 +177,16 @@ BAD = [
     ("host-receive", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                           "--disaggregation-decode-host-receive-threshold", "0.5"],
      "--disaggregation-decode-host-receive-threshold below 1 yet"),
+    # the disk tier (docs/plugin.md, "Disk tier")
+    ("disk-gib-alone", {}, ["--enable-ess", "--ess-disk-gib", "10"], "--ess-disk-gib bounds the disk tier: give --ess-disk-dir"),
+    ("disk-gib-zero", {}, [*DISK, "--ess-disk-gib", "0"], "--ess-disk-gib must be positive, got 0.0"),
+    ("disk-without-host-pool", {}, ["--enable-ess", "--ess-disk-dir", "DISK"], "give --ess-host-pool-gib"),
+    ("disk-missing", {}, [*DISK[:-1], "NODIR"], "--ess-disk-dir .*nodir: no such directory"),
+    ("disk-graphs", {}, DISK, "--ess-disk-dir reads pages from disk between layers .*\\(decode graphs are on\\): add "
+     "--cuda-graph-backend-decode disabled$"),
+    ("disk-pd-decode", {}, [*DISK, *NO_GRAPHS, "--disaggregation-mode", "decode"], "not supported on a PD decode node"),
+    ("disk-prefill-node", {}, [*DISK, "--disaggregation-mode", "prefill"],
+     "--ess-host-pool-gib, --ess-disk-dir shape\\(s\\) the decode node's cache"),
 ]
 
 
@@ -183,9 +197,24 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
     plan = tmp_path / "plan10.json"
     plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 10, "modes": ["da"] * 10}))
     (tmp_path / "plan.bin").write_bytes(b"\xff\xfe\x00 not UTF-8")
-    flags = [{"PLAN10": str(plan), "PLANBIN": str(tmp_path / "plan.bin")}.get(f, f) for f in flags]
+    (tmp_path / "disk").mkdir()
+    places = {"PLAN10": str(plan), "PLANBIN": str(tmp_path / "plan.bin"), "DISK": str(tmp_path / "disk"),
+              "NODIR": str(tmp_path / "nodir")}
+    flags = [places.get(f, f) for f in flags]
     with pytest.raises(EssArgsError, match=message):
         resolve(base(tmp_path, *flags, **model))
+
+
+def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):
+    """--ess-disk-dir with CUDA graphs off on a co-located node: SGLang's resolution keeps the flags for the pool."""
+    from sglang_ess.args import ess_args
+    from sglang_ess.validate import validate_server_args
+
+    (tmp_path / "disk").mkdir()
+    sa = resolve(base(tmp_path, *DISK[:-1], str(tmp_path / "disk"), "--ess-disk-gib", "100", *NO_GRAPHS))
+    ess = ess_args(pickle.loads(pickle.dumps(sa)))
+    assert (ess.disk_dir, ess.disk_gib, ess.host_pool_gib) == (str(tmp_path / "disk"), 100.0, 8.0)
+    assert validate_server_args(sa).role == "co-located"
 
 
 def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):

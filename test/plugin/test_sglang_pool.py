@@ -113,7 +113,7 @@ def in_forward(pool):
 def make_runtime(ess, tokens, **flags):
     facts = EssFacts("co-located", K, L, tokens.req_to_token.shape[1], C)
     rt = EssRuntime(EssArgs(enable=True, buffer_tokens=C, **flags), facts, tokens.req_to_token, host=ess.ess_host,
-                    device="cpu", backend="torch")
+                    device="cpu", backend="torch", tier=ess.ess_tier)
     ess.ess_runtime = rt
     return rt
 
@@ -196,17 +196,13 @@ def test_move_reads_every_source_before_writing_any_target(pools, monkeypatch, b
     assert torch.equal(ess.ess_host[:, rest], before[:, rest])
 
 
-def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
-    """SGLang's configurator hands ESS its profiled budget and per-token cell (latent + index-K); ESS sizes tokens and
-    requests so that index-K of every token, C slots per request slot, staging and scratch fit the budget."""
+def configurator(monkeypatch, layers, avail):
+    """SGLang's real DefaultPoolConfigurator (DSA FP8 cell, no draft) behind a stand-in KVCacheConfigurator, and the
+    schedule and PD settings sizing reads, for a node of 8 ranks with `avail` bytes of device budget each."""
     import types
 
     from sglang.srt.model_executor import pool_configurator as pc
 
-    from ess.core.memory import cache_bytes
-    from sglang_ess import sizing
-
-    layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
     stock = pc.DefaultPoolConfigurator.__new__(pc.DefaultPoolConfigurator)
     stock._cell_size, stock._fixed_overhead_bytes = layers * (656 + 132), 0  # SGLang's DSA FP8 cell, no draft
     monkeypatch.setattr(pc, "create_memory_pool_configurator", lambda kvc: stock)
@@ -219,6 +215,17 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     kvc = types.SimpleNamespace(layer_info=types.SimpleNamespace(num_effective_layers=layers), attn_dp_size=1,
                                 _profile_available_bytes=lambda pre: avail, _apply_token_constraints=lambda t: t,
                                 server_args=types.SimpleNamespace(tp_size=8, pp_size=1, nnodes=1))
+    return kvc, stock, schedule, disagg
+
+
+def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
+    """SGLang's configurator hands ESS its profiled budget and per-token cell (latent + index-K); ESS sizes tokens and
+    requests so that index-K of every token, C slots per request slot, staging and scratch fit the budget."""
+    from ess.core.memory import cache_bytes
+    from sglang_ess import sizing
+
+    layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
+    kvc, stock, schedule, disagg = configurator(monkeypatch, layers, avail)
     monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (2 << 40) * 8 // 10 // ranks)  # a 2 TiB node
     facts = EssFacts("co-located", 2048, 61, ctx, cap)
     config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
@@ -253,6 +260,43 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (1 << 40) * 8 // 10 // ranks)
     config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
     assert config.max_total_num_tokens * layers * 656 <= 102.4 * (1 << 30) and config.max_running_requests == 82
+
+
+def test_a_disk_tier_moves_the_host_wall_to_the_disk(monkeypatch, tmp_path):
+    """With --ess-disk-dir the tokens are capped by the page file's budget and the host holds --ess-host-pool-gib of
+    frames, which must hold one layer's worst-case step; on a 1 TiB node (102.4 GiB per rank) the host pool alone
+    capped ESS at 82 requests of 32K, the tier lets the device decide."""
+    from ess.core.disk_tier import PAGE_BYTES
+    from ess.core.settings import DISK_PAGE_BYTES
+    from sglang_ess import sizing
+
+    layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
+    kvc, _, schedule, _ = configurator(monkeypatch, layers, avail)
+    monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (1 << 40) * 8 // 10 // ranks)
+    facts = EssFacts("co-located", 2048, 61, ctx, cap)
+    tiered = dict(enable=True, buffer_tokens=cap, disk_dir=str(tmp_path), disk_gib=1000)
+    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(**tiered, host_pool_gib=64), facts)
+    assert config.max_running_requests == 138  # the device's count, as on a 2 TiB node without a tier
+    spec = kvc.ess_tier_spec
+    assert (spec.host_bytes, spec.disk_dir, spec.disk_bytes) == (64 << 30, str(tmp_path), 1000 << 30)
+    assert config.max_total_num_tokens * layers * DISK_PAGE_BYTES // 64 <= spec.disk_bytes
+    # a small disk caps the tokens (2.5M, below 100 requests x 32K)
+    s = sizing.ess_pool_sizes(layers, avail, 64, 100, ctx, cap, host_limit=102 << 30, disk_budget_bytes=100 << 30)
+    assert s.limited_by == "disk" and s.tokens == (100 << 30) // (layers * DISK_PAGE_BYTES) * 64
+    assert s.host_bytes == 64 << 30 and s.disk_bytes <= 100 << 30
+    with pytest.raises(ValueError, match="--ess-disk-gib: 1.0 GiB of disk hold 24960 tokens, below one request of 32768"):
+        sizing.ess_pool_sizes(layers, avail, 64, None, ctx, cap, disk_budget_bytes=1 << 30)
+    # frames below one layer's worst-case step are refused at start-up: 138 requests x 2049 rows, each in a page of
+    # its own, capped by one layer of the token pool (its pages)
+    need = min(138 * 2049, config.max_total_num_tokens // 64 + 1)
+    assert need * PAGE_BYTES > 2 << 30
+    with pytest.raises(ValueError, match=f"--ess-host-pool-gib 2: a disk tier's frames must hold the {need} pages"):
+        sizing.resolve_memory_pool_config(kvc, 0, EssArgs(**tiered, host_pool_gib=2), facts)
+    schedule.max_running_requests = 16  # fewer requests need fewer frames (16 x 2049 pages: 1.3 GiB)
+    sizing.resolve_memory_pool_config(kvc, 0, EssArgs(**tiered, host_pool_gib=2), facts)
+    # without --ess-disk-gib: this rank's share of the directory's free space
+    monkeypatch.setattr(sizing, "free_disk_bytes", lambda d: 8 << 40)
+    assert sizing.disk_tier_spec(EssArgs(enable=True, host_pool_gib=8, disk_dir=str(tmp_path)), 8).disk_bytes == 1 << 40
 
 
 def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
@@ -336,3 +380,84 @@ def test_prefill_top_k_warms_up_through_the_hooks(pools):
     ess.ess_stage_of_loc.fill_(-7)
     hooks.after_init_forward_metadata(None, backend, child)
     assert (ess.ess_stage_of_loc == -7).all()
+
+
+# -- --ess-disk-dir: the host pool as a disk tier's frames ------------------------------------------------------------
+FRAMES = 42  # one layer's pages (41) + 1: half of the 2 layers' pages in host memory, the rest on disk
+
+
+@pytest.fixture
+def tiered(pools, tmp_path):
+    """The stock pool, and an ESS pool whose host rows are a disk tier of FRAMES pages over a file in tmp_path (the
+    test's random locations scatter each request over every page of a layer: the tier's worst case)."""
+    from sglang_ess.sizing import DiskTierSpec
+
+    stock, _, tokens = pools
+    kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
+              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
+    with get_parallel().override(attn_dcp_size=1):
+        ess = pool_class(8, 16, "torch", DiskTierSpec(FRAMES * 64 * 656, str(tmp_path), 1 << 30))(**kw)
+    yield stock, ess, tokens
+    ess.ess_tier.close()
+    assert not list(tmp_path.iterdir())  # the page file goes with the tier
+
+
+def by_location(ess, layer, locs):
+    """ESS's host rows at locations locs on `layer`, read through the tier (their pages brought in first)."""
+    return ess.ess_host[layer][ess._frame_rows(layer, locs)]
+
+
+def test_prefill_and_decode_through_a_disk_tier_equal_the_stock_pool(tiered, monkeypatch):
+    """Chunked prefill (its cached prefix staged from the tier) and DA decode steps (misses paged in at the indexer
+    hook) read exactly the stock pool's rows, with half the pages on disk; every row comes back from host or disk."""
+    from sglang_ess import hooks
+
+    stock, ess, tokens = tiered
+    rng = random.Random(2)
+    prefill(stock, ess, tokens, REQ, [0, 0], [30, 20], rng)
+    prefill(stock, ess, tokens, REQ, [30, 20], [40, 33], rng)  # the prefixes come back through the tier
+    rt = make_runtime(ess, tokens, overlap="da")
+    monkeypatch.setattr(hooks.state, "runtime", rt)
+    assert rt.cache.tier is ess.ess_tier
+    req, pos = torch.tensor(REQ), torch.tensor([40, 33])
+    for step in range(8):
+        ess.ess_phase = DECODE
+        topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+        for layer in range(L):
+            with in_forward(ess):
+                hooks.after_indexer(topk, None, None, None, positions=pos, forward_batch=decode_batch(req, pos),
+                                    layer_id=layer)
+            write(stock, ess, layer, tokens.req_to_token[req, pos], salt=step)
+            slots = rt.swap_in_selected_pages(req, pos + 1, topk, layer)
+            got = ess.get_key_buffer(layer)[slots.long()]
+            want = stock.get_key_buffer(layer)[tokens.req_to_token[req.unsqueeze(1), topk.long()].long()]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (step, layer)
+        pos = pos + 1
+    stats = dict(ess.ess_tier.stats)
+    assert stats["disk_reads"] > 0 and stats["disk_writes"] > 0 and stats["prefetch_hits"] > 0, stats
+    locs = torch.arange(SIZE + 64)
+    for layer in range(L):
+        assert torch.equal(by_location(ess, layer, locs), stock.kv_buffer[layer][:, 0].view(torch.uint8))
+    ess.ess_tier.check()
+
+
+def test_move_and_cpu_copy_through_a_disk_tier(tiered, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # SGLang's index-K copy syncs the GPU
+    stock, ess, tokens = tiered
+    ess.ess_phase = EXTEND
+    loc = tokens.req_to_token[REQ[0], :100]
+    ess.stage_extend(tokens.req_to_token, torch.tensor([REQ[0]]), [100], [0])
+    for layer in range(L):
+        write(stock, ess, layer, loc)
+    tgt, src = torch.cat([torch.arange(SIZE - 10, SIZE), loc[:2]]), torch.cat([loc[:10], loc[2:4]])
+    ess.move_kv_cache(tgt, src)  # also overlapping: two sources are targets too
+    for layer in range(L):
+        assert torch.equal(by_location(ess, layer, tgt), rows_for(src, layer))
+    copy = ess.get_cpu_copy(tgt)
+    assert torch.equal(copy["kv"], torch.stack([rows_for(src, layer) for layer in range(L)]))
+    for layer in range(L):  # overwrite them, then load the copy back
+        write(stock, ess, layer, tgt, salt=5)
+    ess.load_cpu_copy(copy, tgt)
+    for layer in range(L):
+        assert torch.equal(by_location(ess, layer, tgt), rows_for(src, layer))
+    ess.ess_tier.check()

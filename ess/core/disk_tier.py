@@ -1,0 +1,334 @@
+"""A disk tier under a host pool (KVDrive's idea; docs/design.md, "Disk tier"): a budget of pinned host frames holds
+the latent pages in use, a file on local disk holds the others. Host plus disk hold every page at every step.
+
+Addressing. The host pool a tier serves is a set of *virtual rows* per layer: SGLang's token locations on the
+serving path (sglang_ess.pool), request x position in the reference (ess.reference.disk_tier). Virtual row v of
+layer l lies in page (l, v // 64); a page is one layer's 64 rows (64 x 656 = 41,984 bytes, 45,056 on disk for
+4 KiB-aligned direct I/O). The indexer picks each layer's top-k independently, so a page of all layers would read 61
+layers' rows for one layer's miss. `rows(layer, v)` translates virtual rows into rows of the frames (`data`), on the
+device, through a page -> frame map: the sink row for a page out of the frames or a negative v, so ess.core's
+FlashTrans gathers and scatters work unchanged on `data[layer]`.
+
+Frames are shared by all layers, recycled least recently used first; a page one call uses is pinned for the call.
+A page enters a frame from disk (a read, waited for: exposed) or empty (never written); a frame leaves with a write
+of its page if the page changed since its last write. `clean` writes changed pages in the background and `prefetch`
+starts reading pages a coming step is likely to need. Reads and writes are direct I/O (O_DIRECT, buffered where the
+file system refuses it) from a thread pool. Frames are host memory the device reads and writes asynchronously: before
+a frame changes page or is written out, the device is synchronised (a tier therefore runs outside CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import mmap
+import os
+import time
+
+import numpy as np
+import torch
+
+from ess.core import layout
+from ess.core.pinned import pinned_zeros
+from ess.core.settings import DISK_PAGE_BYTES, PAGE_TOKENS
+
+PAGE_BYTES = PAGE_TOKENS * layout.LATENT_ROW_BYTES
+DISK_PAGE = DISK_PAGE_BYTES  # PAGE_BYTES, 4 KiB-aligned for direct I/O
+IO_THREADS = 8
+# the flags each message names, by role (the reference's demo flags here; the plugin passes its own)
+FLAGS = {"host_budget": "--host-budget-mib", "disk_dir": "--disk-dir", "disk_gib": "--disk-gib"}
+
+
+class DiskTierError(RuntimeError):
+    """A disk-tier setting or an I/O fault; the message names the flag. Nothing was lost: every page is in a frame or
+    in the file as before the call."""
+
+
+def check_disk_dir(directory: str, flags: dict = FLAGS) -> None:
+    """The start-up checks of a page file's directory (a missing or read-only one names the flag)."""
+    if not os.path.isdir(directory):
+        raise DiskTierError(f"{flags['disk_dir']} {directory}: no such directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise DiskTierError(f"{flags['disk_dir']} {directory}: not writable")
+
+
+def free_disk_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still write in `directory`'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+class DiskFile:
+    """The pages of the tier's file: page i at offset i x DISK_PAGE. Preallocated, so a full disk shows at start."""
+
+    def __init__(self, directory: str, pages: int, budget_bytes: int | None, flags: dict):
+        self.flags = flags
+        need = pages * DISK_PAGE
+        if budget_bytes is not None and need > budget_bytes:
+            raise DiskTierError(f"{flags['disk_gib']} {budget_bytes / 2**30:.3g}: the batch needs {need / 2**30:.3g} GiB "
+                                f"on disk ({pages} pages of {DISK_PAGE} bytes)")
+        check_disk_dir(directory, flags)
+        path = os.path.join(directory, f"ess_tier_{os.getpid()}_{id(self):x}.pages")
+        self.direct = True
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise DiskTierError(f"{flags['disk_dir']} {directory}: cannot create the page file ({e.strerror})") from e
+            self.direct = False  # the file system refuses direct I/O (tmpfs): buffered I/O
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)  # the open descriptor keeps the pages: the file goes with the process, however it ends
+        try:
+            os.posix_fallocate(self.fd, 0, need)
+        except OSError as e:
+            self.close()
+            raise DiskTierError(f"{flags['disk_dir']} {directory}: cannot hold {need / 2**30:.3g} GiB of pages "
+                                f"({e.strerror}); free space or give another directory") from e
+        self.pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS)
+
+    def _buffer(self) -> mmap.mmap:
+        return mmap.mmap(-1, DISK_PAGE)  # page-aligned, as direct I/O needs
+
+    def write(self, page: int, data: np.ndarray) -> None:
+        buf = self._buffer()
+        buf[:PAGE_BYTES] = data.tobytes()
+        n = os.pwrite(self.fd, buf, page * DISK_PAGE)
+        if n != DISK_PAGE:
+            raise DiskTierError(f"{self.flags['disk_dir']}: short write of page {page} ({n} of {DISK_PAGE} bytes); "
+                                "the page stays in host memory")
+
+    def read(self, page: int, out: np.ndarray) -> None:
+        buf = self._buffer()
+        n = os.preadv(self.fd, [buf], page * DISK_PAGE)
+        if n != DISK_PAGE:
+            raise DiskTierError(f"{self.flags['disk_dir']}: short read of page {page} ({n} of {DISK_PAGE} bytes); "
+                                "the page stays on disk")
+        out[:] = np.frombuffer(buf, dtype=np.uint8, count=PAGE_BYTES).reshape(out.shape)
+
+    def close(self) -> None:
+        if getattr(self, "pool", None) is not None:
+            self.pool.shutdown(wait=True)
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class PagedHostTier:
+    """`virtual_rows` latent rows on each of `num_layers` layers in host frames of `host_budget_bytes` and a page file
+    in `disk_dir` (at most `disk_bytes`)."""
+
+    def __init__(self, num_layers: int, virtual_rows: int, host_budget_bytes: int, disk_dir: str,
+                 disk_bytes: int | None = None, device: torch.device | str = "cpu", flags: dict = FLAGS):
+        self.L, self.V, self.flags = num_layers, virtual_rows, flags
+        self.P = -(-virtual_rows // PAGE_TOKENS)  # pages per layer
+        self.frames = int(host_budget_bytes // PAGE_BYTES)
+        if self.frames < 1:
+            raise DiskTierError(f"{flags['host_budget']}: {host_budget_bytes} bytes hold no {PAGE_BYTES}-byte page")
+        n = num_layers * self.P
+        self.file = DiskFile(disk_dir, n, disk_bytes, flags)
+        self.device = torch.device(device)
+        rows = self.frames * PAGE_TOKENS
+        self.frame_rows = pinned_zeros((rows + 1, layout.LATENT_ROW_BYTES), pin=self.device.type == "cuda")  # + sink
+        self.sink = rows
+        # the host pool as ess.core sees it: [layers, rows + 1, 656], every layer a view of the same frames
+        self.data = self.frame_rows.as_strided((num_layers, rows + 1, layout.LATENT_ROW_BYTES),
+                                               (0, layout.LATENT_ROW_BYTES, 1))
+        self.frame_map = torch.full((num_layers, self.P), -1, dtype=torch.int64, device=self.device)  # page -> frame
+        self.frame_of = np.full(n, -1, dtype=np.int64)  # the same map on the host
+        self.page_in = np.full(self.frames, -1, dtype=np.int64)  # frame -> page
+        self.last_use = np.zeros(self.frames, dtype=np.int64)
+        self.written = np.zeros(n, dtype=bool)  # the file holds the page's rows
+        self.dirty = np.zeros(n, dtype=bool)  # the frame's rows are newer than the file's
+        self.pending: dict[int, concurrent.futures.Future] = {}  # frame -> its read or write in flight
+        self.prefetched = np.zeros(n, dtype=bool)  # in a frame by prefetch, not used since
+        self._remapped: dict[int, int] = {}  # page -> frame changes not yet in frame_map
+        self.clock = 0
+        self.stats = {"disk_reads": 0, "disk_writes": 0, "prefetch_hits": 0, "exposed_disk_ms": 0.0}
+
+    # -- addressing (device ops) ----------------------------------------------------------------------------------
+    def rows(self, layer: int, v: torch.Tensor) -> torch.Tensor:
+        """Frame rows (int64) of virtual rows v on `layer`: the sink row for v < 0 or a page out of the frames."""
+        v = v.long()
+        valid = (v >= 0) & (v < self.V)
+        f = self.frame_map[layer, torch.div(v, PAGE_TOKENS, rounding_mode="floor").clamp(0, self.P - 1)]
+        return torch.where(valid & (f >= 0), f * PAGE_TOKENS + v % PAGE_TOKENS, self.sink)
+
+    def pages(self, layer: int, v: torch.Tensor) -> np.ndarray:
+        """The pages (ids over all layers) of virtual rows v on `layer`, negative v ignored. Host values: syncs."""
+        v = v.long().flatten()
+        p = torch.where((v >= 0) & (v < self.V), layer * self.P + torch.div(v, PAGE_TOKENS, rounding_mode="floor"), -1)
+        p = torch.unique(p)
+        return p[p >= 0].cpu().numpy()
+
+    def frame_view(self, f: int) -> np.ndarray:
+        return self.frame_rows[f * PAGE_TOKENS : (f + 1) * PAGE_TOKENS].numpy()
+
+    def _map(self, p: int, f: int) -> None:
+        self.frame_of[p] = f
+        self._remapped[p] = f
+
+    def _publish(self) -> None:
+        """The page -> frame changes of a call into the device map, in one write on the current stream."""
+        if self._remapped:
+            pages = torch.tensor(list(self._remapped), dtype=torch.int64)
+            frames = torch.tensor(list(self._remapped.values()), dtype=torch.int64)
+            self.frame_map.view(-1)[pages.to(self.device)] = frames.to(self.device)
+            self._remapped.clear()
+
+    def _quiesce(self) -> None:
+        """Before a frame changes page or is written out: no copy in flight on the device reads or writes it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- frames ----------------------------------------------------------------------------------------------------
+    def _settle(self, f: int) -> None:
+        fut = self.pending.pop(f, None)
+        if fut is not None:
+            fut.result()  # a fault raises here (DiskTierError), the page's state unchanged by the failed I/O
+
+    def _free_frame(self, pinned: set[int]) -> int:
+        """A frame for a new page: a free one, else the least recently used unpinned one (its page written first if
+        it changed)."""
+        free = np.flatnonzero(self.page_in < 0)
+        if free.size:
+            return int(free[0])
+        for f in np.argsort(self.last_use, kind="stable"):
+            f = int(f)
+            if f not in pinned:
+                self._evict(f)
+                return f
+        raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {len(pinned)} "
+                            "pages one layer's step needs; raise it")
+
+    def _evict(self, f: int) -> None:
+        self._settle(f)
+        p = int(self.page_in[f])
+        if self.dirty[p]:
+            self.file.write(p, self.frame_view(f))
+            self.stats["disk_writes"] += 1
+            self.written[p], self.dirty[p] = True, False
+        self.page_in[f], self.prefetched[p] = -1, False
+        self._map(p, -1)
+
+    def _load(self, p: int, pinned: set[int], wait: bool) -> int:
+        """Page p into a frame (read from disk if it was ever written). Returns the frame."""
+        f = self._free_frame(pinned)
+        if self.written[p]:
+            view = self.frame_view(f)
+
+            def read(page=p, out=view):
+                self.file.read(page, out)
+
+            self.stats["disk_reads"] += 1
+            if wait:
+                read()  # a fault leaves the frame free and the page on disk: nothing lost
+            else:
+                self.pending[f] = self.file.pool.submit(read)
+        else:
+            self.frame_view(f)[:] = 0  # a page never written: nothing to read
+        self.page_in[f] = p
+        self._map(p, f)
+        return f
+
+    def ensure(self, pages, dirty: bool = False) -> None:
+        """Every page in `pages` in a frame before the caller reads or writes its rows (reads waited for, timed as
+        exposed); dirty: the caller writes them. The pages are pinned for the call."""
+        t0 = time.perf_counter()
+        self.clock += 1
+        need = np.unique(np.asarray(pages, dtype=np.int64))
+        if need.size > self.frames:
+            raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
+                                "one layer's step needs; raise it")
+        pinned = {int(f) for f in self.frame_of[need] if f >= 0}
+        if (self.frame_of[need] < 0).any():
+            self._quiesce()
+        try:
+            for p in need:
+                p = int(p)
+                f = int(self.frame_of[p])
+                if f < 0:
+                    f = self._load(p, pinned, wait=True)
+                else:
+                    self._settle(f)
+                    if self.prefetched[p]:
+                        self.stats["prefetch_hits"] += 1
+                        self.prefetched[p] = False
+                pinned.add(f)
+                self.last_use[f] = self.clock
+            if dirty:
+                self.dirty[need] = True
+        finally:
+            self._publish()
+            self.stats["exposed_disk_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def prefetch(self, pages) -> None:
+        """Start reading disk pages into frames no recent use holds (the least recently used), without waiting."""
+        recent = {int(f) for f in np.flatnonzero(self.last_use >= self.clock)}
+        todo = [int(p) for p in np.unique(np.asarray(pages, dtype=np.int64)) if self.frame_of[p] < 0 and self.written[p]]
+        if not todo:
+            return
+        self._quiesce()
+        try:
+            for p in todo:
+                try:
+                    f = self._load(p, recent, wait=False)
+                except DiskTierError:
+                    return  # every frame is in recent use: no room to prefetch into
+                self.prefetched[p] = True
+                self.last_use[f] = self.clock  # recent, so that later prefetches keep it
+                recent.add(f)
+        finally:
+            self._publish()
+
+    def clean(self) -> None:
+        """Write changed pages that no call of this clock used, in the background."""
+        frames = [int(f) for f in np.flatnonzero((self.page_in >= 0) & (self.last_use < self.clock))
+                  if self.dirty[self.page_in[f]] and int(f) not in self.pending]
+        if frames:
+            self._quiesce()
+        for f in frames:
+            p = int(self.page_in[f])
+
+            def write(page=p, view=self.frame_view(f)):
+                try:
+                    self.file.write(page, view)
+                except DiskTierError:
+                    self.dirty[page] = True  # written again before its frame is reused
+                    raise
+                self.written[page] = True
+
+            self.dirty[p] = False
+            self.pending[f] = self.file.pool.submit(write)
+            self.stats["disk_writes"] += 1
+
+    # -- accounting ------------------------------------------------------------------------------------------------
+    def host_pages(self) -> int:
+        return int((self.page_in >= 0).sum())
+
+    def disk_pages(self) -> int:
+        """Pages whose only copy is on disk."""
+        return int((self.written & (self.frame_of < 0)).sum())
+
+    def check(self) -> None:
+        """Host plus disk hold every page ever written: none out of the frames has changes the file lacks, and the
+        device map agrees with the host's."""
+        lost = np.flatnonzero((self.frame_of < 0) & self.dirty)
+        if lost.size:
+            raise AssertionError(f"disk tier lost pages {lost[:8].tolist()}")
+        if not np.array_equal(self.frame_map.flatten().cpu().numpy(), self.frame_of):
+            raise AssertionError("disk tier: the device page map differs from the host's")
+
+    def report(self) -> dict:
+        for f in list(self.pending):
+            self._settle(f)
+        return {"host_pages": self.host_pages(), "disk_pages": self.disk_pages(), "frames": self.frames,
+                "page_bytes": PAGE_BYTES, "direct_io": self.file.direct, **self.stats,
+                "exposed_disk_ms": round(self.stats["exposed_disk_ms"], 3)}
+
+    def close(self) -> None:
+        for f in list(self.pending):
+            try:
+                self._settle(f)
+            except DiskTierError:
+                pass
+        self.file.close()

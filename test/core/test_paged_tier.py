@@ -1,0 +1,86 @@
+"""ess.core.disk_tier under ess.core.serving: virtual rows through the page map, every step's rows equal to the rows
+written, with about half the pages in host frames; on a GPU the same steps give the same rows as on the CPU."""
+
+import pytest
+import torch
+
+from ess.core import layout
+from ess.core.disk_tier import PAGE_BYTES, PagedHostTier
+from ess.core.serving import ServingLatentCache
+
+L, B, CTX, K, C, STEPS = 2, 3, 256, 16, 24, 6
+PAGES = L * B * CTX // 64  # 24
+FRAMES = PAGES // 2 + 1  # one layer's pages (12), all a step may need, + 1: the rest on disk
+
+
+def truth():
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (L, B * CTX, layout.LATENT_ROW_BYTES), generator=g, dtype=torch.uint8)
+
+
+def test_rows_follow_the_page_map(tmp_path):
+    t = PagedHostTier(L, B * CTX, 2 * PAGE_BYTES, str(tmp_path))
+    v = torch.tensor([-1, 0, 63, 64, 130, B * CTX])
+    assert (t.rows(1, v) == t.sink).all()  # nothing in a frame yet; out of range and -1 go to the sink
+    assert t.pages(1, v).tolist() == [12, 13, 14]  # layer 1's pages start at B x CTX / 64 = 12
+    with pytest.raises(Exception, match="--host-budget-mib: 2 host pages cannot hold the 3 pages"):
+        t.ensure(t.pages(1, v))
+    assert t.host_pages() == 0  # a refused call changes nothing
+    t.ensure(t.pages(1, v[:4]), dirty=True)  # pages 12 and 13
+    rows = t.rows(1, v)
+    assert rows[1] % 64 == 0 and rows[2] == rows[1] + 63 and rows[3] % 64 == 0 and rows[3] != rows[1]
+    assert rows[0] == t.sink and rows[4] == t.sink and rows[5] == t.sink
+    t.ensure(t.pages(1, v[4:5]))  # page 14 takes the least recently used frame, whose changed page is written first
+    assert t.rows(1, v)[4] != t.sink and t.stats["disk_writes"] == 1 and t.disk_pages() == 1
+    t.check()
+    t.close()
+
+
+def run(device, tmp_path):
+    """STEPS decode steps of B requests through a serving cache over a tier of FRAMES pages; returns each step's
+    selected rows (host) and the tier's report."""
+    rows = truth()
+    tier = PagedHostTier(L, B * CTX, FRAMES * PAGE_BYTES, str(tmp_path), device=device)
+    for layer in range(L):  # the prompt's rows, a page at a time through the frames
+        for j in range(B * CTX // 64):
+            v = torch.arange(64 * j, 64 * (j + 1), device=device)
+            tier.ensure(tier.pages(layer, v), dirty=True)
+            tier.frame_rows[tier.rows(layer, v).cpu()] = rows[layer, v.cpu()]
+    table = torch.arange(B * CTX, device=device).reshape(B, CTX)
+    cache = ServingLatentCache(L, B, C, CTX, tier.data, device, tier=tier)
+    req = torch.arange(B, device=device)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(STEPS):
+        own = torch.full((B,), CTX - STEPS + step, device=device)
+        cache.next_step()
+        for layer in range(L):
+            sets = torch.stack([torch.randperm(CTX - STEPS + step, generator=g)[:K] for _ in range(B)]).to(device)
+            cache.page_in(layer, req, table, sets, own)
+            own_rows = rows[layer, (req * CTX + own).cpu()].to(device)  # the step's own row (the model's new token)
+            r = cache.translate(layer, req, table, sets, own, own_rows)
+            got = cache.rows(layer, r).cpu()
+            want = rows[layer, (req.unsqueeze(1) * CTX + sets).cpu()]
+            assert torch.equal(got, want), (device, step, layer)
+            out.append(got)
+            tier.clean()
+    report = tier.report()
+    tier.check()
+    tier.close()
+    return out, report
+
+
+def test_every_step_reads_the_rows_written(tmp_path):
+    _, report = run("cpu", tmp_path)
+    assert report["frames"] == FRAMES and report["disk_reads"] > 0 and report["disk_writes"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_steps_through_the_tier_equal_the_cpu_steps(tmp_path):
+    """Pinned frames read by FlashTrans over UVA, the page map on the device: the same rows as the CPU path."""
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "gpu").mkdir()
+    cpu, cpu_report = run("cpu", tmp_path / "cpu")
+    gpu, gpu_report = run("cuda", tmp_path / "gpu")
+    assert all(torch.equal(a, b) for a, b in zip(cpu, gpu))
+    assert {k: cpu_report[k] for k in ("disk_reads", "disk_writes")} == {k: gpu_report[k] for k in ("disk_reads", "disk_writes")}
