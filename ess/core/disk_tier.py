@@ -143,7 +143,10 @@ class PagedHostTier:
         self.prefetched = np.zeros(n, dtype=bool)  # in a frame by prefetch, not used since
         self._remapped: dict[int, int] = {}  # page -> frame changes not yet in frame_map
         self.clock = 0
-        self.stats = {"disk_reads": 0, "disk_writes": 0, "prefetch_hits": 0, "exposed_disk_ms": 0.0}
+        # host_hits / disk_faults: pages a call needed that were in a frame / that it read from disk and waited for
+        # (pages never written are neither); disk_reads: those reads and the prefetches
+        self.stats = {"disk_reads": 0, "disk_writes": 0, "prefetch_hits": 0, "host_hits": 0, "disk_faults": 0,
+                      "exposed_disk_ms": 0.0}
 
     # -- addressing (device ops) ----------------------------------------------------------------------------------
     def rows(self, layer: int, v: torch.Tensor) -> torch.Tensor:
@@ -247,8 +250,10 @@ class PagedHostTier:
                 p = int(p)
                 f = int(self.frame_of[p])
                 if f < 0:
+                    self.stats["disk_faults"] += int(self.written[p])
                     f = self._load(p, pinned, wait=True)
                 else:
+                    self.stats["host_hits"] += 1
                     self._settle(f)
                     if self.prefetched[p]:
                         self.stats["prefetch_hits"] += 1
