@@ -290,3 +290,12 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
     assert not plugin.state.sender._forwards
     plugin.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
     assert len(plugin.state.sender._forwards) == 1
+
+
+def test_an_unwritable_disk_dir_is_refused(tmp_path, monkeypatch):
+    """(As root every directory is writable: the permission answer is the test's.)"""
+    from sglang_ess.args import EssArgs, EssArgsError
+
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(EssArgsError, match=f"--ess-disk-dir {tmp_path}: not writable"):
+        EssArgs(enable=True, host_pool_gib=8, disk_dir=str(tmp_path)).check()
