@@ -185,27 +185,38 @@ class PagedHostTier:
 
     # -- frames ----------------------------------------------------------------------------------------------------
     def _settle(self, f: int) -> None:
+        """Wait for frame f's I/O in flight. A fault raises here (DiskTierError) with nothing lost: a failed
+        background write left its page changed in host memory; a failed read ahead leaves its page on disk only."""
         fut = self.pending.pop(f, None)
-        if fut is not None:
-            fut.result()  # a fault raises here (DiskTierError), the page's state unchanged by the failed I/O
+        if fut is None:
+            return
+        try:
+            fut.result()
+        except DiskTierError:
+            p = int(self.page_in[f])
+            if p >= 0 and self.prefetched[p]:  # the read ahead: the frame holds nothing of the page
+                self.page_in[f], self.prefetched[p] = -1, False
+                self._map(p, -1)
+            raise
 
-    def _free_frame(self, pinned: set[int]) -> int:
-        """A frame for a new page: a free one, else the least recently used unpinned one (its page written first if
-        it changed)."""
-        free = np.flatnonzero(self.page_in < 0)
-        if free.size:
-            return int(free[0])
-        for f in np.argsort(self.last_use, kind="stable"):
-            f = int(f)
-            if f not in pinned:
-                self._evict(f)
-                return f
-        raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {len(pinned)} "
-                            "pages one layer's step needs; raise it")
+    def _settle_frames(self, frames: np.ndarray) -> None:
+        """Wait for the I/O in flight on these frames (a fault raises, as in _settle)."""
+        if self.pending:
+            for f in np.intersect1d(frames, np.fromiter(self.pending, dtype=np.int64, count=len(self.pending))):
+                self._settle(int(f))
+
+    def _victims(self, n: int, keep: np.ndarray) -> np.ndarray:
+        """Up to n frames for new pages, none of `keep` (a frame mask): free ones first, then the least recently used."""
+        cand = np.flatnonzero(~keep)
+        rank = np.where(self.page_in[cand] < 0, -1, self.last_use[cand])
+        return cand[np.argsort(rank, kind="stable")[:n]]
 
     def _evict(self, f: int) -> None:
+        """Frame f's page out, written first if it changed (main thread: a failed write raises, the page stays)."""
         self._settle(f)
         p = int(self.page_in[f])
+        if p < 0:
+            return
         if self.dirty[p]:
             self.file.write(p, self.frame_view(f))
             self.stats["disk_writes"] += 1
@@ -213,53 +224,84 @@ class PagedHostTier:
         self.page_in[f], self.prefetched[p] = -1, False
         self._map(p, -1)
 
-    def _load(self, p: int, pinned: set[int], wait: bool) -> int:
-        """Page p into a frame (read from disk if it was ever written). Returns the frame."""
-        f = self._free_frame(pinned)
-        if self.written[p]:
-            view = self.frame_view(f)
-
-            def read(page=p, out=view):
-                self.file.read(page, out)
-
-            self.stats["disk_reads"] += 1
-            if wait:
-                read()  # a fault leaves the frame free and the page on disk: nothing lost
+    def _swap(self, f: int, old: int, write_old: bool, new: int) -> str | None:
+        """In a pool thread: frame f's page `old` written out (if write_old), then page `new` read in (or zeroed if
+        never written). Returns the stage that failed with its message, or None; the caller updates the state."""
+        view = self.frame_view(f)
+        try:
+            if write_old:
+                self.file.write(old, view)
+        except DiskTierError as e:
+            return f"write:{e}"
+        try:
+            if self.written[new]:
+                self.file.read(new, view)
             else:
-                self.pending[f] = self.file.pool.submit(read)
-        else:
-            self.frame_view(f)[:] = 0  # a page never written: nothing to read
-        self.page_in[f] = p
-        self._map(p, f)
-        return f
+                view[:] = 0
+        except DiskTierError as e:
+            return f"read:{e}"
+        return None
+
+    def _fill(self, frames: np.ndarray, pages: np.ndarray) -> None:
+        """Pages into these frames, all at once from the thread pool (each frame's old page written out first if it
+        changed), waited for. A failed write leaves its frame's page in host memory, a failed read its page on disk;
+        the first failure is raised after every other page is in place."""
+        self._settle_frames(frames)  # all before any job starts: a fault here leaves every frame as it was
+        jobs = []
+        for f, p in zip(frames.tolist(), pages.tolist()):
+            old = int(self.page_in[f])
+            write_old = old >= 0 and bool(self.dirty[old])
+            if write_old or self.written[p]:
+                jobs.append((f, old, write_old, p, self.file.pool.submit(self._swap, f, old, write_old, p)))
+            else:  # no I/O: an unchanged page leaves, a page never written comes in empty
+                self.frame_view(f)[:] = 0
+                jobs.append((f, old, False, p, None))
+        failed = None
+        for f, old, write_old, p, fut in jobs:
+            stage = None if fut is None else fut.result()
+            if stage is not None and stage.startswith("write:"):
+                failed = failed or stage[6:]
+                continue
+            if old >= 0:  # out: its rows are in the file (written now, or unchanged since)
+                if write_old:
+                    self.stats["disk_writes"] += 1
+                    self.written[old], self.dirty[old] = True, False
+                self.page_in[f], self.prefetched[old] = -1, False
+                self._map(old, -1)
+            if stage is not None:
+                failed = failed or stage[5:]
+                continue
+            self.stats["disk_reads"] += int(self.written[p])
+            self.stats["disk_faults"] += int(self.written[p])
+            self.page_in[f], self.last_use[f] = p, self.clock
+            self._map(p, f)
+        if failed is not None:
+            raise DiskTierError(failed)
 
     def ensure(self, pages, dirty: bool = False) -> None:
         """Every page in `pages` in a frame before the caller reads or writes its rows (reads waited for, timed as
-        exposed); dirty: the caller writes them. The pages are pinned for the call."""
+        exposed); dirty: the caller writes them. The pages are pinned for the call: the frames of those already in
+        host memory are not taken for the others, which are read in parallel from the thread pool."""
         t0 = time.perf_counter()
         self.clock += 1
         need = np.unique(np.asarray(pages, dtype=np.int64))
         if need.size > self.frames:
             raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
                                 "one layer's step needs; raise it")
-        pinned = {int(f) for f in self.frame_of[need] if f >= 0}
-        if (self.frame_of[need] < 0).any():
-            self._quiesce()
         try:
-            for p in need:
-                p = int(p)
-                f = int(self.frame_of[p])
-                if f < 0:
-                    self.stats["disk_faults"] += int(self.written[p])
-                    f = self._load(p, pinned, wait=True)
-                else:
-                    self.stats["host_hits"] += 1
-                    self._settle(f)
-                    if self.prefetched[p]:
-                        self.stats["prefetch_hits"] += 1
-                        self.prefetched[p] = False
-                pinned.add(f)
-                self.last_use[f] = self.clock
+            frames = self.frame_of[need]
+            held = frames >= 0
+            self._settle_frames(frames[held])
+            self.stats["host_hits"] += int(held.sum())
+            self.stats["prefetch_hits"] += int(self.prefetched[need[held]].sum())
+            self.prefetched[need[held]] = False
+            self.last_use[frames[held]] = self.clock
+            missing = need[~held]
+            if missing.size:
+                self._quiesce()
+                keep = np.zeros(self.frames, dtype=bool)
+                keep[frames[held]] = True
+                self._fill(self._victims(missing.size, keep), missing)
             if dirty:
                 self.dirty[need] = True
         finally:
@@ -267,21 +309,24 @@ class PagedHostTier:
             self.stats["exposed_disk_ms"] += (time.perf_counter() - t0) * 1e3
 
     def prefetch(self, pages) -> None:
-        """Start reading disk pages into frames no recent use holds (the least recently used), without waiting."""
-        recent = {int(f) for f in np.flatnonzero(self.last_use >= self.clock)}
-        todo = [int(p) for p in np.unique(np.asarray(pages, dtype=np.int64)) if self.frame_of[p] < 0 and self.written[p]]
-        if not todo:
+        """Start reading disk pages into frames no call of this clock used (free ones, then the least recently used),
+        without waiting; as many as there are such frames."""
+        pages = np.unique(np.asarray(pages, dtype=np.int64))
+        todo = pages[(self.frame_of[pages] < 0) & self.written[pages]]
+        if not todo.size:
+            return
+        victims = self._victims(todo.size, self.last_use >= self.clock)
+        if not victims.size:
             return
         self._quiesce()
         try:
-            for p in todo:
-                try:
-                    f = self._load(p, recent, wait=False)
-                except DiskTierError:
-                    return  # every frame is in recent use: no room to prefetch into
-                self.prefetched[p] = True
-                self.last_use[f] = self.clock  # recent, so that later prefetches keep it
-                recent.add(f)
+            for f, p in zip(victims.tolist(), todo.tolist()):
+                self._evict(f)  # usually clean: `clean` wrote changed pages of earlier calls in the background
+                view = self.frame_view(f)
+                self.pending[f] = self.file.pool.submit(self.file.read, p, view)
+                self.stats["disk_reads"] += 1
+                self.page_in[f], self.last_use[f], self.prefetched[p] = p, self.clock, True
+                self._map(p, f)
         finally:
             self._publish()
 
@@ -324,8 +369,11 @@ class PagedHostTier:
             raise AssertionError("disk tier: the device page map differs from the host's")
 
     def report(self) -> dict:
-        for f in list(self.pending):
-            self._settle(f)
+        try:
+            for f in list(self.pending):
+                self._settle(f)
+        finally:
+            self._publish()
         return {"host_pages": self.host_pages(), "disk_pages": self.disk_pages(), "frames": self.frames,
                 "page_bytes": PAGE_BYTES, "direct_io": self.file.direct, **self.stats,
                 "exposed_disk_ms": round(self.stats["exposed_disk_ms"], 3)}

@@ -84,3 +84,31 @@ def test_gpu_steps_through_the_tier_equal_the_cpu_steps(tmp_path):
     gpu, gpu_report = run("cuda", tmp_path / "gpu")
     assert all(torch.equal(a, b) for a, b in zip(cpu, gpu))
     assert {k: cpu_report[k] for k in ("disk_reads", "disk_writes")} == {k: gpu_report[k] for k in ("disk_reads", "disk_writes")}
+
+
+def test_a_failed_read_ahead_leaves_the_page_on_disk(tmp_path, monkeypatch):
+    import os
+
+    t = PagedHostTier(1, 4 * 64, 2 * PAGE_BYTES, str(tmp_path))
+    rows = truth()[0, : 4 * 64]
+    for j in range(4):  # 4 pages through 2 frames: pages 0 and 1 end on disk
+        v = torch.arange(64 * j, 64 * (j + 1))
+        t.ensure(t.pages(0, v), dirty=True)
+        t.frame_rows[t.rows(0, v)] = rows[v]
+    t.clock += 1  # a new step: no frame in use
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: 100)
+    t.prefetch([0, 1])
+    with pytest.raises(Exception, match="--disk-dir: short read of page"):
+        t.ensure([0])
+    assert t.frame_of[0] < 0 and t.written[0]  # still on disk, and only there
+    monkeypatch.setattr(os, "preadv", real)
+    for f in list(t.pending):  # the other read ahead failed too: its page stays on disk
+        with pytest.raises(Exception, match="short read"):
+            t._settle(f)
+    t.ensure([0, 1])
+    v = torch.arange(128)
+    assert torch.equal(t.frame_rows[t.rows(0, v)], rows[v])
+    t.report()
+    t.check()
+    t.close()

@@ -101,7 +101,8 @@ def build(plugin, sa, mc):
     kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
               device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
     tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
-    tokens.req_to_token[REQ] = (torch.randperm(SIZE - 1)[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
+    locs = torch.randperm(SIZE - 1, generator=torch.Generator().manual_seed(0))  # scattered, the same every run
+    tokens.req_to_token[REQ] = (locs[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
     stock_pool = DSATokenToKVPool(**kw)
     ess_pool = pool_class(scratch_rows=8, stage_rows=64, backend="torch", tier=disk_tier_spec(ess_args(sa), 1))(**kw)
     assert isinstance(ess_pool, EssDSATokenToKVPool)

@@ -35,7 +35,8 @@ def pools(monkeypatch):
         stock = DSATokenToKVPool(**kw)
         ess = pool_class(scratch_rows=8, stage_rows=16, backend="torch")(**kw)
         tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
-        tokens.req_to_token[REQ] = (torch.randperm(SIZE - 1)[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
+        locs = torch.randperm(SIZE - 1, generator=torch.Generator().manual_seed(0))  # scattered, the same every run
+        tokens.req_to_token[REQ] = (locs[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
         yield stock, ess, tokens
 
 
