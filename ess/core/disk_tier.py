@@ -332,11 +332,13 @@ class PagedHostTier:
 
     def clean(self) -> None:
         """Write changed pages that no call of this clock used, in the background."""
-        frames = [int(f) for f in np.flatnonzero((self.page_in >= 0) & (self.last_use < self.clock))
-                  if self.dirty[self.page_in[f]] and int(f) not in self.pending]
-        if frames:
+        frames = np.flatnonzero((self.page_in >= 0) & (self.last_use < self.clock))
+        frames = frames[self.dirty[self.page_in[frames]]]
+        if self.pending:
+            frames = np.setdiff1d(frames, np.fromiter(self.pending, dtype=np.int64, count=len(self.pending)))
+        if frames.size:
             self._quiesce()
-        for f in frames:
+        for f in frames.tolist():
             p = int(self.page_in[f])
 
             def write(page=p, view=self.frame_view(f)):
