@@ -260,10 +260,11 @@ def test_recorded_traces_carry_the_positions_the_indexer_ranks_next(launch, plug
         assert counts.prefetched.sum() > 0
 
 
-def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, plugin, monkeypatch):
+@pytest.mark.parametrize("tier", [False, True], ids=["host", "disk-tier"])
+def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, plugin, monkeypatch, tmp_path, tier):
     """MTP target-verify (3 query rows per request: SGLang's forward_extend in TARGET_VERIFY mode) with DA: the step
     starts at the indexer hook over the union of each request's rows, the attention reads ESS's slots, and every
-    row's output equals the stock backend's."""
+    row's output equals the stock backend's (with --ess-disk-dir too: the union's misses paged in from disk)."""
     from sglang.srt.layers.attention import dsa_backend
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -276,7 +277,8 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
     S, buffer = 3, 3 * (K + 1) + 9  # every verify row's set and own token fit (the plugin refuses fewer)
     tokens, stock_pool, ess_pool, rt, ess, stock = build(
         plugin, *launch("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
-                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(S), buffer=buffer))
+                        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(S),
+                        *(tier_flags(tmp_path) if tier else []), buffer=buffer))
     assert ess.speculative_num_draft_tokens == S and rt.cache.capacity == buffer
     layers = attention_layers()
     gen, rng = torch.Generator().manual_seed(2), random.Random(2)
@@ -312,6 +314,10 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
             assert torch.equal(got, want), (step, layer.layer_id)
         rt.end_forward()
         seq = seq + 1 + step % 2  # 1 or 2 tokens accepted
+    if tier:
+        assert ess_pool.ess_tier.stats["disk_faults"] > 0
+        ess_pool.ess_tier.check()
+        ess_pool.ess_tier.close()
 
 
 @pytest.mark.parametrize("tier", [False, True], ids=["host", "disk-tier"])
