@@ -15,9 +15,8 @@ Everything in the step is fixed-shape device work (no host sync), so a CUDA grap
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from ess.core import flashtrans, layout
 from ess.core.disk_tier import PagedHostTier
@@ -134,7 +133,8 @@ class ServingLatentCache:
         C = self.capacity
         held = self.sparse.slot_pos[:, req, :C].long()  # [L, C]
         r = torch.tensor([req], device=held.device)
-        rows = self.host_rows(0, token_table, r, held.reshape(1, -1)).reshape(L, C)  # locations (no tier): every layer's rows; the sink where empty
+        # without a tier the rows are the locations, the same on every layer (the sink row where empty)
+        rows = self.host_rows(0, token_table, r, held.reshape(1, -1)).reshape(L, C)
         layer = torch.arange(L, device=held.device).unsqueeze(1)
         src = (layer * self.host.shape[1] + rows).flatten()
         dst = torch.where(held >= 0, layer * slots + req * C + torch.arange(C, device=held.device), -1).flatten()
