@@ -30,7 +30,7 @@ import torch
 
 from ess.core import layout
 from ess.core.pinned import pinned_zeros
-from ess.core.settings import DISK_PAGE_BYTES, PAGE_TOKENS
+from ess.core.settings import DISK_PAGE_BYTES, PAGE_TOKENS, KnobError, check_disk_dir
 
 PAGE_BYTES = PAGE_TOKENS * layout.LATENT_ROW_BYTES
 DISK_PAGE = DISK_PAGE_BYTES  # PAGE_BYTES, 4 KiB-aligned for direct I/O
@@ -42,14 +42,6 @@ FLAGS = {"host_budget": "--host-budget-mib", "disk_dir": "--disk-dir", "disk_gib
 class DiskTierError(RuntimeError):
     """A disk-tier setting or an I/O fault; the message names the flag. Nothing was lost: every page is in a frame or
     in the file as before the call."""
-
-
-def check_disk_dir(directory: str, flags: dict = FLAGS) -> None:
-    """The start-up checks of a page file's directory (a missing or read-only one names the flag)."""
-    if not os.path.isdir(directory):
-        raise DiskTierError(f"{flags['disk_dir']} {directory}: no such directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise DiskTierError(f"{flags['disk_dir']} {directory}: not writable")
 
 
 def free_disk_bytes(directory: str) -> int:
@@ -67,7 +59,10 @@ class DiskFile:
         if budget_bytes is not None and need > budget_bytes:
             raise DiskTierError(f"{flags['disk_gib']} {budget_bytes / 2**30:.3g}: the batch needs {need / 2**30:.3g} GiB "
                                 f"on disk ({pages} pages of {DISK_PAGE} bytes)")
-        check_disk_dir(directory, flags)
+        try:
+            check_disk_dir(directory, flags["disk_dir"])
+        except KnobError as e:
+            raise DiskTierError(str(e)) from e
         path = os.path.join(directory, f"ess_tier_{os.getpid()}_{id(self):x}.pages")
         self.direct = True
         try:

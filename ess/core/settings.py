@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 GIB = 1 << 30
 DEFAULT_SPARSE_RATIO = 0.2  # the ESS paper's operating point, when neither the buffer nor the ratio is given
@@ -48,6 +49,14 @@ def check_knobs(buffer_tokens=None, sparse_ratio=None, warmup_windows=WARMUP_WIN
         raise KnobError(f"{names['warmup_windows']} must be a non-negative integer, got {warmup_windows!r}")
     if host_pool_gib is not None and not host_pool_gib > 0:
         raise KnobError(f"{names['host_pool_gib']} must be positive, got {host_pool_gib!r}")
+
+
+def check_disk_dir(directory: str, flag: str) -> None:
+    """A disk tier's directory: it exists and this process may create files there (the message names `flag`)."""
+    if not os.path.isdir(directory):
+        raise KnobError(f"{flag} {directory}: no such directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise KnobError(f"{flag} {directory}: not writable")
 
 
 def capacity(buffer_tokens, sparse_ratio, context_tokens: int, topk: int, names: dict = FIELD_NAMES) -> int:

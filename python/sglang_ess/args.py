@@ -80,10 +80,10 @@ class EssArgs:
             if self.host_pool_gib is None:
                 raise EssArgsError("--ess-disk-dir adds a disk tier under the host pool: give --ess-host-pool-gib, "
                                    "the pinned host memory that holds the pages in use")
-            if not os.path.isdir(self.disk_dir):
-                raise EssArgsError(f"--ess-disk-dir {self.disk_dir}: no such directory")
-            if not os.access(self.disk_dir, os.W_OK | os.X_OK):
-                raise EssArgsError(f"--ess-disk-dir {self.disk_dir}: not writable")
+            try:
+                settings.check_disk_dir(self.disk_dir, self.FLAGS["disk_dir"])
+            except settings.KnobError as e:
+                raise EssArgsError(str(e)) from e
         if self.overlap not in OVERLAP_CHOICES:
             raise EssArgsError(f"--ess-overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
         if self.layer_plan is not None:
@@ -108,7 +108,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ess-buffer-tokens", type=int, default=None, help="GPU latent slots per request and layer (at least top-k + 1; the ESS paper recommends >= 6.4K).")
     g.add_argument("--ess-sparse-ratio", type=float, default=None, help=f"GPU latent slots as a share of the context length (Sparse Memory Ratio), instead of --ess-buffer-tokens. Default {DEFAULT_SPARSE_RATIO}.")
     g.add_argument("--ess-host-pool-gib", type=float, default=None, help="Pinned host memory for the full latent cache (Total Memory Pool), per GPU. Default: sized to the token pool. With --ess-disk-dir: the host frames over the disk tier.")
-    g.add_argument("--ess-disk-dir", type=str, default=None, help="A directory on local NVMe for a disk tier under the host pool: pages no recent step used are written there and read back when a step needs them (eager mode: needs --disable-cuda-graph; co-located only).")
+    g.add_argument("--ess-disk-dir", type=str, default=None, help="A directory on local NVMe for a disk tier under the host pool: pages no recent step used are written there and read back when a step needs them (eager mode: needs --cuda-graph-backend-decode disabled and prefill graphs off; co-located only).")
     g.add_argument("--ess-disk-gib", type=float, default=None, help="With --ess-disk-dir: the most the page file may take, per GPU (default: the directory's free space).")
     g.add_argument("--ess-overlap", choices=OVERLAP_CHOICES, default="auto", help="How the H2D of misses overlaps compute: none, da (Dual-Attention), dba (DualBatch-Attention), or auto (per layer from --ess-layer-plan, else da).")
     g.add_argument("--ess-layer-plan", type=str, default=None, help="Per-layer overlap plan from `ess plan` (format ess-layer-plan/1).")
