@@ -64,6 +64,7 @@ class ServingLatentCache:
         self.host = host
         self.host_sink = host.shape[1] - 1
         self.tier = tier
+        self.selected_pages: list[np.ndarray | None] = [None] * num_layers  # tier: each layer's last step's pages
         self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, kernel)
         slots = whole_pages(max_requests * capacity + 1)  # + the sink slot
         self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
@@ -101,12 +102,23 @@ class ServingLatentCache:
         return torch.where(is_own | resident | (sets < 0), -1, sets)
 
     def page_in(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor,
-                own: torch.Tensor) -> np.ndarray:
-        """Before a layer's LRU step: the pages of its misses into host frames (waited for). Returns the pages of
-        every selected position, which a later step may prefetch."""
+                own: torch.Tensor, more: bool = False) -> None:
+        """Before a layer's LRU step: the pages of its misses into host frames (waited for). The pages of every
+        selected position are kept for the next step's read-ahead (more: this call is a further part of the same
+        step, as DBA's second half, whose pages join the first part's)."""
         tier = self.tier
         tier.ensure(tier.pages(layer, self.locations(token_table, req, self.missing(layer, req, sets, own))))
-        return tier.pages(layer, self.locations(token_table, req, sets))
+        pages = tier.pages(layer, self.locations(token_table, req, sets))
+        kept = self.selected_pages[layer]
+        self.selected_pages[layer] = np.union1d(kept, pages) if more and kept is not None else pages
+
+    def read_ahead(self, layer: int) -> None:
+        """After page_in: changed pages no call of this step used are written out, and the pages the next layer
+        selected at its last step are read into frames, both in the background."""
+        self.tier.clean()
+        ahead = self.selected_pages[(layer + 1) % len(self.selected_pages)]
+        if ahead is not None:
+            self.tier.prefetch(ahead)
 
     # -- LRU-Warmup ---------------------------------------------------------------------------------------------
     def warmup(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor, first_stamp=None) -> None:

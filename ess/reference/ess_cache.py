@@ -7,7 +7,6 @@ GPU slots and are backed up to the host pool (D2H) on the copy stream, which ess
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ess.core import flashtrans, layout
@@ -50,12 +49,11 @@ class EssLatentCache:
                 reqs.append(r)
             self.req = torch.tensor(reqs, dtype=torch.int64, device=device)  # host-pool request ids
             # request b's token table: the host rows of b's positions (the same on every layer)
-            table = self.host.rows(self.req, torch.arange(max_len, device=device).expand(B, -1))
-            self.tables = [table] * num_layers
+            self.token_table = self.host.rows(self.req, torch.arange(max_len, device=device).expand(B, -1))
         else:
             self.host = tier
             self.req = self.slots
-            self.tables = [tier.token_table()] * num_layers  # virtual rows, which the serving cache maps to frames
+            self.token_table = tier.token_table()  # virtual rows, which the serving cache maps to frames
         self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend, tier=tier)
         self.sparse = self.serving.sparse
         self.stamp = self.serving.stamp
@@ -64,8 +62,6 @@ class EssLatentCache:
         self.warm: list[torch.Tensor | None] = [None] * num_layers  # per layer [B, W, K]
         self.misses: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.set_sizes: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        # with a tier: the pages each layer's last step selected (the next step's prefetch)
-        self.last_pages: list[np.ndarray | None] = [None] * num_layers
 
     # -- the latent-cache interface -------------------------------------------------------------------------
     def prefill(self, layer: int, b: int, rows: torch.Tensor, warm_sets: torch.Tensor | None) -> None:
@@ -86,25 +82,12 @@ class EssLatentCache:
         """sets [B, W', K], oldest first; the last min(W', warmup_windows) windows are used, stamped w - W."""
         W = min(self.cfg.warmup_windows, sets.shape[1])
         sets = sets[:, sets.shape[1] - W :]
-        self.serving.warmup(layer, self.slots, self.tables[layer], sets, first_stamp=-W)
+        self.serving.warmup(layer, self.slots, self.token_table, sets, first_stamp=-W)
 
     def _page_in(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice) -> None:
-        """With a disk tier, before a layer's LRU step: the pages of its misses into host frames
-        (ServingLatentCache.page_in); the pages it selects are the next step's prefetch."""
-        pages = self.serving.page_in(layer, self.slots[part], self.tables[layer], topk, pos)
-        if part.start in (None, 0):  # the layer's first (or only) part
-            self.last_pages[layer] = pages
-        else:  # DBA's second half
-            self.last_pages[layer] = np.union1d(self.last_pages[layer], pages)
-
-    def _after_layer(self, layer: int) -> None:
-        """With a disk tier, after a layer's step: write changed pages in the background, and start reading the disk
-        pages the next layer selected last step."""
-        tier = self.tier
-        tier.clean()
-        nxt = (layer + 1) % self.num_layers
-        if self.last_pages[nxt] is not None:
-            tier.prefetch(self.last_pages[nxt])
+        """With a disk tier, before a layer's LRU step: ServingLatentCache.page_in (DBA's second half joins the first
+        half's step)."""
+        self.serving.page_in(layer, self.slots[part], self.token_table, topk, pos, more=part.start not in (None, 0))
 
     # -- decode phases (ess.reference.overlap orders them per mode; `decode` is the serial order) ----------------------
     def set_step(self, step: int) -> None:
@@ -115,19 +98,19 @@ class EssLatentCache:
         """The LRU policy for the batch rows in `part` (device only, without a disk tier)."""
         if self.tier is not None:
             self._page_in(layer, topk, pos, part)
-        return self.serving.update(layer, self.slots[part], topk, pos, self.tables[layer])
+        return self.serving.update(layer, self.slots[part], topk, pos, self.token_table)
 
     def translate(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> PolicyResult:
         """The serial step, mode NONE, of the whole batch: ServingLatentCache.translate (policy, H2D of the misses, own
         rows into their slots, all on the compute stream), the one implementation of that order."""
         if self.tier is not None:
             self._page_in(layer, topk, pos, slice(None))
-        return self.serving.translate(layer, self.slots, self.tables[layer], topk, pos, own_rows)
+        return self.serving.translate(layer, self.slots, self.token_table, topk, pos, own_rows)
 
     def fetch(self, layer: int, r: PolicyResult, part: slice = slice(None), overlapped: bool = False) -> None:
         """H2D of the misses of `r` (rows `part` of the batch) into their GPU slots (current stream; overlapped: the
         copy stream, beside compute)."""
-        self.serving.fetch(layer, self.slots[part], self.tables[layer], r, overlapped)
+        self.serving.fetch(layer, self.slots[part], self.token_table, r, overlapped)
 
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """Write the step's own rows into their GPU slots (compute stream)."""
@@ -139,7 +122,7 @@ class EssLatentCache:
         later step cannot evict the slot mid-copy, and a captured graph joins its copy stream)."""
         if self.tier is not None:  # the own rows' pages in frames, changed by this copy
             self.tier.ensure(self.tier.pages_of(layer, self.slots, pos), dirty=True)
-        host_rows = self.serving.host_rows(layer, self.tables[layer], self.slots, pos).reshape(-1)  # pos [B] or [B, M]
+        host_rows = self.serving.host_rows(layer, self.token_table, self.slots, pos).reshape(-1)  # pos [B] or [B, M]
         own_slot = r.own_slot.reshape(-1)
         return self.streams.copy_after(
             lambda: flashtrans.scatter(self.serving.gpu[layer], own_slot, self.host.data[layer], host_rows, self.backend),
@@ -154,8 +137,8 @@ class EssLatentCache:
         """Once per layer and step, after its step (every overlap mode calls it)."""
         self.misses[layer].append(r.n_miss)
         self.set_sizes[layer].append(r.n_set)
-        if self.tier is not None:
-            self._after_layer(layer)
+        if self.tier is not None:  # after the layer's step: write-back and read-ahead in the background
+            self.serving.read_ahead(layer)
 
     def decode(self, layer: int, step: int | None, topk: torch.Tensor, pos: torch.Tensor, own_rows: torch.Tensor) -> DecodeRows:
         """Serial order (mode NONE): policy, H2D, wait, own row, then the rows for one attention call.

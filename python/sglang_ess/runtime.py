@@ -75,7 +75,6 @@ class EssRuntime:
         self.cache = ServingLatentCache(
             self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend, kernel, tier
         )
-        self._last_pages: list = [None] * self.num_layers  # disk tier: the pages each layer's last step selected
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.plan)
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model, facts.topk) if ess.record_trace else None
@@ -136,13 +135,8 @@ class EssRuntime:
         """--ess-disk-dir, before a layer's LRU step: the pages of its misses into host frames, waited for (exposed;
         host work, so eager mode only); then, in the background, changed pages no step of this call used are written
         out and the pages the next layer selected at its last step are read ahead (docs/plugin.md, "Disk tier")."""
-        tier = self.cache.tier
-        pages = self.cache.page_in(layer, req, self.token_table, sets, own)
-        tier.clean()
-        ahead = self._last_pages[(layer + 1) % self.num_layers]
-        if ahead is not None:
-            tier.prefetch(ahead)
-        self._last_pages[layer] = pages
+        self.cache.page_in(layer, req, self.token_table, sets, own)
+        self.cache.read_ahead(layer)
 
     def keep_next_ranked(self, logits: torch.Tensor, lengths: torch.Tensor, topk: torch.Tensor) -> None:
         """--ess-record-lookahead d: the d positions the indexer ranks after its top-k (logits [rows, positions],
