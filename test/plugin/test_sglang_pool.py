@@ -21,6 +21,11 @@ L, K, C, SIZE, MAX_LEN = 2, 8, 12, 40 * 64, 200
 REQ = [3, 1]  # request-pool slots (0 is SGLang's padding row)
 
 
+# SGLang's DSA pool constructor arguments for both pools (DeepSeek-V3.2's MLA dims, L layers, SIZE locations)
+POOL_KW = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
+               device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
+
+
 def stand_in_quantiser(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
     """Writes pre-made 656-byte rows (passed as cache_k_nope) at loc, as SGLang's quantiser writes its rows."""
     dst_buffer[loc.long(), 0] = cache_k_nope
@@ -29,11 +34,9 @@ def stand_in_quantiser(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
 @pytest.fixture
 def pools(monkeypatch):
     monkeypatch.setattr(DSATokenToKVPool, "_write_mla_kv_buffer", stand_in_quantiser)
-    kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
-              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
     with get_parallel().override(attn_dcp_size=1):  # one GPU, no decode context parallelism
-        stock = DSATokenToKVPool(**kw)
-        ess = pool_class(scratch_rows=8, stage_rows=16, backend="torch")(**kw)
+        stock = DSATokenToKVPool(**POOL_KW)
+        ess = pool_class(scratch_rows=8, stage_rows=16, backend="torch")(**POOL_KW)
         tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
         locs = torch.randperm(SIZE - 1, generator=torch.Generator().manual_seed(0))  # scattered, the same every run
         tokens.req_to_token[REQ] = (locs[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
@@ -394,10 +397,8 @@ def tiered(pools, tmp_path):
     from sglang_ess.sizing import DiskTierSpec
 
     stock, _, tokens = pools
-    kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
-              device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
     with get_parallel().override(attn_dcp_size=1):
-        ess = pool_class(8, 16, "torch", DiskTierSpec(FRAMES * 64 * 656, str(tmp_path), 1 << 30))(**kw)
+        ess = pool_class(8, 16, "torch", DiskTierSpec(FRAMES * 64 * 656, str(tmp_path), 1 << 30))(**POOL_KW)
     yield stock, ess, tokens
     ess.ess_tier.close()
     assert not list(tmp_path.iterdir())  # the page file goes with the tier
