@@ -166,6 +166,18 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_tiny_checkpoint(args) -> int:
+    from ess.reference import checkpoint
+
+    try:
+        paths = checkpoint.write(args.out, args.seed)
+    except FileExistsError as e:
+        raise ValueError(str(e)) from e
+    say(f"ess tiny-checkpoint: a random DeepSeek-V3.2 checkpoint (seed {args.seed}) in {args.out}: "
+        + ", ".join(os.path.basename(p) for p in paths))
+    return 0
+
+
 def cmd_cache_replay(args) -> int:
     from ess.analysis.replay import replay_counts
     from ess.core.layout import LATENT_ROW_BYTES
@@ -447,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help=JSON_HELP)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("tiny-checkpoint", help="write a tiny random DeepSeek-V3.2 checkpoint that SGLang serves "
+                                              "(the CPU server's model; ess/reference/checkpoint.py)")
+    t.add_argument("out", help="directory to write (created; refused if it holds a checkpoint already)")
+    t.add_argument("--seed", type=int, default=0, help="the weights' generator seed (the same seed, the same bytes)")
+    t.set_defaults(func=cmd_tiny_checkpoint)
 
     c = sub.add_parser("cache", help="ESS cache tools")
     csub = c.add_subparsers(dest="cache_command", required=True)

@@ -25,7 +25,8 @@ def test_the_core_imports_none_of_the_wings():
 
 def test_the_plugin_imports_the_core_only():
     pytest.importorskip("sglang")
-    mods = ("runtime", "validate", "sizing", "hooks", "pool")
+    mods = ("runtime", "validate", "sizing", "hooks", "pool", "cpu", "cpu.patches", "cpu.kernels", "cpu.indexer",
+            "cpu.flash_mla_interface", "cpu.resolution")
     assert loaded_after("\n".join(f"import sglang_ess.{m}" for m in mods)) == []
 
 

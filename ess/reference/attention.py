@@ -20,6 +20,14 @@ import math
 import torch
 
 from ess.core import layout
+from ess.core.dsa_math import (  # noqa: F401  (the reference's own names for them)
+    hadamard,
+    index_scores,
+    merge_attention,
+    select_topk,
+    shared_key_scores,
+    sparse_attention,
+)
 from ess.reference.config import ModelConfig
 
 
@@ -102,20 +110,6 @@ def rope(x: torch.Tensor, pos: torch.Tensor, freqs: torch.Tensor, interleaved: b
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-@functools.lru_cache(maxsize=8)
-def _hadamard_matrix(d: int, device: torch.device) -> torch.Tensor:
-    """Cached per device: a host-to-device copy inside a decode step could not be captured in a CUDA graph."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * d**-0.5).to(device)
-
-
-def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """The indexer's rotate_activation: a normalised Walsh-Hadamard transform of the last dimension."""
-    return x @ _hadamard_matrix(x.shape[-1], x.device)
-
-
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
     """Per-row (last dim) ue8m0 FP8 quantisation and back, as the indexer's act_quant does to its queries."""
     return layout.dequantize_index_k(layout.quantize_index_k(x))
@@ -158,53 +152,6 @@ def index_query(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, q_lora: 
     return q, weights
 
 
-def index_scores(q: torch.Tensor, weights: torch.Tensor, k_rows: torch.Tensor) -> torch.Tensor:
-    """score[n, t] = sum_h weights[n, h] * ReLU(q[n, h] . k[n, t]) over index-K rows k_rows [N, T, 132]."""
-    k = layout.dequantize_index_k(k_rows)
-    return (torch.relu(torch.einsum("nhd,ntd->nht", q, k)) * weights.unsqueeze(-1)).sum(1)
-
-
-def _shared_key_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """index_scores for queries that all see the same dequantised keys k [T, 128] (one request's prefill)."""
-    return (torch.relu(torch.einsum("nhd,td->nht", q, k)) * weights.unsqueeze(-1)).sum(1)
-
-
-def select_topk(scores: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k token positions [N, k] int32 among positions <= pos [N]; ties go to the lower position; -1 padded."""
-    t = torch.arange(scores.shape[1], device=scores.device)
-    masked = torch.where(t <= pos.unsqueeze(-1), scores, torch.full_like(scores, -math.inf))
-    if masked.shape[1] < k:
-        masked = torch.nn.functional.pad(masked, (0, k - masked.shape[1]), value=-math.inf)
-    vals, idx = torch.sort(masked, dim=1, descending=True, stable=True)
-    vals, idx = vals[:, :k], idx[:, :k]
-    return torch.where(vals > -math.inf, idx, torch.full_like(idx, -1)).to(torch.int32)
-
-
-def sparse_attention(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, scale: float):
-    """MLA over latent rows [N, K, 656] where valid [N, K]. Returns (o_latent [N, H, 512], lse [N, H]).
-
-    An empty row set gives o = 0 and lse = -inf, so that partial results merge exactly. Rows outside `valid` are
-    zeroed first: in split attention they may be slots whose fetch is still in flight (any bytes, NaN included).
-    """
-    c_kv, k_pe = layout.dequantize_latent(rows)  # [N, K, 512], [N, K, 64]
-    c_kv = c_kv.masked_fill(~valid.unsqueeze(-1), 0.0)
-    k_pe = k_pe.masked_fill(~valid.unsqueeze(-1), 0.0)
-    s = (torch.einsum("nhr,nkr->nhk", q_nope_abs, c_kv) + torch.einsum("nhr,nkr->nhk", q_pe, k_pe)) * scale
-    s = s.masked_fill(~valid.unsqueeze(1), -math.inf)
-    lse = torch.logsumexp(s, dim=-1)  # [N, H]
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
-    return torch.einsum("nhk,nkr->nhr", p, c_kv), lse
-
-
-def merge_attention(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor):
-    """Exact log-sum-exp merge of two partial attentions over disjoint row sets."""
-    lse = torch.logaddexp(lse0, lse1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    w0 = torch.exp(lse0 - safe).unsqueeze(-1)
-    w1 = torch.exp(lse1 - safe).unsqueeze(-1)
-    return o0 * w0 + o1 * w1, lse
-
-
 def attn_output(w: AttentionWeights, o_latent: torch.Tensor) -> torch.Tensor:
     """w_vc then o_proj: [N, H, 512] -> [N, hidden]."""
     return torch.einsum("nhr,hrv->nhv", o_latent, w.w_vc).flatten(1) @ w.o_proj.T
@@ -226,7 +173,7 @@ def prefill_topk(q: torch.Tensor, weights: torch.Tensor, k_rows: torch.Tensor, k
     out = []
     for s in range(0, L, chunk):
         e = min(L, s + chunk)
-        scores = _shared_key_scores(q[s:e], weights[s:e], keys)
+        scores = shared_key_scores(q[s:e], weights[s:e], keys)
         out.append(select_topk(scores, torch.arange(s, e, device=q.device), k))
     return torch.cat(out)
 

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from sglang_ess import args as ess_args_mod
-from sglang_ess import pd_warmup, sizing
+from sglang_ess import cpu, pd_warmup, sizing
 from sglang_ess.args import EssArgs
 from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
@@ -32,6 +32,7 @@ METADATA_BUFFERS = "sglang.srt.disaggregation.utils.MetadataBuffers"
 DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
 NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
+INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 RESOLUTION_STEP = "handle_other_validations"
 
 @dataclasses.dataclass
@@ -44,6 +45,7 @@ class ProcessState:
     sender_pool: object = None  # the target model's KV pool on that node (its MTP draft worker has another)
     wire: tuple[int, int] | None = None  # (layers, top-k) of the PD warm-up rows, once this process has ESS
     stage_tokens: int | None = None  # the prefill staging rows sizing charged; the scheduler keeps batches within
+    tier_spec: sizing.DiskTierSpec | None = None  # the disk tier sizing resolved, for the pool (--ess-disk-dir)
 
 
 state = ProcessState()
@@ -72,7 +74,8 @@ def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, 
     target = _ess_target(kvc)
     if target is None:
         return original(kvc, pre_model_load_memory, *a, **kw)
-    return sizing.resolve_memory_pool_config(kvc, pre_model_load_memory, *target)
+    config, state.tier_spec = sizing.resolve_memory_pool_config(kvc, pre_model_load_memory, *target)
+    return config
 
 
 def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_class, **kw):
@@ -81,7 +84,7 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
         facts = target[1]
         dsa_pool_class = pool_class(
             scratch_rows=max_running_requests * facts.query_rows, stage_rows=facts.context,
-            tier=getattr(kvc, "ess_tier_spec", None),
+            tier=state.tier_spec,
         )
     return original(kvc, *a, max_running_requests=max_running_requests, dsa_pool_class=dsa_pool_class, **kw)
 
@@ -119,7 +122,7 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
         tier=pool.ess_tier,
     )
     pool.ess_runtime = state.runtime
-    state.stage_tokens = pool.ess_stage.shape[0]
+    state.stage_tokens = pool.ess_stage.shape[0] - sizing.FIRST_ROW
     reset_on_admit(model_runner.req_to_token_pool, state.runtime)
     model_runner.hisparse_coordinator = state.runtime
     model_runner.ess_runtime = state.runtime
@@ -297,6 +300,13 @@ def before_release_kv_cache(req, *a, **kw):
             logger.info("ESS trace written: %s", path)
 
 
+def after_get_internal_state(result, controller, *a, **kw):
+    """The scheduler's state readout (GET /get_server_info, `internal_states`): ESS's step counters and pool."""
+    if state.runtime is not None:
+        result.internal_state["ess"] = state.runtime.counts() | state.runtime.stats()
+    return None
+
+
 # -- PD: the warm-up state travels in an extra metadata buffer (sglang_ess.pd_warmup) -----------------------------
 def after_metadata_buffers_init(result, buffers, size, *a, **kw):
     """Both PD nodes append the same buffer (its size depends on the model only), so Mooncake / NIXL send it with the
@@ -375,6 +385,7 @@ def _hook_table():
         (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
         (f"{PREFILL_ADDER}.add_one_req", HookType.AROUND, around_add_one_req),
+        (f"{INTERNAL_STATE}.get_internal_state", HookType.AFTER, after_get_internal_state),
         (f"{METADATA_BUFFERS}.__init__", HookType.AFTER, after_metadata_buffers_init),
         (f"{METADATA_BUFFERS}.get_buf_infos", HookType.AFTER, after_get_buf_infos),
         (f"{METADATA_BUFFERS}.set_buf", HookType.AFTER, after_set_buf),
@@ -400,6 +411,7 @@ EXPECTED_PARAMS = {
     f"{INDEXER_METADATA}.topk_transform": ["self", "logits", "topk", "ks", "cu_seqlens_q", "ke_offset"],
     RELEASE_KV: ["req", "tree_cache"],
     f"{PREFILL_ADDER}.add_one_req": ["self", "req", "has_chunked_req"],
+    f"{INTERNAL_STATE}.get_internal_state": ["self", "recv_req"],
     f"{METADATA_BUFFERS}.__init__": ["self", "size"],
     f"{METADATA_BUFFERS}.get_buf_infos": ["self"],
     f"{METADATA_BUFFERS}.set_buf": ["self", "req"],
@@ -430,6 +442,8 @@ def install() -> list[str]:
 
     table = _hook_table()
     if not state.installed:  # SGLang loads plugins once per process; tests may call this again
+        # the CPU path first: its kernels then sit inside ESS's hooks on the same targets (the indexer's forward)
+        cpu.install()
         for target, kind, hook in table:
             HookRegistry.register(target, hook, kind)
         register_resolution_hook(RESOLUTION_STEP)(resolution_step)

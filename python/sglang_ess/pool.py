@@ -30,7 +30,7 @@ from ess.core import flashtrans, layout
 from ess.core.disk_tier import PagedHostTier
 from ess.core.pinned import pinned_zeros
 from ess.core.serving import batch_tokens, whole_pages
-from sglang_ess.sizing import DiskTierSpec
+from sglang_ess.sizing import FIRST_ROW, DiskTierSpec
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
 EXTEND, DECODE = "extend", "decode"
@@ -40,7 +40,7 @@ TIER_FLAGS = {"host_budget": "--ess-host-pool-gib", "disk_dir": "--ess-disk-dir"
 
 class EssDSATokenToKVPool(DSATokenToKVPool):
     # Set on the subclass that `pool_class` makes for one launch.
-    scratch_rows: int = 1  # rows a decode/verify step writes at most (requests x query rows)
+    scratch_rows: int = 1  # rows a decode/verify step writes at most (the largest batch x query rows)
     stage_rows: int = 1  # staging rows for prefill, charged by sizing; under SGLang the plugin's admission hook keeps
     # every prefill batch within them, elsewhere (tools, tests) the buffer grows on demand
     backend: str = "auto"  # FlashTrans backend
@@ -65,14 +65,16 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
                                           self.device, TIER_FLAGS)
             self.ess_host = self.ess_tier.data
             self.kv_buffer = [self.ess_host[i].unsqueeze(1) for i in range(self.layer_num)]
-        self.ess_scratch = torch.zeros(self.scratch_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
-        self.ess_scratch_idx = torch.arange(self.scratch_rows, device=self.device)
-        self.ess_stage = torch.zeros(self.stage_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        self.ess_scratch = torch.zeros(FIRST_ROW + self.scratch_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8,
+                                       device=self.device)
+        self.ess_scratch_idx = torch.arange(FIRST_ROW, FIRST_ROW + self.scratch_rows, device=self.device)
+        self.ess_stage = torch.zeros(whole_pages(FIRST_ROW + self.stage_rows), 1, layout.LATENT_ROW_BYTES,
+                                     dtype=torch.uint8, device=self.device)
         self.ess_stage_of_loc = torch.full((locs + 1,), -1, dtype=torch.int32, device=self.device)
         self.ess_phase = EXTEND
         self.ess_runtime = None  # set by the plugin once the runtime exists
         self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
-        self._stage_pos: torch.Tensor | None = None  # their positions within their requests
+        self._stage_pos: torch.Tensor | None = None  # the position of each staging row's token (-1: row 0)
         self._stage_cached: tuple[torch.Tensor, torch.Tensor] | None = None  # cached prefix: (locations, staging rows)
         self._staged_layers: set[int] = set()
 
@@ -93,19 +95,22 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
     # -- prefill staging ------------------------------------------------------------------------------------------
     def stage_extend(self, token_table: torch.Tensor, req: torch.Tensor, seq_lens_cpu: list[int], prefix_lens_cpu: list[int]) -> None:
         """Plan an extend batch: staging rows for every token of its requests (positions [0, seq_len) of each, in
-        batch order). Called once per forward, before layer 0; lengths come from the host, so nothing syncs."""
+        batch order, from FIRST_ROW). Called once per forward, before layer 0; lengths come from the host, so nothing
+        syncs."""
         n = int(sum(seq_lens_cpu))
-        if n > self.ess_stage.shape[0]:  # grow: the batch holds more tokens than any before
-            self.ess_stage = torch.zeros(whole_pages(n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=self.device)
+        if FIRST_ROW + n > self.ess_stage.shape[0]:  # grow: the batch holds more tokens than any before
+            self.ess_stage = torch.zeros(whole_pages(FIRST_ROW + n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8,
+                                         device=self.device)
         locs, pos = batch_tokens(token_table, req, seq_lens_cpu)
         self.ess_stage_of_loc.fill_(-1)
-        self.ess_stage_of_loc[locs] = torch.arange(n, dtype=torch.int32, device=locs.device)
-        self._stage_locs, self._stage_pos = locs, pos
+        self.ess_stage_of_loc[locs] = torch.arange(FIRST_ROW, FIRST_ROW + n, dtype=torch.int32, device=locs.device)
+        self._stage_locs = locs
+        self._stage_pos = torch.cat([torch.full((FIRST_ROW,), -1, dtype=pos.dtype, device=pos.device), pos])
         self._stage_cached = None
         if any(p > 0 for p in prefix_lens_cpu):  # only the cached prefix comes from the host; the layer writes the rest
             cached_locs, cached_pos = batch_tokens(token_table, req, prefix_lens_cpu)
             seq = torch.tensor(seq_lens_cpu, device=locs.device)
-            starts = torch.cumsum(seq, 0) - seq  # each request's first staging row
+            starts = FIRST_ROW + torch.cumsum(seq, 0) - seq  # each request's first staging row
             lens = torch.tensor(prefix_lens_cpu, device=locs.device)
             rows = torch.repeat_interleave(starts, lens, output_size=cached_locs.shape[0]) + cached_pos
             self._stage_cached = (cached_locs, rows)
@@ -150,7 +155,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self._pages_in(local, loc, dirty=True)
         flashtrans.scatter(buf[:, 0], rows, self.ess_host[local], self._host_rows(local, loc), self.backend)  # D2H backup
         if self.ess_phase != EXTEND and self.ess_runtime is not None:
-            self.ess_runtime.keep_own_rows(layer_id, buf[:n, 0])  # a view: read before the next layer writes
+            self.ess_runtime.keep_own_rows(layer_id, buf[FIRST_ROW:FIRST_ROW + n, 0])  # a view: read before the next
+            # layer writes
 
     def get_key_buffer(self, layer_id: int):
         if self.ess_phase == EXTEND:
@@ -219,7 +225,7 @@ def pool_class(scratch_rows: int, stage_rows: int, backend: str = "auto", tier: 
     return type(
         "EssDSATokenToKVPool",
         (EssDSATokenToKVPool,),
-        {"scratch_rows": max(1, scratch_rows), "stage_rows": whole_pages(stage_rows), "backend": backend,
+        {"scratch_rows": max(1, scratch_rows), "stage_rows": max(1, stage_rows), "backend": backend,
          "tier_spec": tier},
     )
 

@@ -34,6 +34,10 @@ from sglang_ess.warmup_plan import WarmupPlan
 
 OVERLAP_EARLY = ("da", "dba")  # modes whose H2D starts at the indexer
 PADDING_SLOT = 0  # SGLang's request tables keep row 0 for CUDA-graph padding; requests get rows from 1
+# Counters of the decode and verify steps, kept on the device (no sync in a step) and read by the scheduler's state
+# readout (/get_server_info): LRU steps (a layer of a batch), rows selected and rows missed in them, forwards with such
+# steps, and those of them without a single miss.
+COUNTERS = ("layer_steps", "selected_rows", "missed_rows", "forwards", "forwards_without_misses")
 
 logger = logging.getLogger("sglang_ess")
 
@@ -90,6 +94,8 @@ class EssRuntime:
         # attention call of the same (micro-)batch; the address tells TBO's two micro-batches apart
         self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object]] = {}
         self._warm: WarmupPlan | None = None  # the prefill forward's warm-up windows
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+        self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
 
     # -- the step's own rows (the ESS KV pool wrote them to the host pool already) --------------------------------
     def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
@@ -106,6 +112,7 @@ class EssRuntime:
         if self.ring is not None:
             self.ring.reset()
         self.next_ranked.clear()
+        self._forward.zero_()
 
     def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, serial: bool = False,
               own_rows: torch.Tensor | None = None) -> PolicyResult:
@@ -126,6 +133,7 @@ class EssRuntime:
             r = self.cache.translate(layer, req, self.token_table, sets, own, own_rows)
         else:
             r = self.cache.update(layer, req, sets, own, self.token_table)
+        self._count(r)
         ext = self.next_ranked.pop(0) if self.next_ranked else None
         if self.ring is not None and own.dim() == 1:  # verify steps hold several positions: not a trace step
             self.ring.append(layer, req, sets, own, ext)
@@ -153,9 +161,17 @@ class EssRuntime:
             ext = torch.nn.functional.pad(ext, (0, d - ext.shape[1]), value=-1)
         self.next_ranked.append(ext)
 
+    def _count(self, r: PolicyResult) -> None:
+        """One LRU step into this forward's and the server's counters (device ops)."""
+        step = torch.stack([torch.ones_like(r.n_set[0]), r.n_set.sum(), r.n_miss.sum()]).long()
+        self.counters[:3] += step
+        self._forward += step[0::2]
+
     def end_forward(self) -> None:
-        """After a forward, outside any graph: the recorded rows go to the trace recorder (SGLang's padding rows,
-        request slot 0, are left out)."""
+        """After a forward, outside any graph: the forward's counts (device ops), then the recorded rows go to the
+        trace recorder (SGLang's padding rows, request slot 0, are left out)."""
+        stepped = self._forward[0] > 0
+        self.counters[3:] += torch.stack([stepped, stepped & (self._forward[1] == 0)]).long()
         if self.ring is None:
             return
         for layer, req, topk, own in self.ring.drain():
@@ -250,6 +266,10 @@ class EssRuntime:
         if self.recorder is not None:
             return self.recorder.finish(req_slot, rid)
         return None
+
+    def counts(self) -> dict[str, int]:
+        """The step counters (COUNTERS) as host ints: a device sync, for readouts only."""
+        return dict(zip(COUNTERS, self.counters.tolist()))
 
     def stats(self) -> dict:
         tier = self.cache.tier

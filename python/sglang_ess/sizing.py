@@ -19,6 +19,11 @@ from ess.core.serving import whole_pages
 
 logger = logging.getLogger("sglang_ess")
 
+# SGLang's MLA row writer (`_write_mla_kv_buffer`, its Triton and torch scatters alike) never writes destination row 0,
+# the location it reserves for CUDA-graph padding; ESS hands it rows of its own buffers, so row 0 of the decode
+# scratch and of the prefill staging buffer is left unused and the rows it writes start at FIRST_ROW (sglang_ess.pool).
+FIRST_ROW = 1
+
 
 @dataclasses.dataclass(frozen=True)
 class EssPoolSizes:
@@ -122,10 +127,12 @@ def tier_min_frames(tokens: int, max_requests: int, topk: int, query_rows: int, 
     return min(max(step, stage), -(-tokens // PAGE_TOKENS) + 1)
 
 
-def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts):
+def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> tuple[object, DiskTierSpec | None]:
     """SGLang's `KVCacheConfigurator._resolve_memory_pool_config` for an ESS target worker: the same profiled
-    budget and constraints, ESS's arithmetic in between. The MTP draft worker receives this config, and its own
-    (stock) pool's per-token bytes are in SGLang's cell size, which ESS keeps."""
+    budget and constraints, ESS's arithmetic in between. Returns SGLang's MemoryPoolConfig and the disk tier the pool
+    is to build (None without --ess-disk-dir; the configurator, a slots dataclass, takes no attribute of ESS's, so
+    the plugin keeps it). The MTP draft worker receives this config, and its own (stock) pool's per-token bytes are in
+    SGLang's cell size, which ESS keeps."""
     from sglang.srt.model_executor.pool_configurator import (
         DefaultPoolConfigurator,
         MemoryPoolConfig,
@@ -156,7 +163,6 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts):
     max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
     page = get_schedule().page_size
     tokens = kvc._apply_token_constraints(sizes.tokens) // page * page
-    kvc.ess_tier_spec = spec  # for the pool (hooks.around_build_dsa_kv_pool)
     if spec is not None:
         need = tier_min_frames(tokens, max_requests, facts.topk, facts.query_rows, facts.context)
         if spec.host_bytes // PAGE_BYTES < need:
@@ -172,7 +178,7 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts):
     config = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=max_requests)
     config = configurator.finalize_with_max_running_requests(config)
     config.mem_fraction_static = get_schedule().mem_fraction_static
-    return config
+    return config, spec
 
 
 MAX_REQUESTS = 4096  # SGLang's own ceiling on requests per worker; bounds the decode scratch charged up front
@@ -192,9 +198,9 @@ def extra_request_rows() -> int:
 
 def scratch_bytes(max_requests: int, query_rows: int) -> int:
     """The decode scratch: the rows one step writes (requests x query rows) before they go to host and GPU slots."""
-    return max_requests * query_rows * layout.LATENT_ROW_BYTES
+    return (FIRST_ROW + max_requests * query_rows) * layout.LATENT_ROW_BYTES
 
 
 def stage_bytes(context_len: int) -> int:
     """The prefill staging buffer ESS starts with: one request's rows at full context (it grows for bigger batches)."""
-    return whole_pages(context_len) * layout.LATENT_ROW_BYTES
+    return whole_pages(FIRST_ROW + context_len) * layout.LATENT_ROW_BYTES

@@ -7,14 +7,15 @@ positions, taken where SGLang's indexer metadata makes the top-k.
 Real here: ServerArgs resolved by SGLang with the ESS flags, its runtime context, ModelConfig, ReqToTokenPool,
 DSATokenToKVPool (stock) and ESS's subclass, the ESS runtime built by the plugin's model-runner hook, both
 DeepseekSparseAttnBackend objects, ForwardBatch, init_forward_metadata, forward_decode (FlashMLA's FP8 decode path),
-RadixAttention and the forward context. Torch references replace the GPU kernels only (test/plugin/conftest.py,
-`torch_kernels`).
+RadixAttention and the forward context; the kernels are the plugin's CPU path, SGLang's own FP8 row writer among
+them (which never writes destination row 0).
 Two stand-ins, with the reason:
-- the ModelRunner: it loads a model onto a GPU; the backend and the hook read the attributes given here;
-- the Indexer's forward: `Indexer.forward_cuda` raises NotImplementedError off CUDA/HIP/XPU, and its rotary
-  embedding needs vllm on a non-CPU-engine build, so the test calls the plugin's AFTER hook with the arguments
-  SGLang's registry passes it (x, q_lora, positions, forward_batch, layer_id) and the top-k a real indexer returns
-  under a sparse-offload coordinator (positions, un-fused). test_sglang_plugin checks the hook's target signature.
+- the ModelRunner: it loads a model; the backend and the hook read the attributes given here (the real server test,
+  test_server.py, runs the real one);
+- the Indexer's forward: the tests choose each step's top-k (random sets over the context, so that misses and
+  evictions happen at will) and call the plugin's AFTER hook with the arguments SGLang's registry passes it
+  (x, q_lora, positions, forward_batch, layer_id) and that top-k, as positions (un-fused, as a real indexer returns
+  it under a sparse-offload coordinator). The real indexer runs in test_cpu_path.py and the real server test.
 """
 
 import json
@@ -34,7 +35,7 @@ CONFIG = {**json.loads((pathlib.Path(__file__).parent / "dsv32_config.json").rea
 
 
 @pytest.fixture
-def launch(tmp_path, monkeypatch, plugin, torch_kernels):
+def launch(tmp_path, monkeypatch, plugin):
     """launch(*flags, buffer=C): SGLang's server arguments for an ESS decode launch (DA on every layer, plus flags),
     resolved and active for the test."""
     import contextlib
@@ -111,7 +112,8 @@ def build(plugin, sa, mc):
     plugin.after_init_sparse_coordinator(None, runner)  # SGLang calls it after maybe_init_hisparse_coordinator
     rt = plugin.state.runtime
     assert rt is not None and runner.hisparse_coordinator is rt and rt.modes == ["da"] * L
-    assert plugin.state.stage_tokens == ess_pool.ess_stage.shape[0]  # prefill admission keeps batches within it
+    # prefill admission keeps batches within the staging rows (row 0 is SGLang's writer's reserved row)
+    assert plugin.state.stage_tokens == ess_pool.ess_stage.shape[0] - 1
     ess = DeepseekSparseAttnBackend(runner)
     stock = DeepseekSparseAttnBackend(model_runner(sa, mc, stock_pool, tokens))
     assert ess.hisparse_coordinator is rt and stock.hisparse_coordinator is None
@@ -175,7 +177,6 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
         stock.init_forward_metadata(batch)
         # a sparse-offload coordinator makes the indexer hand over positions (un-fused top-k), as ESS's hook expects
         assert ess.get_indexer_metadata(0, batch).force_unfused_topk
-        assert not stock.get_indexer_metadata(0, batch).force_unfused_topk
         rt.start_forward()
         for layer in layers:
             topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
@@ -192,10 +193,8 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
             assert events[:3] == ["indexer", "h2d of the misses", "attention"], events  # DA: started at the indexer
             assert not rt._pending  # the attention call took the step the indexer started
             with forward_context(ForwardContext(attn_backend=stock)):
-                # the stock backend's indexer hands fused top-k (token locations) to its own page table
-                locs = torch.where(topk >= 0, tokens.req_to_token[req.unsqueeze(1), topk.long().clamp(min=0)], -1)
-                want = stock.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope,
-                                            topk_indices=locs.int())
+                # the stock backend maps the same positions to token locations through its own page table
+                want = stock.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
             assert torch.equal(got, want), (step, layer.layer_id)
         rt.end_forward()
         pos = pos + 1
@@ -265,15 +264,9 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
     """MTP target-verify (3 query rows per request: SGLang's forward_extend in TARGET_VERIFY mode) with DA: the step
     starts at the indexer hook over the union of each request's rows, the attention reads ESS's slots, and every
     row's output equals the stock backend's (with --ess-disk-dir too: the union's misses paged in from disk)."""
-    from sglang.srt.layers.attention import dsa_backend
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    def seqlens_expand(extend_seq_lens, seq_lens, total_len, max_q_len):  # the Triton kernel's contract, in torch
-        rows = [max(int(s) - int(e) + 1 + j, 0) for e, s in zip(extend_seq_lens, seq_lens) for j in range(int(e))]
-        return torch.tensor(rows, dtype=torch.int32)
-
-    monkeypatch.setattr(dsa_backend, "seqlens_expand_triton", seqlens_expand)
     S, buffer = 3, 3 * (K + 1) + 9  # every verify row's set and own token fit (the plugin refuses fewer)
     tokens, stock_pool, ess_pool, rt, ess, stock = build(
         plugin, *launch("--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
@@ -307,10 +300,8 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
                                          k_rope=k[..., 512:], topk_indices=topk)
             assert not rt._pending
             with forward_context(ForwardContext(attn_backend=stock)):
-                rows = req.repeat_interleave(S).unsqueeze(1)
-                locs = torch.where(topk >= 0, tokens.req_to_token[rows, topk.long().clamp(min=0)], -1).int()
                 want = stock.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch,
-                                            q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=locs)
+                                            q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=topk)
             assert torch.equal(got, want), (step, layer.layer_id)
         rt.end_forward()
         seq = seq + 1 + step % 2  # 1 or 2 tokens accepted
@@ -322,8 +313,8 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
 
 @pytest.mark.parametrize("tier", [False, True], ids=["host", "disk-tier"])
 def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(launch, plugin, tmp_path, tier):
-    """A prefill forward (SGLang's forward_extend, EXTEND): ESS stages the batch at metadata time, the backend's fused
-    top-k (token locations) reads staged rows equal to the stock pool's, and the same call's top-k leaves each
+    """A prefill forward (SGLang's forward_extend, EXTEND): ESS stages the batch at metadata time, the backend's
+    top-k (positions, mapped to token locations by its page table) reads staged rows equal to the stock pool's, and the same call's top-k leaves each
     request's GPU slots as LRU-Warmup over its last W query rows (the oracle LRU's resident set)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -349,15 +340,14 @@ def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(
     warm = {}
     for layer in layers:
         sets = [rng.sample(range(p + 1), min(K, p + 1)) + [-1] * max(0, K - p - 1) for p in pos.tolist()]
-        topk = torch.tensor(sets)
-        locs = torch.where(topk >= 0, tokens.req_to_token[row_req.unsqueeze(1), topk.clamp(min=0)], -1).int()
+        topk = torch.tensor(sets, dtype=torch.int32)
         q = torch.randn(len(pos), HEADS, 576, generator=gen).bfloat16()
         k = torch.randn(len(pos), 1, 576, generator=gen).bfloat16()
         outs = []
-        for backend in (ess, stock):  # both indexers hand over fused top-k: token locations
+        for backend in (ess, stock):  # both indexers hand over the un-fused top-k: positions
             with forward_context(ForwardContext(attn_backend=backend)):
                 outs.append(backend.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch,
-                                                   q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=locs))
+                                                   q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=topk))
         assert torch.equal(outs[0], outs[1]), layer.layer_id
         for b, r in enumerate(REQ):
             rows = [i for i in range(len(pos)) if int(row_req[i]) == r][-W:]

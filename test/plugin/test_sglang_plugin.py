@@ -42,8 +42,13 @@ DISK = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "327
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """SGLang resolves DSA defaults from the GPU's compute capability; answer as an H100/H200 would."""
+    """A GPU launch, resolved on this CPU machine: SGLang resolves DSA defaults from the GPU's compute capability
+    (answered as an H100/H200 would), and the plugin's CPU path, which would set a CPU host's defaults for
+    `--device cpu` (context length, token pool; test_cpu_path.py tests them), stays off."""
+    from sglang_ess.cpu import resolution
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setattr(resolution, "is_cpu_dsa", lambda server_args: False)
 
 
 def resolve(argv):

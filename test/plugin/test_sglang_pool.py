@@ -1,7 +1,8 @@
 """ESS's DSA KV pool against SGLang's stock DSATokenToKVPool (CPU): the same writes go to both; every read the DSA
 backend makes (prefill page table through the sparse-offload translation, decode through the ESS runtime) must give
-exactly the bytes the stock pool gives at those token locations. SGLang's FP8 quantiser is a Triton kernel, so both
-pools get the same CPU stand-in for it: what is tested is where rows go and come from, not the quantisation."""
+exactly the bytes the stock pool gives at those token locations. Both pools write through SGLang's own row writer
+(`_write_mla_kv_buffer`: the FP8 quantiser, on a CPU the plugin's CPU path, then SGLang's scatter, which never writes
+destination row 0)."""
 
 import random
 
@@ -26,15 +27,9 @@ POOL_KW = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m
                device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=L)
 
 
-def stand_in_quantiser(self, dst_buffer, loc, cache_k_nope, cache_k_rope):
-    """Writes pre-made 656-byte rows (passed as cache_k_nope) at loc, as SGLang's quantiser writes its rows."""
-    dst_buffer[loc.long(), 0] = cache_k_nope
-
-
 @pytest.fixture
-def pools(monkeypatch):
-    monkeypatch.setattr(DSATokenToKVPool, "_write_mla_kv_buffer", stand_in_quantiser)
-    with get_parallel().override(attn_dcp_size=1):  # one GPU, no decode context parallelism
+def pools(plugin):
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):  # one GPU, no decode context parallelism
         stock = DSATokenToKVPool(**POOL_KW)
         ess = pool_class(scratch_rows=8, stage_rows=16, backend="torch")(**POOL_KW)
         tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
@@ -48,15 +43,16 @@ class Layer:
         self.layer_id = layer_id
 
 
-def rows_for(loc, layer, salt=0):
-    x = (loc.long().unsqueeze(-1) * 7 + layer * 131 + salt * 17 + torch.arange(656)) % 251
-    return x.to(torch.uint8)
+def kv_for(loc, layer, salt=0):
+    """A token's latent values (k_nope [N, 1, 512], k_rope [N, 1, 64], BF16), a function of its location."""
+    x = torch.sin(loc.double().unsqueeze(-1) * 0.731 + layer * 1.31 + salt * 0.17 + torch.arange(576) * 0.05)
+    x = (x * 3).to(torch.bfloat16).unsqueeze(1)
+    return x[..., :512], x[..., 512:]
 
 
 def write(stock, ess, layer, loc, salt=0):
-    rows = rows_for(loc, layer, salt)
-    stock.set_mla_kv_buffer(Layer(layer), loc, rows, None)
-    ess.set_mla_kv_buffer(Layer(layer), loc, rows, None)
+    for pool in (stock, ess):
+        pool.set_mla_kv_buffer(Layer(layer), loc, *kv_for(loc, layer, salt))
 
 
 def prefill(stock, ess, tokens, req, starts, ends, rng):
@@ -158,8 +154,9 @@ def test_device_bytes_exclude_the_latent_cache(pools):
     stock, ess, _ = pools
     latent = L * (SIZE + 64) * 656
     index_k = stock.get_kv_size_bytes() - latent  # SGLang's count: latent + index-K of every location
-    # ESS: index-K, the decode scratch (8 rows), the staging buffer (one page) and the location -> staging map
-    assert ess.get_kv_size_bytes() == index_k + 8 * 656 + 64 * 656 + (SIZE + 65) * 4
+    # ESS: index-K, the decode scratch (8 rows after the writer's reserved row 0), the staging buffer (one page) and
+    # the location -> staging map
+    assert ess.get_kv_size_bytes() == index_k + (1 + 8) * 656 + 64 * 656 + (SIZE + 65) * 4
     assert not ess.ess_host.is_cuda and ess.ess_host.shape == (L, SIZE + 65, 656)
 
 
@@ -171,12 +168,13 @@ def test_move_and_cpu_copy_keep_the_host_rows(pools, monkeypatch):
     ess.stage_extend(tokens.req_to_token, torch.tensor([REQ[0]]), [10], [0])
     write(stock, ess, 0, loc)
     free = torch.arange(SIZE - 10, SIZE)
+    rows = stock.kv_buffer[0][loc.long(), 0].view(torch.uint8)  # the rows SGLang's writer made
     ess.move_kv_cache(free, loc)
-    assert torch.equal(ess.ess_host[0, free], rows_for(loc, 0))
+    assert torch.equal(ess.ess_host[0, free], rows)
     copy = ess.get_cpu_copy(free)
     ess.ess_host[:, free] = 0
     ess.load_cpu_copy(copy, free)
-    assert torch.equal(ess.ess_host[0, free], rows_for(loc, 0))
+    assert torch.equal(ess.ess_host[0, free], rows)
 
 
 @pytest.mark.parametrize("backend", ["torch", "interpret"])
@@ -201,10 +199,13 @@ def test_move_reads_every_source_before_writing_any_target(pools, monkeypatch, b
 
 
 def configurator(monkeypatch, layers, avail):
-    """SGLang's real DefaultPoolConfigurator (DSA FP8 cell, no draft) behind a stand-in KVCacheConfigurator, and the
-    schedule and PD settings sizing reads, for a node of 8 ranks with `avail` bytes of device budget each."""
+    """SGLang's real KVCacheConfigurator (a slots dataclass: no attribute beyond its fields can be set on it) and its
+    real DefaultPoolConfigurator (DSA FP8 cell, no draft), with the schedule and PD settings sizing reads, for a node
+    of 8 ranks with `avail` bytes of device budget each. Built without its constructor, which profiles a loaded
+    model's memory: the fields sizing reads are set, and the two profiling methods answer `avail` and pass tokens."""
     import types
 
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor import pool_configurator as pc
 
     stock = pc.DefaultPoolConfigurator.__new__(pc.DefaultPoolConfigurator)
@@ -215,11 +216,20 @@ def configurator(monkeypatch, layers, avail):
     disagg = types.SimpleNamespace(disaggregation_mode="null", enable_pd_role_switch=False,
                                    disaggregation_decode_extra_slots=None)
     monkeypatch.setattr("sglang.srt.runtime_context.get_disagg", lambda: disagg)
-    # KVCacheConfigurator itself needs a loaded model on a GPU: a stand-in with the attributes sizing reads
-    kvc = types.SimpleNamespace(layer_info=types.SimpleNamespace(num_effective_layers=layers), attn_dp_size=1,
-                                _profile_available_bytes=lambda pre: avail, _apply_token_constraints=lambda t: t,
-                                server_args=types.SimpleNamespace(tp_size=8, pp_size=1, nnodes=1))
+    monkeypatch.setattr(KVCacheConfigurator, "_profile_available_bytes", lambda self, pre: avail)
+    monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints", lambda self, tokens: tokens)
+    kvc = object.__new__(KVCacheConfigurator)
+    kvc.layer_info = types.SimpleNamespace(num_effective_layers=layers)
+    kvc.attn_dp_size = 1
+    kvc.server_args = types.SimpleNamespace(tp_size=8, pp_size=1, nnodes=1)
     return kvc, stock, schedule, disagg
+
+
+def resolve(kvc, ess, facts):
+    """The plugin's sizing of this launch: SGLang's MemoryPoolConfig (the disk tier's spec goes to the pool)."""
+    from sglang_ess import sizing
+
+    return sizing.resolve_memory_pool_config(kvc, 0, ess, facts)[0]
 
 
 def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
@@ -232,7 +242,7 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     kvc, stock, schedule, disagg = configurator(monkeypatch, layers, avail)
     monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (2 << 40) * 8 // 10 // ranks)  # a 2 TiB node
     facts = EssFacts("co-located", 2048, 61, ctx, cap)
-    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)
     R, T = config.max_running_requests, config.max_total_num_tokens
     used = (R + 1) * cache_bytes(layers, ctx, 656, 0, cap) + T * layers * 132
     used += sizing.stage_bytes(ctx) + sizing.scratch_bytes(sizing.MAX_REQUESTS, 1)
@@ -241,28 +251,28 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     # past the memory wall: 139 request slots of 0.25 GiB sparse pool + 0.25 GiB index-K each, against 47 full caches
     assert (baseline_requests, R) == (47, 138)
     schedule.max_running_requests = 40  # a requested count is kept, and tokens fill the rest of the device
-    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)
     assert config.max_running_requests == 40 and config.max_total_num_tokens > 40 * ctx
     # a PD decode node: SGLang's table has size + extra slots + 1 rows (DecodeReqToTokenPool), each with C slots
     disagg.disaggregation_mode, disagg.disaggregation_decode_extra_slots = "decode", 80
-    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)
     R, T = config.max_running_requests, config.max_total_num_tokens
     used = (R + 80 + 1) * cache_bytes(layers, ctx, 656, 0, cap) + T * layers * 132
     used += sizing.stage_bytes(ctx) + sizing.scratch_bytes(sizing.MAX_REQUESTS, 1)
     assert R == 40 and used <= avail
     schedule.max_running_requests = None  # sized to fit: the in-transfer rows are charged before the requests
-    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)
     assert config.max_running_requests == 138 - 80
     disagg.disaggregation_mode = "null"
     with pytest.raises(ValueError, match="--ess-host-pool-gib 1"):
-        sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=1), facts)
+        resolve(kvc, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=1), facts)
     # the host wall: a rank's share of the node's pinnable memory (2 TiB x 0.8 / 8 = 204.8 GiB) is found at start-up
     with pytest.raises(ValueError, match="--ess-host-pool-gib 300: more than this rank may pin, 204.8 GiB"):
-        sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=300), facts)
+        resolve(kvc, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=300), facts)
     # on a 1 TiB node (102.4 GiB per rank) the host pool, not the device, caps the rows: 83 of 32K tokens, one of
     # them SGLang's padding row
     monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (1 << 40) * 8 // 10 // ranks)
-    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(enable=True, buffer_tokens=cap), facts)
+    config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)
     assert config.max_total_num_tokens * layers * 656 <= 102.4 * (1 << 30) and config.max_running_requests == 82
 
 
@@ -279,9 +289,8 @@ def test_a_disk_tier_moves_the_host_wall_to_the_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (1 << 40) * 8 // 10 // ranks)
     facts = EssFacts("co-located", 2048, 61, ctx, cap)
     tiered = dict(enable=True, buffer_tokens=cap, disk_dir=str(tmp_path), disk_gib=1000)
-    config = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(**tiered, host_pool_gib=64), facts)
+    config, spec = sizing.resolve_memory_pool_config(kvc, 0, EssArgs(**tiered, host_pool_gib=64), facts)
     assert config.max_running_requests == 138  # the device's count, as on a 2 TiB node without a tier
-    spec = kvc.ess_tier_spec
     assert (spec.host_bytes, spec.disk_dir, spec.disk_bytes) == (64 << 30, str(tmp_path), 1000 << 30)
     assert config.max_total_num_tokens * layers * DISK_PAGE_BYTES // 64 <= spec.disk_bytes
     # a small disk caps the tokens (2.5M, below 100 requests x 32K)
@@ -295,9 +304,9 @@ def test_a_disk_tier_moves_the_host_wall_to_the_disk(monkeypatch, tmp_path):
     need = min(138 * 2049, config.max_total_num_tokens // 64 + 1)
     assert need * PAGE_BYTES > 2 << 30
     with pytest.raises(ValueError, match=f"--ess-host-pool-gib 2: a disk tier's frames must hold the {need} pages"):
-        sizing.resolve_memory_pool_config(kvc, 0, EssArgs(**tiered, host_pool_gib=2), facts)
+        resolve(kvc, EssArgs(**tiered, host_pool_gib=2), facts)
     schedule.max_running_requests = 16  # fewer requests need fewer frames (16 x 2049 pages: 1.3 GiB)
-    sizing.resolve_memory_pool_config(kvc, 0, EssArgs(**tiered, host_pool_gib=2), facts)
+    resolve(kvc, EssArgs(**tiered, host_pool_gib=2), facts)
     # without --ess-disk-gib: this rank's share of the directory's free space
     monkeypatch.setattr(sizing, "free_disk_bytes", lambda d: 8 << 40)
     assert sizing.disk_tier_spec(EssArgs(enable=True, host_pool_gib=8, disk_dir=str(tmp_path)), 8).disk_bytes == 1 << 40
@@ -317,9 +326,10 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
                                   seq_lens_cpu=torch.tensor([5, 3]), extend_prefix_lens_cpu=[2, 0])
     hooks.after_init_forward_metadata(None, backend, batch)
     staged = tokens.req_to_token[REQ[0], :5].long()
-    assert torch.equal(ess.translate_loc_to_hisparse_device(staged), torch.arange(5, dtype=torch.int32))
+    # staging rows from 1 on (SGLang's writer skips row 0)
+    assert torch.equal(ess.translate_loc_to_hisparse_device(staged), torch.arange(1, 6, dtype=torch.int32))
     locs, rows = ess._stage_cached  # request 0's cached prefix, and only it, comes from the host
-    assert torch.equal(locs, staged[:2]) and rows.tolist() == [0, 1]
+    assert torch.equal(locs, staged[:2]) and rows.tolist() == [1, 2]
     seen = []
     for mode, phase in [(ForwardMode.EXTEND, EXTEND), (ForwardMode.TARGET_VERIFY, DECODE)]:
         batch.forward_mode = mode
@@ -452,14 +462,15 @@ def test_move_and_cpu_copy_through_a_disk_tier(tiered, monkeypatch):
     for layer in range(L):
         write(stock, ess, layer, loc)
     tgt, src = torch.cat([torch.arange(SIZE - 10, SIZE), loc[:2]]), torch.cat([loc[:10], loc[2:4]])
+    moved = torch.stack([stock.kv_buffer[layer][src.long(), 0].view(torch.uint8) for layer in range(L)])
     ess.move_kv_cache(tgt, src)  # also overlapping: two sources are targets too
     for layer in range(L):
-        assert torch.equal(by_location(ess, layer, tgt), rows_for(src, layer))
+        assert torch.equal(by_location(ess, layer, tgt), moved[layer])
     copy = ess.get_cpu_copy(tgt)
-    assert torch.equal(copy["kv"], torch.stack([rows_for(src, layer) for layer in range(L)]))
+    assert torch.equal(copy["kv"], moved)
     for layer in range(L):  # overwrite them, then load the copy back
         write(stock, ess, layer, tgt, salt=5)
     ess.load_cpu_copy(copy, tgt)
     for layer in range(L):
-        assert torch.equal(by_location(ess, layer, tgt), rows_for(src, layer))
+        assert torch.equal(by_location(ess, layer, tgt), moved[layer])
     ess.ess_tier.check()

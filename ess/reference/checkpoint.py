@@ -1,0 +1,151 @@
+"""`ess tiny-checkpoint OUT`: a tiny random DeepSeek-V3.2 checkpoint that stock SGLang loads and serves.
+
+DeepSeek-V3.2's real config keys and model_type (`deepseek_v32`, DeepseekV32ForCausalLM), its attention formats kept
+(kv_lora_rank 512 and a 64-wide RoPE part: the 656-byte latent rows; 128-wide index keys: the 132-byte index-K rows;
+YaRN RoPE scaling as the real model has it) and every width that no format fixes shrunk: 2 layers (one dense, one MoE
+with 4 routed experts, top-2, and a shared expert), hidden 256, 4 attention heads, 4 indexer heads, `index_topk` 64,
+so that a few hundred tokens of context overflow a 96-slot ESS buffer on every step. Weights are BF16 in one
+safetensors file, named as DeepSeek's own checkpoints name them, drawn from one seeded generator (the same seed gives
+the same bytes). The tokenizer is byte-level BPE without merges (the 256 bytes and two special tokens), written with
+the `tokenizers` library and loaded by transformers' PreTrainedTokenizerFast: any text encodes, byte by byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ess.core import layout
+
+VOCAB_SPECIAL = ("<bos>", "<eos>")  # token ids 0 and 1; the 256 bytes follow
+VOCAB = 320  # the embedding rows: the tokenizer's 258 tokens, padded
+SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "q_lora_rank": 64,
+         "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 4, "index_topk": 64, "n_routed_experts": 4,
+         "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 64, "intermediate_size": 256}
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def config(mtp: bool = True) -> dict:
+    """config.json: DeepSeek-V3.2's keys, the formats' widths as the real model's, SHAPE's widths shrunk; with its MTP
+    layer (one, as the real model) unless mtp is False."""
+    return {
+        "architectures": ["DeepseekV32ForCausalLM"],
+        "model_type": "deepseek_v32",
+        **SHAPE,
+        "num_key_value_heads": SHAPE["num_attention_heads"],
+        "kv_lora_rank": layout.NOPE_DIM,
+        "qk_rope_head_dim": layout.ROPE_DIM,
+        "index_head_dim": layout.INDEX_DIM,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": int(mtp),
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor SGLang's DeepSeek loader reads, by the checkpoint's names, drawn in name order from one generator:
+    linear layers N(0, 1 / fan_in), norms 1, biases 0."""
+    gen = torch.Generator().manual_seed(seed)
+    H, hid, ql = cfg["num_attention_heads"], cfg["hidden_size"], cfg["q_lora_rank"]
+    nope, rope, vd, kvl = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    ih, idim, E = cfg["index_n_heads"], cfg["index_head_dim"], cfg["n_routed_experts"]
+    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (VOCAB, hid), "model.norm.weight": (hid,),
+                                "lm_head.weight": (VOCAB, hid)}
+
+    def mlp(prefix: str, inner: int) -> None:
+        shapes.update({f"{prefix}gate_proj.weight": (inner, hid), f"{prefix}up_proj.weight": (inner, hid),
+                       f"{prefix}down_proj.weight": (hid, inner)})
+
+    L = cfg["num_hidden_layers"]
+    for i in range(L + cfg["num_nextn_predict_layers"]):  # the MTP layers follow the decoder's, numbered on
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        if i >= L:  # an MTP layer's own tensors, around a decoder block like the others
+            shapes.update({f"{p}embed_tokens.weight": (VOCAB, hid), f"{p}enorm.weight": (hid,), f"{p}hnorm.weight": (hid,),
+                           f"{p}eh_proj.weight": (hid, 2 * hid), f"{p}shared_head.norm.weight": (hid,),
+                           f"{p}shared_head.head.weight": (VOCAB, hid)})
+        shapes.update({
+            f"{p}input_layernorm.weight": (hid,), f"{p}post_attention_layernorm.weight": (hid,),
+            f"{a}q_a_proj.weight": (ql, hid), f"{a}q_a_layernorm.weight": (ql,),
+            f"{a}q_b_proj.weight": (H * (nope + rope), ql),
+            f"{a}kv_a_proj_with_mqa.weight": (kvl + rope, hid), f"{a}kv_a_layernorm.weight": (kvl,),
+            f"{a}kv_b_proj.weight": (H * (nope + vd), kvl), f"{a}o_proj.weight": (hid, H * vd),
+            f"{a}indexer.wq_b.weight": (ih * idim, ql), f"{a}indexer.wk.weight": (idim, hid),
+            f"{a}indexer.k_norm.weight": (idim,), f"{a}indexer.k_norm.bias": (idim,),
+            f"{a}indexer.weights_proj.weight": (ih, hid),
+        })
+        if i < cfg["first_k_dense_replace"]:
+            mlp(f"{p}mlp.", cfg["intermediate_size"])
+        else:
+            shapes.update({f"{p}mlp.gate.weight": (E, hid), f"{p}mlp.gate.e_score_correction_bias": (E,)})
+            for e in range(E):
+                mlp(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
+            mlp(f"{p}mlp.shared_experts.", cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("bias"):
+            t = torch.zeros(shape)
+        elif len(shape) == 1:
+            t = torch.ones(shape)
+        else:
+            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+        # the router's correction bias in float32
+        out[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    return out
+
+
+def tokenizer():
+    """Byte-level BPE over the 256 bytes, no merges, with the special tokens first (ids 0 and 1)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(VOCAB_SPECIAL)} | {ch: len(VOCAB_SPECIAL) + i for i, ch in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in VOCAB_SPECIAL])
+    return tok
+
+
+def write(out_dir: str, seed: int = 0, mtp: bool = True) -> list[str]:
+    """Write the checkpoint into out_dir (created; refused if it holds any of FILES already). Returns the paths."""
+    from safetensors.torch import save_file
+
+    taken = [f for f in FILES if os.path.exists(os.path.join(out_dir, f))]
+    if taken:
+        raise FileExistsError(f"{out_dir} already holds {', '.join(taken)}: give an empty or new directory")
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = config(mtp)
+    paths = [os.path.join(out_dir, f) for f in FILES]
+    with open(paths[0], "w") as f:
+        json.dump(cfg, f, indent=1)
+    with open(paths[1], "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
+    save_file(weights(cfg, seed), paths[2], metadata={"format": "pt"})  # one key: safetensors orders a map at random
+    tokenizer().save(paths[3])
+    with open(paths[4], "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": VOCAB_SPECIAL[0],
+                   "eos_token": VOCAB_SPECIAL[1], "add_bos_token": False, "model_max_length": cfg["max_position_embeddings"]},
+                  f, indent=1)
+    return paths

@@ -1,0 +1,251 @@
+"""The CPU path's patch points: one table of (SGLang target, hook type, hook, why), registered through SGLang's own
+HookRegistry as the plugin's hooks are (sglang_ess.hooks). Every hook that takes tensors hands CUDA tensors to SGLang's
+own code unchanged; the others act only for a DSA model on the CPU. The tests resolve every target in the installed
+sglang and check the parameters each hook relies on (EXPECTED_PARAMS), so an upstream rename fails a test."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+from typing import Callable
+
+import torch
+
+from sglang.srt.plugins.hook_registry import HookType
+from sglang_ess.cpu import indexer, kernels
+from sglang_ess.cpu.resolution import capability_answered
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    target: str  # dotted path in sglang 0.5.23
+    kind: HookType
+    hook: Callable
+    why: str  # what fails on a CPU without it
+
+
+def _on_cpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cpu"
+
+
+def on_cpu(param: str, fn: Callable) -> Callable:
+    """An AROUND hook: fn(*args, **kwargs) where the tensor argument `param` (named as in fn, whose parameters are the
+    target's) is a CPU tensor, else SGLang's original."""
+    signature = inspect.signature(fn)
+
+    def hook(original, *args, **kwargs):
+        tensor = signature.bind(*args, **kwargs).arguments[param]
+        return fn(*args, **kwargs) if _on_cpu(tensor) else original(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = f"cpu_{fn.__name__}"
+    return hook
+
+
+def _is_dsa(model_config) -> bool:
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    return is_deepseek_dsa(model_config.hf_config)
+
+
+@contextlib.contextmanager
+def _module_global(module_name: str, name: str, value):
+    module = importlib.import_module(module_name)
+    previous = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, previous)
+
+
+class _NotCpuPlatform:
+    """SGLang's platform object, except that is_cpu() answers False (see around_configure)."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+
+KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
+
+
+def around_configure(original, kvc, *a, **kw):
+    """KVCacheConfigurator.configure refuses an FP8 KV cache on the CPU unless the model is MHA on an AMX CPU: it
+    guards its CPU MHA quantiser. A DSA model's FP8 latent rows are written by the DSA pool's own quantiser (on the
+    CPU path, kernels.quantize_k_cache_separate), so for a DSA model the guard is skipped; nothing else of configure
+    changes (its only other is_cpu() test picks the MHA quantiser)."""
+    if str(kvc.device) != "cpu" or not _is_dsa(kvc.model_config):
+        return original(kvc, *a, **kw)
+    from sglang.srt.platforms import current_platform
+
+    with _module_global(KV_CONFIGURATOR, "current_platform", _NotCpuPlatform(current_platform)):
+        return original(kvc, *a, **kw)
+
+
+def around_dsa_backend_init(original, backend, model_runner, *a, **kw):
+    """DeepseekSparseAttnBackend.__init__ reads the CUDA device capability to pick its kernels, which raises without
+    a driver: on the CPU it is answered for the stand-in GPU (Hopper, whose flashmla_kv kernels the CPU path
+    replaces)."""
+    if str(model_runner.device) != "cpu":
+        return original(backend, model_runner, *a, **kw)
+    with capability_answered():
+        return original(backend, model_runner, *a, **kw)
+
+
+def indexer_forward_native(self, *args, **kwargs):
+    """SGLang's op dispatch picks forward_native on a CPU; the indexer's forward is forward_cuda (below)."""
+    return self.forward_cuda(*args, **kwargs)
+
+
+def around_rotary_native(original, rope, positions, query, key, *a, **kw):
+    """DeepseekScalingRotaryEmbedding.forward_native broadcasts its cos/sin as [1, tokens, 1, dim], which turns a 2-D
+    key [tokens, dim] (the indexer's) into [tokens, tokens, dim] and adds a leading 1 to 3-D inputs: it is called
+    with [tokens, heads, dim] views and its results are given the inputs' shapes back."""
+    q3 = query.reshape(query.shape[0], -1, rope.head_size)
+    k3 = key.reshape(key.shape[0], -1, rope.head_size)
+    q, k = original(rope, positions, q3, k3, *a, **kw)
+    return q.reshape(query.shape), k.reshape(key.shape)
+
+
+@contextlib.contextmanager
+def _no_cuda_sync():
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
+
+
+def around_set_embed_and_head(original, model, embed, head, *a, **kw):
+    """DeepseekV2ForCausalLM.set_embed_and_head (the MTP draft shares the target's embedding and head) calls
+    torch.cuda.synchronize, which raises without a driver; a CPU has nothing to wait for."""
+    if embed.device.type != "cpu":
+        return original(model, embed, head, *a, **kw)
+    with _no_cuda_sync():
+        return original(model, embed, head, *a, **kw)
+
+
+def get_last_loc(req_to_token, req_pool_indices_tensor, prefix_lens_tensor):
+    """SGLang's own torch version (get_last_loc_torch), which it picks only for the torch_native and ascend backends."""
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+    return get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)
+
+
+def gpu_branch(module_name: str, **flags) -> Callable:
+    """An AROUND hook for a function whose CPU branch calls sgl_kernel's CPU build: on CPU tensors it runs with the
+    module's platform flags set as given (`_is_cpu=False` and the branch's own), which takes the branch that launches
+    SGLang's Triton kernel; Triton's interpreter (resolution.TRITON_INTERPRET_ENV) runs it on the CPU tensors."""
+
+    def hook(original, *args, **kwargs):
+        if not any(_on_cpu(a) for a in (*args, *kwargs.values())):
+            return original(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for name, value in {"_is_cpu": False, **flags}.items():
+                stack.enter_context(_module_global(module_name, name, value))
+            return original(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = f"triton_branch_of_{module_name.rsplit('.', 1)[1]}"
+    return hook
+
+
+DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
+PAD = "sglang.kernels.ops.attention.pad"
+SPEC_TREE = "sglang.kernels.ops.speculative.spec_tree"
+EAGLE_OPS = "sglang.kernels.ops.speculative.eagle"
+ALLOCATION = "sglang.srt.mem_cache.allocation"
+CACHE_LOCS = "sglang.kernels.ops.speculative.cache_locs"
+DEEPSEEK = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM"
+INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
+INDEX_K_CACHE = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
+TRANSFORM_INDEX = "sglang.kernels.ops.attention.dsa.transform_index"
+QUANT_K_CACHE = "sglang.kernels.ops.quantization.dsa_quant_k_cache"
+ROTARY = "sglang.srt.layers.rotary_embedding.rope_variant.DeepseekScalingRotaryEmbedding"
+
+PATCHES = [
+    Patch(f"{KV_CONFIGURATOR}.KVCacheConfigurator.configure", HookType.AROUND, around_configure,
+          "refuses an FP8 KV cache on the CPU for every MLA model ('CPU FP8 KV cache is only supported for MHA')"),
+    Patch(f"{DSA_BACKEND}.__init__", HookType.AROUND, around_dsa_backend_init,
+          "asks torch.cuda for the device capability (no driver: RuntimeError)"),
+    Patch(f"{INDEXER}.Indexer.forward_native", HookType.REPLACE, indexer_forward_native,
+          "raises NotImplementedError ('Indexer has no native (pure-torch) path')"),
+    Patch(f"{INDEXER}.Indexer.forward_cuda", HookType.AROUND, on_cpu("x", indexer.forward),
+          "refuses devices other than CUDA, HIP and XPU, and reaches DeepGEMM's logits and CUDA-only asserts"),
+    Patch(f"{INDEXER}.rotate_activation", HookType.AROUND, on_cpu("x", kernels.rotate_activation),
+          "the indexer's Hadamard transform is a CUDA kernel"),
+    Patch(f"{INDEX_K_CACHE}.SetKAndS.triton", HookType.AROUND, on_cpu("buf", kernels.set_k_and_s),
+          "the index-K store is a Triton kernel"),
+    Patch(f"{INDEX_K_CACHE}.GetKAndS.triton", HookType.AROUND, on_cpu("buf", kernels.get_k_and_s),
+          "the index-K gather of a prefill is a Triton kernel"),
+    Patch(f"{QUANT_K_CACHE}.quantize_k_cache_separate", HookType.AROUND, on_cpu("k_nope", kernels.quantize_k_cache_separate),
+          "the FP8 quantiser of the 656-byte latent rows is a Triton kernel"),
+    Patch(f"{TRANSFORM_INDEX}.transform_index_page_table_decode", HookType.AROUND,
+          on_cpu("topk_indices", kernels.transform_index_page_table_decode), "the decode top-k -> locations map is a Triton kernel"),
+    Patch(f"{TRANSFORM_INDEX}.transform_index_page_table_prefill", HookType.AROUND,
+          on_cpu("topk_indices", kernels.transform_index_page_table_prefill), "the prefill top-k -> locations map is a Triton kernel"),
+    Patch(f"{PAD}.seqlens_expand_triton", HookType.AROUND, on_cpu("seq_lens", kernels.seqlens_expand),
+          "MTP verify metadata: asserts CUDA tensors"),
+    Patch(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native,
+          "broadcasts a 2-D key into [tokens, tokens, dim]"),
+    Patch(f"{DEEPSEEK}.set_embed_and_head", HookType.AROUND, around_set_embed_and_head,
+          "MTP: torch.cuda.synchronize (no driver: RuntimeError)"),
+    Patch(f"{ALLOCATION}.get_last_loc", HookType.AROUND, on_cpu("req_to_token", get_last_loc),
+          "MTP decode: a Triton kernel for every attention backend but torch_native and ascend"),
+    Patch(f"{ALLOCATION}.assign_req_to_token_pool_func", HookType.AROUND,
+          on_cpu("req_to_token", kernels.assign_req_to_token_pool),
+          "MTP decode: sgl_kernel's CPU build (assign_req_to_token_pool_cpu)"),
+    Patch(f"{CACHE_LOCS}.assign_draft_cache_locs_contiguous_func", HookType.AROUND,
+          on_cpu("req_to_token", kernels.assign_draft_cache_locs_contiguous),
+          "MTP draft: sgl_kernel's CPU build (assign_draft_cache_locs_contiguous_cpu)"),
+    Patch(f"{CACHE_LOCS}.assign_extend_cache_locs_func", HookType.AROUND,
+          on_cpu("req_to_token", kernels.assign_extend_cache_locs),
+          "MTP verify: sgl_kernel's CPU build (assign_extend_cache_locs_cpu)"),
+    Patch(f"{SPEC_TREE}.build_tree_kernel_efficient_func", HookType.AROUND, gpu_branch(SPEC_TREE, _is_xpu=True),
+          "MTP draft: sgl_kernel's CPU build (build_tree_kernel_efficient_cpu); XPU's branch is a Triton kernel"),
+    Patch(f"{SPEC_TREE}.verify_tree_greedy_func", HookType.AROUND, gpu_branch(SPEC_TREE, _is_xpu=True),
+          "MTP verify: sgl_kernel's CPU build (verify_tree_greedy_cpu); XPU's branch is a Triton kernel"),
+    Patch(f"{EAGLE_OPS}.fill_bonus_tokens_func", HookType.AROUND, gpu_branch(EAGLE_OPS),
+          "MTP verify: sgl_kernel's CPU build (fill_bonus_tokens_cpu)"),
+    Patch(f"{EAGLE_OPS}.fill_accept_out_cache_loc_func", HookType.AROUND, gpu_branch(EAGLE_OPS),
+          "MTP verify: sgl_kernel's CPU build (fill_accept_out_cache_loc_cpu)"),
+]
+
+# Parameters of each target that its hook relies on (by name, in order from the first).
+EXPECTED_PARAMS = {
+    f"{KV_CONFIGURATOR}.KVCacheConfigurator.configure": ["self", "pre_model_load_memory"],
+    f"{DSA_BACKEND}.__init__": ["self", "model_runner"],
+    f"{INDEXER}.Indexer.forward_native": ["self"],
+    f"{INDEXER}.Indexer.forward_cuda": ["self", "x", "q_lora", "positions", "forward_batch", "layer_id",
+                                        "return_indices", "use_cuda_graph"],
+    f"{INDEXER}.rotate_activation": ["x"],
+    f"{INDEX_K_CACHE}.SetKAndS.triton": ["cls", "pool", "buf", "loc", "index_k", "index_k_scale"],
+    f"{INDEX_K_CACHE}.GetKAndS.triton": ["cls", "pool", "buf", "page_indices", "seq_len_tensor", "seq_len_sum",
+                                         "max_seq_len"],
+    f"{QUANT_K_CACHE}.quantize_k_cache_separate": ["k_nope", "k_rope", "tile_size"],
+    f"{TRANSFORM_INDEX}.transform_index_page_table_decode": ["page_table", "topk_indices", "result", "page_size"],
+    f"{TRANSFORM_INDEX}.transform_index_page_table_prefill": ["page_table", "topk_indices", "extend_lens_cpu",
+                                                              "page_size", "output_num_tokens",
+                                                              "page_table_is_expanded", "cu_seqlens_q"],
+    f"{PAD}.seqlens_expand_triton": ["extend_seq_lens", "seq_lens", "total_len", "max_q_len"],
+    f"{ROTARY}.forward_native": ["self", "positions", "query", "key"],
+    f"{DEEPSEEK}.set_embed_and_head": ["self", "embed", "head"],
+    f"{ALLOCATION}.get_last_loc": ["req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"],
+    f"{ALLOCATION}.assign_req_to_token_pool_func": ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
+                                                    "out_cache_loc", "batch_size"],
+    f"{CACHE_LOCS}.assign_draft_cache_locs_contiguous_func": ["req_pool_indices", "req_to_token", "seq_lens",
+                                                              "out_cache_loc", "topk", "num_cols", "positions", "mrope"],
+    f"{CACHE_LOCS}.assign_extend_cache_locs_func": ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
+                                                    "batch_size", "draft_token_num", "device"],
+    f"{SPEC_TREE}.build_tree_kernel_efficient_func": ["parent_list", "top_scores_index", "seq_lens"],
+    f"{SPEC_TREE}.verify_tree_greedy_func": ["predicts", "accept_index", "accept_token_num"],
+    f"{EAGLE_OPS}.fill_bonus_tokens_func": ["accept_tokens", "accept_lens", "bonus_tokens"],
+    f"{EAGLE_OPS}.fill_accept_out_cache_loc_func": ["accept_index", "out_cache_loc", "accept_out_cache_loc"],
+}
