@@ -57,7 +57,12 @@ def sparse_attention(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, rows: torch.T
     An empty row set gives o = 0 and lse = -inf, so that partial results merge exactly. Rows outside `valid` are
     zeroed first: in split attention they may be slots whose fetch is still in flight (any bytes, NaN included).
     """
-    c_kv, k_pe = layout.dequantize_latent(rows)  # [N, K, 512], [N, K, 64]
+    return sparse_attention_dequantized(q_nope_abs, q_pe, *layout.dequantize_latent(rows), valid, scale)
+
+
+def sparse_attention_dequantized(q_nope_abs: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                                 valid: torch.Tensor, scale: float):
+    """sparse_attention over rows already dequantised: c_kv [N, K, 512], k_pe [N, K, 64] float32."""
     c_kv = c_kv.masked_fill(~valid.unsqueeze(-1), 0.0)
     k_pe = k_pe.masked_fill(~valid.unsqueeze(-1), 0.0)
     s = (torch.einsum("nhr,nkr->nhk", q_nope_abs, c_kv) + torch.einsum("nhr,nkr->nhk", q_pe, k_pe)) * scale

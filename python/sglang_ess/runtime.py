@@ -96,6 +96,7 @@ class EssRuntime:
         self._warm: WarmupPlan | None = None  # the prefill forward's warm-up windows
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
+        self.released = 0  # requests let go (finished or aborted), a host count
 
     # -- the step's own rows (the ESS KV pool wrote them to the host pool already) --------------------------------
     def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
@@ -263,13 +264,14 @@ class EssRuntime:
         """A request finished or was aborted: forget its GPU rows (its tokens go back through SGLang's allocator).
         Returns the trace file written for it, if recording."""
         self.cache.release(req_slot)
+        self.released += 1
         if self.recorder is not None:
             return self.recorder.finish(req_slot, rid)
         return None
 
     def counts(self) -> dict[str, int]:
         """The step counters (COUNTERS) as host ints: a device sync, for readouts only."""
-        return dict(zip(COUNTERS, self.counters.tolist()))
+        return dict(zip(COUNTERS, self.counters.tolist())) | {"released_requests": self.released}
 
     def stats(self) -> dict:
         tier = self.cache.tier

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ess.core import layout
-from ess.core.dsa_math import sparse_attention
+from ess.core.dsa_math import sparse_attention_dequantized
 
 NAME = "sglang.kernels.ops.attention.flash_mla_interface"
 ROWS_PER_CALL = 256  # query rows attended at once (bounds the dequantised rows held in memory)
@@ -53,18 +53,30 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table, 
     N, S, H, _ = q.shape
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     pool = k_cache.view(torch.uint8).reshape(-1, layout.LATENT_ROW_BYTES)
-    qf = q.reshape(N * S, H, -1).float()
+    # SGLang pads the heads to the kernel's 64 or 128 with zero queries, whose attention is the plain mean of the
+    # valid rows (every score 0): those heads cost no per-head work here
+    q3 = q.reshape(N * S, H, -1)
+    live = torch.stack([q3[:, h].any() for h in range(H)])
+    qf = q3[:, live].float()
+    # each row the call reads is dequantised once (a prefill's queries share most of their rows)
     idx = indices.reshape(N * S, -1).long()
+    used, where = torch.unique(idx.clamp(min=0), return_inverse=True)
+    nope_all, rope_all = layout.dequantize_latent(pool[used])
     o = torch.empty(N * S, H, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(N * S, H, dtype=torch.float32, device=q.device)
     for s in range(0, N * S, ROWS_PER_CALL):
         e = min(N * S, s + ROWS_PER_CALL)
-        part = idx[s:e]
-        valid = part >= 0
-        out, l = sparse_attention(qf[s:e, :, : layout.NOPE_DIM], qf[s:e, :, layout.NOPE_DIM:], pool[part.clamp(min=0)],
-                                  valid, scale)
-        o[s:e] = out.to(q.dtype)
-        lse[s:e] = torch.where(valid.any(1, keepdim=True), l, torch.inf)
+        valid = idx[s:e] >= 0
+        nope, rope = nope_all[where[s:e]], rope_all[where[s:e]]
+        out, l = sparse_attention_dequantized(qf[s:e, :, : layout.NOPE_DIM], qf[s:e, :, layout.NOPE_DIM:], nope, rope,
+                                              valid, scale)
+        count = valid.sum(1, keepdim=True)
+        mean = nope.masked_fill(~valid.unsqueeze(-1), 0.0).sum(1) / count.clamp(min=1)
+        o[s:e] = mean.to(q.dtype).unsqueeze(1)  # every head; the live ones are overwritten
+        o[s:e, live] = out.to(q.dtype)
+        lse[s:e] = torch.log(count.float())
+        lse[s:e, live] = l
+        lse[s:e] = torch.where(valid.any(1, keepdim=True), lse[s:e], torch.inf)
     return o.reshape(N, S, H, head_dim_v), lse.reshape(N, S, H).transpose(1, 2)
 
 

@@ -28,6 +28,9 @@ FUSE_TOPK_ENV = "SGLANG_DSA_FUSE_TOPK"  # SGLang's fused top-k (token locations 
 # before SGLang is imported: the scheduler processes inherit it): SGLang's Triton kernels that the CPU path runs as
 # they are (MTP's bookkeeping) then compute on CPU tensors.
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
+# torch.compile off: on a CPU it compiles C++ for SGLang's few compiled helpers (the indexer's head gates) at their first
+# call, tens of seconds on a small machine for what eager torch computes in microseconds
+COMPILE_ENV = "TORCH_COMPILE_DISABLE"
 STANDIN_DIR = os.path.join(os.path.dirname(__file__), "standin")
 # A CPU host's defaults where the flags are not given. SGLang sizes a CPU's KV cache from the free RAM (about 15 GB on
 # a 24 GB machine, allocated up front) and its request table from the model's context (163,840 positions for
@@ -62,6 +65,7 @@ def enable_cpu_engine() -> None:
     os.environ[CPU_ENGINE_ENV] = "1"
     os.environ[FUSE_TOPK_ENV] = "0"
     os.environ[TRITON_INTERPRET_ENV] = "1"
+    os.environ.setdefault(COMPILE_ENV, "1")
     if not sgl_kernel_loads() and STANDIN_DIR not in sys.path:
         sys.path.insert(0, STANDIN_DIR)
         logger.info("ESS CPU path: sgl_kernel's stand-in in place of the installed build, which cannot load here")
@@ -75,7 +79,9 @@ def cpu_backends(server_args: Any, previous) -> None:
         from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of, resolving_view
 
         cfg = resolving_view(server_args)
-        declared = {"dsa_topk_backend": "torch", "speculative_dsa_topk_backend": "torch"}
+        # sleep_on_idle: SGLang's scheduler polls for requests at full speed while idle, a core of a CPU host that
+        # the servers' own compute needs
+        declared = {"dsa_topk_backend": "torch", "speculative_dsa_topk_backend": "torch", "sleep_on_idle": True}
         if cfg.attention_backend is None:
             declared["attention_backend"] = "dsa"
         declared |= {flag: value for flag, value in CPU_DEFAULTS.items() if getattr(cfg, flag) is None}

@@ -1,0 +1,176 @@
+"""Real SGLang servers on this machine: start `python -m sglang.launch_server` on a checkpoint, stock or with
+`--enable-ess`, and talk to it over its HTTP API. The real-server test (test/plugin/test_server.py) and
+`ess demo --server` use it; on a CPU the plugin's CPU path serves the model (docs/plugin.md, "The CPU path").
+
+The workloads are deterministic: a server's batches, and so its float rounding, depend only on the order of the calls,
+because every call waits for the server to be idle (SGLang's kernels on a CPU are not batch-invariant: the same
+prompt in another batch may round differently, and a random model's near-ties then flip a greedy token).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+READY = "The server is fired up and ready to roll"  # SGLang's log line once its warm-up request is done
+CPU_FLAGS = ["--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"]  # everything else is the plugin's CPU default
+ESS_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96"]  # 96 slots: a few hundred tokens overflow them every step
+MTP_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", "2"]
+ESS_MTP_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "160"]  # at least 2 verify rows x (top-k 64 + 1)
+TOKENS = range(2, 258)  # the tiny checkpoint's byte tokens (ess.reference.checkpoint)
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Server:
+    """One `python -m sglang.launch_server` process (and its scheduler processes), its output in log_path."""
+
+    model: str
+    flags: list[str]
+    log_path: str
+    port: int = dataclasses.field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model, "--port", str(self.port),
+                *self.flags]
+
+    def start(self) -> "Server":
+        env = dict(os.environ, SGLANG_PLUGINS=os.environ.get("SGLANG_PLUGINS", "ess"), PYTHONUNBUFFERED="1")
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)  # its own group: stop() ends the schedulers too
+        return self
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "Server":
+        deadline = time.monotonic() + timeout_s
+        while READY not in self.log():
+            if self.process.poll() is not None:
+                raise ServerError(f"the server exited ({self.process.returncode}) before it was ready: "
+                                  f"{' '.join(self.command)}\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ServerError(f"the server was not ready after {timeout_s:.0f} s\n{self.log_tail()}")
+            time.sleep(0.5)
+        return self
+
+    def stop(self) -> None:
+        """End the server and its scheduler processes at once (SIGKILL to its process group: a served workload has
+        nothing to drain, and SGLang's graceful shutdown waits several seconds for GPU work that a CPU does not have)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def __enter__(self) -> "Server":
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def log_lines(self, marker: str) -> list[str]:
+        return [line for line in self.log().splitlines() if marker in line]
+
+    # -- the HTTP API --------------------------------------------------------------------------------------------
+    def _connection(self, timeout_s: float = 600) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+
+    def post(self, path: str, body: dict) -> dict | list:
+        conn = self._connection()
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise ServerError(f"POST {path}: HTTP {resp.status}: {data[:500]!r}")
+        return json.loads(data) if data.strip() else {}
+
+    def get(self, path: str) -> dict:
+        conn = self._connection(60)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise ServerError(f"GET {path}: HTTP {resp.status}: {data[:500]!r}")
+        return json.loads(data)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+        """Greedy generation of every prompt (token ids) in one call (one batch in the server), exactly new_tokens
+        each. Returns SGLang's answers: output_ids and meta_info."""
+        sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        return self.post("/generate", {"input_ids": prompts, "sampling_params": sampling})
+
+    def generate_and_abort(self, prompt: list[int], after_tokens: int, rid: str = "ess-abort") -> dict:
+        """A streamed greedy generation aborted through /abort_request once after_tokens tokens have come back.
+        Returns the last answer (finish_reason abort), once the server has let the request go."""
+        conn = self._connection()
+        body = {"input_ids": prompt, "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 100 * after_tokens, "temperature": 0, "ignore_eos": True}}
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        last, aborted = None, False
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            last = json.loads(line[5:])
+            if not aborted and len(last.get("output_ids", [])) >= after_tokens:
+                self.post("/abort_request", {"rid": rid})
+                aborted = True
+        self.flush()
+        return last
+
+    def state(self) -> dict:
+        """The scheduler's state readout (the first data-parallel rank's), ESS's counters under "ess"."""
+        return self.get("/get_server_info")["internal_states"][0]
+
+    def flush(self, timeout_s: float = 60) -> None:
+        """Wait until the scheduler holds no request (an aborted one is let go at its next step), then empty its
+        radix cache and pools: SGLang's /flush_cache, which does nothing but wait while a request is running."""
+        conn = self._connection(timeout_s + 10)
+        conn.request("POST", f"/flush_cache?timeout={timeout_s}")
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        if resp.status != 200:
+            raise ServerError(f"/flush_cache: HTTP {resp.status}: {text.strip()}")
+
+
+def prompts(count: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    """count prompts of the tiny checkpoint's byte tokens, of lengths spread over [lo, hi], from one seed."""
+    rng = random.Random(seed)
+    lo, hi = lengths
+    return [[rng.choice(TOKENS) for _ in range(lo + (hi - lo) * i // max(1, count - 1))] for i in range(count)]
+
+
+def shared_prefix_prompts(base: list[list[int]], prefix: int, tail: int, seed: int) -> list[list[int]]:
+    """Prompts that start with the first `prefix` tokens of each base prompt (the radix cache holds them) and go on
+    with `tail` fresh tokens."""
+    rng = random.Random(seed)
+    return [p[:prefix] + [rng.choice(TOKENS) for _ in range(tail)] for p in base]

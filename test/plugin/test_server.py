@@ -1,0 +1,118 @@
+"""The plugin's test of record: real SGLang servers on this CPU, `python -m sglang.launch_server --device cpu
+--kv-cache-dtype fp8_e4m3` on a tiny random DeepSeek-V3.2 checkpoint (`ess tiny-checkpoint`), stock and with
+`--enable-ess --ess-buffer-tokens 96`, real HTTP requests, greedy tokens compared request by request.
+
+The ESS server's plan mixes the overlap modes across the two layers (none on layer 0, DA on layer 1): with
+`--ess-overlap none` or `da` alike the ESS server reads the same rows with the same kernel as stock SGLang, so its
+tokens must equal stock's exactly, always. (DBA needs SGLang's two-batch overlap, which the CPU path does not run;
+test_sglang_plugin checks its refusal without it.) A second pair of servers runs MTP (EAGLE, one draft token):
+verify steps through ESS, tokens equal too.
+
+Every workload waits for the previous one (ess.reference.server): a server's batches then depend on the calls only,
+not on timing, so stock and ESS compute the same batches (SGLang's CPU kernels are not batch-invariant).
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from ess.reference import checkpoint  # noqa: E402
+from ess.reference import server as S  # noqa: E402
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-dsv32")
+    checkpoint.write(str(out), seed=0)
+    return str(out)
+
+
+def run_pair(tmp_path, model, stock_flags, ess_flags, workload):
+    """Start a stock and an ESS server together, then run `workload(server, is_ess)` on each in turn. Returns
+    {"stock": result, "ess": result} and the ESS server's state readout after the workload."""
+    servers = {"stock": S.Server(model, S.CPU_FLAGS + stock_flags, str(tmp_path / "stock.log")),
+               "ess": S.Server(model, S.CPU_FLAGS + stock_flags + ess_flags, str(tmp_path / "ess.log"))}
+    try:
+        for srv in servers.values():
+            srv.start()
+        results = {}
+        for name, srv in servers.items():
+            srv.wait_ready()
+            results[name] = workload(srv, name == "ess")
+        return results, servers["ess"].state()["ess"], servers["ess"].log()
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
+def tokens(answers):
+    return [a["output_ids"] for a in answers]
+
+
+def plain_workload(srv, is_ess):
+    """Eight concurrent requests of unequal lengths; then eight that share prefixes with them (the radix cache
+    holds those); then one request aborted mid-decode, and four more requests after it. ESS's counters are read
+    around the first batch too (SGLang's own warm-up request came before)."""
+    a = S.prompts(8, (200, 420), seed=0)
+    before = srv.state().get("ess")
+    out = {"unequal": srv.generate(a, NEW_TOKENS)}
+    if is_ess:
+        after = srv.state()["ess"]
+        out["unequal_counts"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
+        out["modes"] = after["modes"]
+    out["shared_prefix"] = srv.generate(S.shared_prefix_prompts(a, 128, 64, seed=1), NEW_TOKENS)
+    out["aborted"] = srv.generate_and_abort(S.prompts(1, (300, 300), seed=2)[0], after_tokens=4)
+    out["after_abort"] = srv.generate(S.prompts(4, (150, 300), seed=3), NEW_TOKENS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("plain")
+    plan = tmp / "plan.json"
+    plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 2, "modes": ["none", "da"]}))
+    return run_pair(tmp, model, [], S.ESS_FLAGS + ["--ess-layer-plan", str(plan)], plain_workload)
+
+
+def test_unequal_concurrent_requests_give_stock_tokens_and_miss_every_step(plain):
+    results, _, log = plain
+    stock, ess = results["stock"], results["ess"]
+    assert tokens(ess["unequal"]) == tokens(stock["unequal"])
+    assert all(len(t) == NEW_TOKENS for t in tokens(ess["unequal"]))
+    counts = ess["unequal_counts"]
+    # every decode forward of the batch missed: 96 slots against top-64 sets over 200-420 positions
+    assert counts["forwards"] == NEW_TOKENS - 1 and counts["forwards_without_misses"] == 0, counts
+    assert 0 < counts["missed_rows"] < counts["selected_rows"], counts
+    assert ess["modes"] == ["none", "da"]  # the plan's modes, both exercised
+    assert any("ESS pool:" in line for line in log.splitlines())
+
+
+def test_shared_prefixes_come_from_the_radix_cache_with_stock_tokens(plain):
+    results, _, _ = plain
+    stock, ess = results["stock"], results["ess"]
+    assert all(a["meta_info"]["cached_tokens"] >= 128 for a in ess["shared_prefix"])
+    assert tokens(ess["shared_prefix"]) == tokens(stock["shared_prefix"])
+
+
+def test_a_request_aborted_mid_decode_is_let_go_and_the_server_serves_on(plain):
+    results, state, _ = plain
+    stock, ess = results["stock"], results["ess"]
+    for r in (stock, ess):
+        assert r["aborted"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(r["aborted"]["output_ids"]) >= 4
+    assert tokens(ess["after_abort"]) == tokens(stock["after_abort"])
+    # every request let go through the plugin's release hook: 8 + 8 + the aborted one + 4 (and SGLang's warm-up)
+    assert state["released_requests"] >= 21, state
+
+
+def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path):
+    def workload(srv, is_ess):
+        return srv.generate(S.prompts(8, (200, 420), seed=4), NEW_TOKENS)
+
+    results, state, _ = run_pair(tmp_path, model, S.MTP_FLAGS, S.ESS_MTP_FLAGS, workload)
+    assert tokens(results["ess"]) == tokens(results["stock"])
+    assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
