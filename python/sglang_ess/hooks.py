@@ -83,7 +83,7 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
     if target is not None:
         facts = target[1]
         dsa_pool_class = pool_class(
-            scratch_rows=max_running_requests * facts.query_rows, stage_rows=facts.context,
+            scratch_rows=sizing.scratch_requests(max_running_requests) * facts.query_rows, stage_rows=facts.context,
             tier=state.tier_spec,
         )
     return original(kvc, *a, max_running_requests=max_running_requests, dsa_pool_class=dsa_pool_class, **kw)

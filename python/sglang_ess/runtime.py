@@ -9,8 +9,8 @@ Overlap (docs/design.md, Overlap), per layer from the plan or --ess-overlap:
               the misses on the copy stream; the rest of forward_absorb_prepare (q_b_proj under graph capture,
               w_kc bmm, rotary) and the KV write run meanwhile; the attention call then puts the own rows in place
               and waits for the copy. With --enable-two-batch-overlap each micro-batch's H2D also runs under the other
-              micro-batch's work between op_prepare and op_core (its indexer included): that is DBA's schedule. A
-              dba layer without TBO runs as da (SGLang's indexer is one call for the whole batch).
+              micro-batch's work between op_prepare and op_core (its indexer included): that is DBA's schedule, so
+              the launch checks accept dba only with TBO (a plan's dba layers run as da without it).
 LRU-Warmup: a prefill forward's last W query rows per request give its warm-up sets (`plan_prefill`,
 `warm_from_prefill`), so decode starts with the rows prefill attended to last. On a PD decode node the prefill node
 sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).

@@ -53,7 +53,8 @@ def host_limit_bytes(ranks_on_node: int) -> int:
 
 def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: float | None, max_requests: int | None,
                    context_len: int, capacity: int, per_token_bytes: int | None = None,
-                   host_limit: int | None = None, disk_budget_bytes: int | None = None) -> EssPoolSizes:
+                   host_limit: int | None = None, disk_budget_bytes: int | None = None,
+                   host_per_request: int = 0) -> EssPoolSizes:
     """Sizes for `max_requests` requests of up to `context_len` tokens with `capacity` GPU slots each. Tokens are what
     the device budget leaves after the per-request sparse pools, capped by the host pool (default: no cap beyond
     max_requests x context_len). max_requests None: as many requests as fit at full context on the device and in
@@ -61,7 +62,9 @@ def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: f
     draft layer's share). host_limit: the pinned host bytes this rank may take (host_limit_bytes): a larger
     --ess-host-pool-gib is refused, and without it the pool is capped there, so the host wall is found at start-up,
     never by running out. disk_budget_bytes: a disk tier's page file budget, which then caps the tokens, the host
-    budget being its frames. Raises ValueError naming the flag when nothing fits."""
+    budget being its frames. host_per_request: host bytes each request row takes besides its tokens' rows (a PD
+    decode node's warm-up metadata), charged to the same host budget. Raises ValueError naming the flag when nothing
+    fits."""
     L = num_layers
     # slots + slot tables + the position -> slot table (sized by context, per request); then index-K per token
     per_request = cache_bytes(L, context_len, layout.LATENT_ROW_BYTES, 0, capacity)
@@ -86,12 +89,21 @@ def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: f
                                  f"tokens, below one request of {context_len}")
     if latent_tokens is not None and latent_tokens < context_len:
         raise ValueError(f"--ess-host-pool-gib {host_budget_gib}: room for {latent_tokens} tokens, below one request of {context_len}")
+    # the host bytes the latent rows and the per-request host state share (without a disk tier)
+    host_total = None if latent_tokens is None or disk_budget_bytes is not None else latent_tokens * L * layout.LATENT_ROW_BYTES
     if max_requests is None:
         max_requests = device_budget_bytes // (per_request + context_len * per_token)
         if latent_tokens is not None:
-            max_requests = min(max_requests, latent_tokens // context_len)
+            row_host = context_len * L * layout.LATENT_ROW_BYTES + (host_per_request if host_total is not None else 0)
+            max_requests = min(max_requests, (latent_tokens * L * layout.LATENT_ROW_BYTES) // row_host)
         if max_requests < 1:
             raise ValueError(f"--ess-buffer-tokens/--ess-sparse-ratio: one request of {context_len} tokens with {capacity} slots does not fit the device budget")
+    if host_total is not None and host_per_request:
+        latent_tokens = (host_total - max_requests * host_per_request) // (L * layout.LATENT_ROW_BYTES)
+        if latent_tokens < context_len:
+            raise ValueError(f"--ess-host-pool-gib: the host memory left after {max_requests} request rows' PD warm-up "
+                             f"metadata ({max_requests * host_per_request / GIB:.2f} GiB) holds {max(0, latent_tokens)} "
+                             f"tokens, below one request of {context_len}")
     device_tokens = (device_budget_bytes - max_requests * per_request) // per_token
     if device_tokens < 1:
         raise ValueError(f"--ess-buffer-tokens/--ess-sparse-ratio: {max_requests} requests x {capacity} slots do not fit the device budget")
@@ -153,27 +165,32 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
     # ESS gives every row of SGLang's request table its sparse pool: the requests', the padding row, and on a PD
     # decode node the rows reserved for requests still in transfer
     extra = extra_request_rows()
-    sa = kvc.server_args  # each rank of the node pins its own host pool
-    ranks_on_node = max(1, (sa.tp_size or 1) * (sa.pp_size or 1) // max(1, sa.nnodes or 1))
+    ranks_on_node = node_ranks(kvc.server_args)  # each rank of the node pins its own host pool
     spec = disk_tier_spec(ess, ranks_on_node)
+    per_request_host = warmup_metadata_bytes(facts, ess)
     sizes = ess_pool_sizes(layers, budget, ess.host_pool_gib,
                            None if r is None else r + extra, facts.context, facts.buffer, per_token,
                            host_limit=host_limit_bytes(ranks_on_node),
-                           disk_budget_bytes=None if spec is None else spec.disk_bytes)
+                           disk_budget_bytes=None if spec is None else spec.disk_bytes, host_per_request=per_request_host)
     max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
     page = get_schedule().page_size
-    tokens = kvc._apply_token_constraints(sizes.tokens) // page * page
+    tokens = kvc._apply_token_constraints(sizes.tokens) // page * page  # SGLang's own caps (--max-total-tokens)
+    rows = max_requests + extra
     if spec is not None:
         need = tier_min_frames(tokens, max_requests, facts.topk, facts.query_rows, facts.context)
         if spec.host_bytes // PAGE_BYTES < need:
             raise EssArgsError(f"--ess-host-pool-gib {ess.host_pool_gib}: a disk tier's frames must hold the {need} pages "
                                f"one layer's step may need ({need * PAGE_BYTES / GIB:.2f} GiB) for {max_requests} requests")
         logger.info("ESS disk tier: %.1f GiB of host frames over %.1f GiB of pages in %s", spec.host_bytes / GIB,
-                    sizes.disk_bytes / GIB, spec.disk_dir)
+                    -(-tokens // PAGE_TOKENS) * layers * DISK_PAGE_BYTES / GIB, spec.disk_dir)
+    host = spec.host_bytes if spec is not None else tokens * layers * layout.LATENT_ROW_BYTES
+    device = rows * cache_bytes(layers, facts.context, layout.LATENT_ROW_BYTES, 0, facts.buffer) + tokens * per_token
     logger.info(
-        "ESS pool: %d tokens (index-K on the GPU, latent rows in %.1f GiB pinned host memory), %d requests x %d GPU "
-        "slots, %.1f GiB device, limited by %s", tokens, sizes.host_bytes / GIB, max_requests, facts.buffer,
-        sizes.device_bytes / GIB, sizes.limited_by,
+        "ESS pool: %d tokens (index-K on the device, latent rows in %.2f GiB of host memory%s), %d requests x %d "
+        "device slots (%d request-table rows), %.2f GiB device, limited by %s", tokens, host / GIB,
+        f" and {rows * per_request_host / GIB:.2f} GiB of PD warm-up metadata" if per_request_host else "",
+        max_requests, facts.buffer, rows, device / GIB,
+        sizes.limited_by if tokens == sizes.tokens else "--max-total-tokens / SGLang's token limits",
     )
     config = MemoryPoolConfig(max_total_num_tokens=tokens, max_running_requests=max_requests)
     config = configurator.finalize_with_max_running_requests(config)
@@ -182,6 +199,39 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
 
 
 MAX_REQUESTS = 4096  # SGLang's own ceiling on requests per worker; bounds the decode scratch charged up front
+
+
+def node_ranks(server_args) -> int:
+    """The ranks (processes, one host pool each) of this node: tensor x pipeline parallel ranks, times the data-
+    parallel replicas unless DP attention keeps them inside the tensor-parallel ranks, over the nodes."""
+    sa = server_args
+    replicas = 1 if getattr(sa, "enable_dp_attention", False) else max(1, getattr(sa, "dp_size", 1) or 1)
+    return max(1, (sa.tp_size or 1) * (sa.pp_size or 1) * replicas // max(1, sa.nnodes or 1))
+
+
+def warmup_metadata_bytes(facts, ess) -> int:
+    """Host bytes per request-table row of a PD decode node's warm-up metadata: SGLang keeps two metadata slots per
+    row (scheduler.py: buffer_size = req_to_token_pool.size * 2), and the plugin appends one warm-up row to each
+    (sglang_ess.pd_warmup); 0 elsewhere."""
+    from sglang_ess import pd_warmup
+
+    if facts.role != "pd-decode" or not ess.warmup_windows:
+        return 0
+    return METADATA_SLOTS_PER_ROW * pd_warmup.row_ints(facts.layers, facts.topk) * 4
+
+
+METADATA_SLOTS_PER_ROW = 2
+
+
+def scratch_requests(max_running_requests: int) -> int:
+    """The most requests one forward may hold, padding included: the request table's rows (the running requests and
+    extra_request_rows), padded as SGLang pads a batch, to its CUDA-graph capture alignment (even sizes with
+    two-batch overlap, multiples of the attention-TP size where gathered buffers are needed) and in eager mode with
+    DP attention (multiples of the attention-TP size): SGLang's own functions (utils/common.py)."""
+    from sglang.srt.utils.common import get_cuda_graph_max_batch_size, get_eager_max_batch_size
+
+    rows = max_running_requests + extra_request_rows()
+    return max(get_cuda_graph_max_batch_size(rows), get_eager_max_batch_size(rows))
 
 
 def extra_request_rows() -> int:

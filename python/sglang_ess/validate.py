@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
-
+import logging
 from typing import Any
 
 from ess.core.plan import PlanError, load_plan
 from ess.core.settings import DEFAULT_SPARSE_RATIO
 from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs, EssArgsError, ess_args
+
+logger = logging.getLogger("sglang_ess")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +120,22 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     if cfg.disaggregation_mode == "decode":  # the prefill node sends the warm-up state
         _check_pd_warmup(ess, context)
     layers = int(hf_config.num_hidden_layers)
+    # DBA in the plugin is DA under SGLang's two-batch overlap (docs/plugin.md, "Overlap"): each micro-batch's H2D
+    # starts at its own indexer and runs under the other micro-batch's work; one batch has no halves to overlap
+    tbo = bool(getattr(cfg, "enable_two_batch_overlap", False))
+    if ess.overlap == "dba" and not tbo:
+        raise EssArgsError("--ess-overlap dba overlaps one micro-batch's H2D with the other's indexer, over SGLang's "
+                           "two-batch overlap: add --enable-two-batch-overlap, or use --ess-overlap da")
     modes = None
     if ess.layer_plan is not None:
         try:
             modes = load_plan(ess.layer_plan, layers, mtp_layer=rows > 1)
         except PlanError as e:
             raise EssArgsError(f"--ess-layer-plan: {e}") from e
+        if not tbo and "dba" in modes:
+            logger.warning("--ess-layer-plan: its %d dba layer(s) run as da (DBA needs --enable-two-batch-overlap)",
+                           modes.count("dba"))
+            modes = ["da" if m == "dba" else m for m in modes]
     role = "pd-decode" if cfg.disaggregation_mode == "decode" else "co-located"
     return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes))
 

@@ -132,7 +132,8 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces")
     facts = validate_server_args(sa)
     assert facts.topk == 2048 and facts.layers == 61 and facts.buffer == 6400
-    assert facts.plan == ("da",) * 30 + ("dba",) * 31 and facts.role == "co-located"
+    # DBA is DA over SGLang's two-batch overlap: without it the plan's dba layers run as da
+    assert facts.plan == ("da",) * 61 and facts.role == "co-located"
     assert ess_args(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).enable is False
     prefill = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "24",
                            "--disaggregation-mode", "prefill"))
@@ -179,6 +180,8 @@ BAD = [
     ("decode-radix", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                           "--disaggregation-decode-enable-radix-cache"], "--disaggregation-decode-enable-radix-cache yet"),
     ("dcp", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--dcp-size", "2"], "--dcp-size 2 yet"),
+    ("dba-without-tbo", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                             "--ess-overlap", "dba"], "add --enable-two-batch-overlap, or use --ess-overlap da"),
     ("host-receive", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                           "--disaggregation-decode-host-receive-threshold", "0.5"],
      "--disaggregation-decode-host-receive-threshold below 1 yet"),
@@ -239,20 +242,46 @@ def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
     assert facts.query_rows == 3
 
 
-def test_ess_target_workers_build_the_ess_pool(plugin, hopper, tmp_path):
-    """The KV cache configurator hook: an ESS target worker gets ESS's pool class (sized for its decode scratch);
-    the MTP draft worker and a launch without ESS keep SGLang's."""
+CAPTURE_CASES = {  # launch flags, parallel sizes of one rank (what SGLang's process groups would publish)
+    "single": ([], {}),
+    "tbo": (["--enable-two-batch-overlap"], {}),
+    "dp-attention-deepep": (["--tp-size", "8", "--dp-size", "4", "--enable-dp-attention", "--moe-a2a-backend", "deepep"],
+                            {"attn_tp_size": 2}),
+    "dp-attention-deepep-tbo": (["--tp-size", "8", "--dp-size", "4", "--enable-dp-attention", "--moe-a2a-backend",
+                                 "deepep", "--enable-two-batch-overlap"], {"attn_tp_size": 2}),
+}
+
+
+@pytest.mark.parametrize("case", CAPTURE_CASES)
+def test_ess_target_workers_build_the_ess_pool_with_a_scratch_for_every_captured_batch(plugin, hopper, tmp_path, case):
+    """The KV cache configurator hook: an ESS target worker gets ESS's pool class, whose decode scratch holds the
+    rows of the largest batch SGLang captures (its own get_batch_sizes_to_capture over the request table: padded to
+    even sizes with two-batch overlap, to attention-TP multiples with DeepEP's gathered buffers) and of its eager
+    padding; the MTP draft worker and a launch without ESS keep SGLang's."""
     import types
 
+    from sglang.srt import runtime_context
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.model_executor.runner.base_cuda_graph_runner import get_batch_sizes_to_capture
+    from sglang.srt.utils.common import get_eager_max_batch_size
 
     from sglang_ess.pool import EssDSATokenToKVPool
 
+    flags, parallel = CAPTURE_CASES[case]
+    running = 28  # SGLang's request table: 28 requests + its padding row
     build = lambda kvc, **kw: kw["dsa_pool_class"]  # noqa: E731  (SGLang's builder, reduced to the class it gets)
-    sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768"))
-    cls = plugin.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
-                                          max_total_num_tokens=1 << 20, max_running_requests=9, dsa_pool_class=DSATokenToKVPool)
-    assert issubclass(cls, EssDSATokenToKVPool) and cls.scratch_rows == 9 and cls.stage_rows == 32768
+    sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", *flags))
+    ctx = runtime_context.create_context(sa, role="test")
+    with runtime_context.use_context(ctx), runtime_context.get_parallel().override(**parallel):
+        cls = plugin.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
+                                              max_total_num_tokens=1 << 20, max_running_requests=running,
+                                              dsa_pool_class=DSATokenToKVPool)
+        table = types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace(size=running + 1), server_args=sa)
+        largest = max(max(get_batch_sizes_to_capture(table)[0]), get_eager_max_batch_size(running + 1))
+    assert issubclass(cls, EssDSATokenToKVPool) and cls.stage_rows == 32768
+    assert cls.scratch_rows == largest  # one query row per request without speculative decoding
+    if case == "dp-attention-deepep-tbo":
+        assert largest == 32 > running  # SGLang captures 32 for 29 rows (the scratch once held 28)
     draft = types.SimpleNamespace(server_args=sa, is_draft_worker=True)
     assert plugin.around_build_dsa_kv_pool(build, draft, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool

@@ -474,3 +474,26 @@ def test_move_and_cpu_copy_through_a_disk_tier(tiered, monkeypatch):
     for layer in range(L):
         assert torch.equal(by_location(ess, layer, tgt), moved[layer])
     ess.ess_tier.check()
+
+
+def test_a_pd_decode_node_charges_its_warmup_metadata_to_the_host(monkeypatch):
+    """A PD decode node's metadata buffers (two slots per request-table row, in host memory) each carry ESS's
+    warm-up row (about 2 MB for DeepSeek-V3.2): sizing charges them to the same host budget as the latent rows."""
+    from sglang_ess import pd_warmup, sizing
+
+    layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
+    kvc, _, schedule, disagg = configurator(monkeypatch, layers, avail)
+    monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (2 << 40) * 8 // 10 // ranks)
+    disagg.disaggregation_mode, disagg.disaggregation_decode_extra_slots = "decode", 8
+    schedule.max_running_requests = 40
+    facts = EssFacts("pd-decode", 2048, layers, ctx, cap)
+    rows = 40 + 8 + 1  # SGLang's decode request table: running + in-transfer + padding
+    row_bytes = pd_warmup.row_ints(layers, 2048) * 4
+    assert sizing.warmup_metadata_bytes(facts, EssArgs(enable=True)) == 2 * row_bytes and row_bytes > 1.9e6
+    latent = 40 * ctx * layers * 656
+    host_gib = (latent + rows * 2 * row_bytes // 2) / (1 << 30)  # room for the requests' tokens, not for all metadata
+    config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=host_gib), facts)
+    assert config.max_total_num_tokens * layers * 656 + rows * 2 * row_bytes <= host_gib * (1 << 30)
+    assert config.max_total_num_tokens < 40 * ctx  # the metadata took what the last request's tokens needed
+    config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=host_gib, warmup_windows=0), facts)
+    assert config.max_total_num_tokens >= 40 * ctx  # no warm-up rows, no metadata of ESS's: every token fits
