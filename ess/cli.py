@@ -121,7 +121,55 @@ def _emit(args, doc: dict, table: Table | None) -> None:
         out.print(table)
 
 
+# flags of the mini-model demo that mean nothing to `ess demo --server` (name: default)
+MINI_ONLY = {"ess": False, "buffer_tokens": None, "sparse_ratio": None, "no_warmup": False, "device_mem_gib": None,
+             "overlap": "none", "layer_plan": None, "host_budget_mib": None, "disk_dir": None, "disk_gib": None}
+
+
+def cmd_server_demo(args) -> int:
+    from ess.reference.server_demo import ServerDemoOptions, run_server_demo
+
+    given = [f"--{k.replace('_', '-')}" for k, default in MINI_ONLY.items() if getattr(args, k) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of the mini-model demo; `ess demo --server` runs real SGLang "
+                         "servers (see --server-model, --server-modes)")
+    modes = tuple(m for m in args.server_modes.split(",") if m)
+    if not modes or set(modes) - {"none", "da"}:
+        raise ValueError(f"--server-modes: a comma-separated list of none and da, got {args.server_modes!r} (dba needs "
+                         "SGLang's two-batch overlap, which the CPU path does not run)")
+    if args.server_model is not None and not os.path.isfile(os.path.join(args.server_model, "config.json")):
+        raise ValueError(f"--server-model {args.server_model}: no config.json there")
+    if args.server_logs is not None and os.path.exists(args.server_logs) and not os.path.isdir(args.server_logs):
+        raise ValueError(f"--server-logs {args.server_logs}: not a directory")
+    opt = ServerDemoOptions(model=args.server_model, modes=modes, log_dir=args.server_logs, seed=args.seed)
+    report = run_server_demo(opt, say=(lambda text: None) if args.quiet else say)
+    table = Table(title="ess demo --server: stock SGLang against --enable-ess, the same requests (CPU)")
+    table.add_column("server")
+    table.add_column(f"tokens = stock ({report['requests']} requests)", justify="right")
+    table.add_column("missed rows / decode step", justify="right")
+    table.add_column("miss share", justify="right")
+    table.add_column("steps without a miss", justify="right")
+    table.add_column("bench: out tok/s, TPOT ms", justify="right")
+    b = report["stock"]["bench"]
+    table.add_row("stock", "-", "-", "-", "-", f"{b['output_throughput']:.1f}, {b['mean_tpot_ms']:.1f}")
+    for mode, e in report["ess"].items():
+        b = e["bench"]
+        table.add_row(f"ess --ess-overlap {mode}", f"{e['tokens_identical']}", f"{e['missed_rows_per_forward']}",
+                      f"{e['miss_share']:.1%}", f"{e['forwards_without_misses']} of {e['decode_forwards']}",
+                      f"{b['output_throughput']:.1f}, {b['mean_tpot_ms']:.1f}")
+    _emit(args, report, table)
+    if not args.json:
+        for mode, e in report["ess"].items():
+            out.print(f"ess {mode}: {e['pool_log']}")
+            for d in e["first_differences"]:
+                out.print(f"ess {mode}: differs from stock at step {d['step']} (stock's top-2 logprob gap there: "
+                          f"{d['stock_top2_logprob_gap']})")
+    return 0 if all(e["tokens_identical"] == report["requests"] for e in report["ess"].values()) else 1
+
+
 def cmd_demo(args) -> int:
+    if args.server:
+        return cmd_server_demo(args)
     from ess.reference.demo import DemoOptions, run_demo
 
     opt = DemoOptions(
@@ -456,6 +504,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --disk-dir: host memory for latent pages (a disk tier holds the rest; with --ess)")
     d.add_argument("--disk-dir", help="directory for the disk tier's page file (with --host-budget-mib and --ess)")
     d.add_argument("--disk-gib", type=_positive_float, help="refuse a batch whose pages need more disk than this")
+    d.add_argument("--server", action="store_true",
+                   help="instead: real SGLang servers on this machine, stock and --enable-ess (one per overlap mode), "
+                        "on a tiny DeepSeek-V3.2 checkpoint, the same concurrent requests and SGLang's serving "
+                        "benchmark; tokens compared request by request (docs/plugin.md)")
+    d.add_argument("--server-model", help="with --server: a checkpoint directory (default: `ess tiny-checkpoint`'s)")
+    d.add_argument("--server-modes", default="none,da", help="with --server: the ESS servers' --ess-overlap modes")
+    d.add_argument("--server-logs", help="with --server: keep the servers' logs in this directory")
     d.add_argument("--json", action="store_true", help=JSON_HELP)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)

@@ -166,3 +166,28 @@ def test_sim_calibrate_prints_a_table_and_saves_with_out(tmp_path, capsys):
     assert main(["sim", "calibrate", "--out", str(out)]) == 0
     assert "written to" in capsys.readouterr().out
     assert json.loads(out.read_text())["eta_compute"] > 0
+
+
+def test_tiny_checkpoint_is_deterministic_and_never_overwrites(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["tiny-checkpoint", str(a)]) == 0 and main(["tiny-checkpoint", str(b)]) == 0
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes(), f.name
+    config = json.loads((a / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v32" and config["index_topk"] == 64 and config["kv_lora_rank"] == 512
+    assert config["num_nextn_predict_layers"] == 1 and config["vocab_size"] >= 256
+    assert main(["tiny-checkpoint", str(a)]) == 2
+    assert "already holds config.json" in capsys.readouterr().err
+    assert main(["tiny-checkpoint", str(tmp_path / "c"), "--seed", "1"]) == 0
+    assert (tmp_path / "c" / "model.safetensors").read_bytes() != (a / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--server", "--ess"], "--ess: options of the mini-model demo"),
+    (["--server", "--server-modes", "dba"], "--server-modes: a comma-separated list of none and da"),
+    (["--server", "--server-model", "/nonexistent"], "--server-model /nonexistent: no config.json there"),
+])
+def test_server_demo_refuses_bad_flags_before_starting_anything(capsys, argv, message):
+    assert main(["demo", *argv]) == 2
+    assert message in capsys.readouterr().err
