@@ -225,12 +225,29 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, 
     pool = _ess_pool(backend)
     top_k = kw.get("topk_indices")
     if _sending(backend) and not verify and top_k is not None:
-        state.sender.record(layer.layer_id, top_k, getattr(forward_batch, "tbo_parent_token_range", None))
+        positions = ragged_positions(backend, forward_batch, top_k)
+        state.sender.record(layer.layer_id, top_k if positions is None else positions,
+                            getattr(forward_batch, "tbo_parent_token_range", None), positions=positions is not None)
     if pool is not None and pool.ess_runtime is not None and not verify and top_k is not None:
         to_positions = pool.stage_positions if backend.use_fused_topk else None  # fused: token locations
         token_range = getattr(forward_batch, "tbo_parent_token_range", None)
         pool.ess_runtime.warm_from_prefill(layer.layer_id, top_k, to_positions, token_range)
     return out
+
+
+def ragged_positions(backend, forward_batch, top_k: torch.Tensor) -> torch.Tensor | None:
+    """A prefill top-k that SGLang fused into offsets of the batch's ragged KV (TopkTransformMethod.RAGGED, its FP8
+    sparse prefill backends: each request's KV from cu_seqlens_k[request] on, the row's base in the metadata's
+    topk_indices_offset), as positions within each request; None for any other top-k (positions, or token locations
+    of the PAGED transform)."""
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+
+    if not backend.use_fused_topk:
+        return None
+    if backend.get_topk_transform_method(forward_batch.forward_mode) != TopkTransformMethod.RAGGED:
+        return None
+    base = backend.forward_metadata.topk_indices_offset[: top_k.shape[0]].to(top_k.device).unsqueeze(1)
+    return torch.where(top_k >= 0, top_k - base, -1)
 
 
 INDEXER_PARAMS = ["self", "x", "q_lora", "positions", "forward_batch", "layer_id"]

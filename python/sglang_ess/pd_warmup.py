@@ -159,13 +159,14 @@ class WarmupSender:
     def _to_positions(self, loc: torch.Tensor) -> torch.Tensor:
         return torch.where(loc >= 0, self._pos_of_loc[loc.clamp(min=0)], -1)
 
-    def record(self, layer_id: int, top_k: torch.Tensor, token_range=None) -> None:
-        """After layer layer_id's prefill attention of the newest planned forward (or one TBO micro-batch of it)."""
+    def record(self, layer_id: int, top_k: torch.Tensor, token_range=None, positions: bool = False) -> None:
+        """After layer layer_id's prefill attention of the newest planned forward (or one TBO micro-batch of it).
+        positions: top_k holds positions already (the plugin mapped SGLang's ragged offsets), whatever the plan's."""
         layer = layer_id - self.start_layer
         if not self._forwards or not 0 <= layer < self.layers:
             return
         fwd = self._forwards[-1]
-        got = fwd.plan.sets(top_k, token_range, self._to_positions if fwd.fused else None)
+        got = fwd.plan.sets(top_k, token_range, self._to_positions if fwd.fused and not positions else None)
         if got is None:
             return
         _, sets, keep = got

@@ -368,3 +368,59 @@ def test_prefill_through_the_real_backend_reads_staged_rows_and_warms_decode_up(
     if tier:
         ess_pool.ess_tier.check()
         ess_pool.ess_tier.close()
+
+
+def test_a_prefill_nodes_ragged_top_k_becomes_positions(tmp_path, monkeypatch, plugin):
+    """A PD prefill node whose prefill backend is FlashMLA's FP8 sparse prefill (flashmla_sparse, Blackwell's
+    default) has SGLang fuse the top-k into offsets of the batch's ragged KV (TopkTransformMethod.RAGGED), not token
+    locations: the warm-up it sends must hold positions (else the decode node warms the wrong rows). The real
+    backend's metadata gives each row's base; the plugin's mapping returns the positions the offsets stand for."""
+    import contextlib
+
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    sa = prepare_server_args(["--model-path", str(tmp_path), "--skip-tokenizer-init", "--device", "cpu",
+                              "--context-length", str(MAX_LEN), "--kv-cache-dtype", "fp8_e4m3", "--enable-ess",
+                              "--disaggregation-mode", "prefill", "--dsa-prefill-backend", "flashmla_sparse"])
+    sa.resolve_once()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(runtime_context.use_context(runtime_context.create_context(sa, role="test")))
+        monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "1")  # SGLang's default on a GPU
+        mc = ModelConfig.from_server_args(sa)
+        kw = dict(size=SIZE, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn, qk_rope_head_dim=64, layer_num=L,
+                  device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=656, start_layer=0,
+                  end_layer=L)
+        tokens = ReqToTokenPool(4, MAX_LEN, "cpu", False)
+        tokens.req_to_token[REQ] = torch.arange(1, 1 + len(REQ) * MAX_LEN).int().view(len(REQ), -1)
+        backend = DeepseekSparseAttnBackend(model_runner(sa, mc, DSATokenToKVPool(**kw), tokens))
+        assert backend.use_fused_topk
+        prefix, lens = [0, 20], [40, 33]  # request 1 extends a cached prefix of 20
+        seq = torch.tensor(lens)
+        ext = [n - p for n, p in zip(lens, prefix)]
+        pos = torch.cat([torch.arange(p, n) for p, n in zip(prefix, lens)])
+        row_req = torch.tensor([r for r, e in zip(REQ, ext) for _ in range(e)])
+        batch = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=torch.zeros(len(pos), dtype=torch.long),
+                             req_pool_indices=torch.tensor(REQ), seq_lens=seq, seq_lens_cpu=seq,
+                             out_cache_loc=tokens.req_to_token[row_req, pos].long(), seq_lens_sum=int(seq.sum()),
+                             positions=pos, extend_seq_lens=torch.tensor(ext), extend_seq_lens_cpu=ext,
+                             extend_prefix_lens=torch.tensor(prefix), extend_prefix_lens_cpu=prefix)
+        backend.init_forward_metadata(batch)
+        assert backend.get_topk_transform_method(ForwardMode.EXTEND) == TopkTransformMethod.RAGGED
+        rng = random.Random(5)
+        want = torch.tensor([rng.sample(range(p + 1), min(8, p + 1)) + [-1] * max(0, 7 - p)
+                             for p in pos.tolist()])  # each row's positions, -1 padded
+        base = torch.tensor([0] * ext[0] + [lens[0]] * ext[1]).unsqueeze(1)  # request 1's KV follows request 0's
+        ragged = torch.where(want >= 0, want + base, -1)
+        ragged[3, 5:] = want[3, 5:] = -1
+        assert torch.equal(plugin.ragged_positions(backend, batch, ragged), want)
+        monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "0")  # the CPU path's: positions already
+        backend.use_fused_topk = False
+        assert plugin.ragged_positions(backend, batch, want) is None

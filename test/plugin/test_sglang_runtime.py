@@ -483,7 +483,10 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     monkeypatch.setattr(hooks.state, "sender", sender)
     monkeypatch.setattr(hooks.state, "sender_pool", target_pool)
     monkeypatch.setattr(hooks.state, "wire", (L, K))
-    backend = types.SimpleNamespace(token_to_kv_pool=target_pool, req_to_token=pool.req_to_token, use_fused_topk=True)
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+
+    backend = types.SimpleNamespace(token_to_kv_pool=target_pool, req_to_token=pool.req_to_token, use_fused_topk=True,
+                                    get_topk_transform_method=lambda mode: TopkTransformMethod.PAGED)
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=req,
                                   seq_lens_cpu=torch.tensor([CTX, CTX]), extend_prefix_lens_cpu=[0, CTX - 3])
     hooks.after_init_forward_metadata(None, backend, batch)
