@@ -294,13 +294,14 @@ def request_slot(req) -> int | None:
 def reset_on_admit(req_pool, rt: EssRuntime) -> None:
     """Request-table rows handed to new requests start with empty ESS tables (SGLang's on-alloc-rows callback): rows
     are also freed outside release_kv_cache (the decode node's KV offload, say), and a PD request that gets no warm-up
-    row must not inherit its row's previous LRU state and GPU rows."""
+    row must not inherit its row's previous LRU state and GPU rows. The reset waits for the next forward
+    (EssRuntime.apply_admissions), in stream order after any forward still in flight."""
     previous = req_pool._on_alloc_rows
 
     def admit(rows: list[int]) -> None:
         if previous is not None:
             previous(rows)
-        rt.cache.release(torch.tensor(rows, dtype=torch.int64, device=rt.cache.gpu.device))
+        rt.reset_rows(rows)
 
     if previous is None:
         req_pool.register_on_alloc_rows(admit)

@@ -97,6 +97,12 @@ class EssRuntime:
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
         self.released = 0  # requests let go (finished or aborted), a host count
+        # Request rows to reset and PD warm-up states to load, from the scheduler (its request lifecycle), applied at
+        # the start of the next forward (`apply_admissions`), in the forward's stream order: a forward still in flight
+        # under SGLang's overlap scheduler may hold a finished request's row, and its LRU step would otherwise write
+        # that row after the scheduler reset it for a new request.
+        self._resets: list[int] = []
+        self._loads: dict[int, torch.Tensor] = {}
 
     # -- the step's own rows (the ESS KV pool wrote them to the host pool already) --------------------------------
     def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
@@ -110,6 +116,7 @@ class EssRuntime:
         if self._pending:
             logger.warning("ESS: %d overlap step(s) started at the indexer were never consumed; dropped", len(self._pending))
             self._pending.clear()
+        self.apply_admissions()
         if self.ring is not None:
             self.ring.reset()
         self.next_ranked.clear()
@@ -253,17 +260,32 @@ class EssRuntime:
 
     def admit_transferred(self, req_slot: int, entries: torch.Tensor) -> None:
         """PD decode: a request whose KV arrived from a prefill node, with the warm-up state that node sent
-        (entries [layers, N], sglang_ess.pd_warmup's wire format): its GPU slots start as a co-located warm-up
-        would leave them, the most recently used rows first when the union exceeds the slots."""
-        pos, window = pd_warmup.unpack(entries.to(self.cache.gpu.device), self.cache.capacity)
-        stamps = self.cache.stamp - pd_warmup.WINDOWS + window
-        self.cache.load_warm(req_slot, self.token_table, pos, stamps)
+        (entries [layers, N], sglang_ess.pd_warmup's wire format): at the next forward its GPU slots start as a
+        co-located warm-up would leave them, the most recently used rows first when the union exceeds the slots."""
+        self._loads[req_slot] = entries
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """Request-table rows handed to new requests: at the next forward they start with empty tables."""
+        self._resets.extend(rows)
+        for r in rows:
+            self._loads.pop(r, None)  # a state loaded for the row's previous request does not carry over
+
+    def apply_admissions(self) -> None:
+        """At the start of a forward (on its stream): the rows reset since the last forward, then the warm-up states
+        that arrived for them."""
+        if self._resets:
+            self.cache.release(torch.tensor(self._resets, dtype=torch.int64, device=self.cache.gpu.device))
+            self._resets.clear()
+        for slot, entries in self._loads.items():
+            pos, window = pd_warmup.unpack(entries.to(self.cache.gpu.device), self.cache.capacity)
+            self.cache.load_warm(slot, self.token_table, pos, self.cache.stamp - pd_warmup.WINDOWS + window)
+        self._loads.clear()
 
     # -- request lifecycle (scheduler side) --------------------------------------------------------------------------
     def release(self, req_slot: int, rid: str = "") -> str | None:
-        """A request finished or was aborted: forget its GPU rows (its tokens go back through SGLang's allocator).
-        Returns the trace file written for it, if recording."""
-        self.cache.release(req_slot)
+        """A request finished or was aborted: its GPU rows are forgotten at the next forward (reset_rows; its tokens go
+        back through SGLang's allocator). Returns the trace file written for it, if recording."""
+        self.reset_rows([req_slot])
         self.released += 1
         if self.recorder is not None:
             return self.recorder.finish(req_slot, rid)

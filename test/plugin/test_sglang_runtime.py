@@ -249,6 +249,7 @@ def test_prefill_top_k_warms_decode_up():
             (a, rows_a), (b, rows_b) = state(tbo, layer, slot), state(rt, layer, slot)
             assert a == b and a and all(torch.equal(rows_a[p], rows_b[p]) for p in a), (layer, slot)
     rt.release(SLOTS[0])
+    rt.start_forward()  # the release takes effect in the next forward's order
     assert rt.cache.sparse.resident(0, SLOTS[0]) == set() and rt.cache.sparse.resident(0, SLOTS[1])
 
 
@@ -345,6 +346,7 @@ def test_release_through_the_scheduler_hook_reads_sglangs_req(plugin, monkeypatc
         rt.swap_in_selected_pages(torch.tensor(SLOTS), torch.full((2,), CTX + 1), torch.arange(K).repeat(2, 1).int(), layer)
     assert rt.cache.sparse.resident(0, SLOTS[0])
     plugin.before_release_kv_cache(sglang_req(SLOTS[0]))
+    rt.start_forward()
     assert not rt.cache.sparse.resident(0, SLOTS[0]) and rt.cache.sparse.resident(0, SLOTS[1])
     plugin.before_release_kv_cache(sglang_req(None))  # a request that never held a row
 
@@ -362,6 +364,10 @@ def test_a_row_handed_to_a_new_request_starts_empty(plugin):
     assert pool.alloc([sglang_req(None)]) == [4]  # SGLang hands out its free rows from the tail: 4, then 3
     assert pool.alloc([sglang_req(None)]) == [SLOTS[0]]
     assert seen == [[4], [SLOTS[0]]]
+    # a forward still in flight under the overlap scheduler may hold the row's previous request: its step writes the
+    # row after the scheduler handed the row out, so the reset waits for the next forward, in the stream's order
+    assert rt.cache.sparse.resident(0, SLOTS[0])
+    plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))  # SGLang's next forward
     assert all(not rt.cache.sparse.resident(layer, SLOTS[0]) for layer in range(L))
     assert rt.cache.sparse.resident(0, SLOTS[1])  # the other request keeps its rows
 
@@ -508,9 +514,11 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     decode_meta = metadata_buffers(8)
     assert decode_meta.get_buf_infos()[0][-1] == decode_meta.ess_warmup.data_ptr()  # appended by the plugin's hook
     for i, r in enumerate(reqs):
+        decode_rt.reset_rows([r.kv.req_pool_idx])  # SGLang's prealloc handed the row out (its on-alloc-rows callback)
         send_aux(prefill_meta, r.metadata_buffer_index, decode_meta, 5 + i)
         decode_req = decode_request(sglang_req(r.kv.req_pool_idx, r.bootstrap_room), 5 + i)
         hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), decode_req)
+    decode_rt.start_forward()  # the reset, then the load, in the next forward's order
 
     for slot in SLOTS:
         for layer in range(L):
@@ -526,6 +534,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     monkeypatch.setattr(hooks.state, "runtime", stale)
     other = decode_request(sglang_req(SLOTS[0], 77), 5)  # row 5 holds room 1000's state
     hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), other)
+    stale.start_forward()
     monkeypatch.setattr(hooks.state, "wire", None)
     plain = metadata_buffers(4)  # a prefill node without ESS: one buffer fewer, so row 5 is not written
     assert not hasattr(plain, "ess_warmup")
