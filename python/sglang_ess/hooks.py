@@ -83,7 +83,8 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
     if target is not None:
         facts = target[1]
         dsa_pool_class = pool_class(
-            scratch_rows=sizing.scratch_requests(max_running_requests) * facts.query_rows, stage_rows=facts.context,
+            scratch_rows=sizing.scratch_requests(max_running_requests) * facts.query_rows,
+            stage_rows=max(facts.context, sizing.relabel_stage_rows(kvc.server_args, max_running_requests, facts)),
             tier=state.tier_spec,
         )
     return original(kvc, *a, max_running_requests=max_running_requests, dsa_pool_class=dsa_pool_class, **kw)
@@ -178,6 +179,10 @@ def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
         return
     if getattr(forward_batch, "tbo_parent_token_range", None) is not None:
         return
+    if pool is not None:
+        pool.ess_relabelled = relabelled_decode(forward_batch)
+        if pool.ess_relabelled:  # each layer stages the rows its top-k selects (around_forward_extend)
+            return
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))
     extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
@@ -187,6 +192,14 @@ def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     pool.stage_extend(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, prefix_lens)
     if pool.ess_runtime is not None:
         pool.ess_runtime.plan_prefill(forward_batch.req_pool_indices, extend_lens)
+
+
+def relabelled_decode(forward_batch) -> bool:
+    """A decode batch that SGLang's DP attention relabelled as one-token extends (prepare_mlp_sync_batch, so that every
+    DP rank presents one shape to the collectives while another rank prefills): its rows are decode steps."""
+    mode = forward_batch.forward_mode
+    logical = getattr(forward_batch, "logical_forward_mode", mode)
+    return mode.is_extend() and logical.is_decode()
 
 
 def _in_phase(original, backend, phase, *a, **kw):
@@ -221,9 +234,15 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, 
     (SGLang passes it as the keyword topk_indices) then warms the requests' GPU rows up for decode, or, on a PD
     prefill node, is recorded for the decode node."""
     verify = forward_batch.forward_mode.is_target_verify()
-    out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
     pool = _ess_pool(backend)
     top_k = kw.get("topk_indices")
+    if pool is not None and not verify and pool.ess_relabelled:
+        # DP attention's relabelled decode: the step's own rows and the rows its top-k selects, staged for this layer
+        # (the requests' GPU slots and LRU state stay as they are: no LRU step, no warm-up)
+        pool.stage_selected(backend.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                            layer.layer_id - pool.start_layer, top_k, backend.use_fused_topk)
+        return _in_phase(original, backend, EXTEND, q, k, v, layer, forward_batch, *a, **kw)
+    out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
     if _sending(backend) and not verify and top_k is not None:
         positions = ragged_positions(backend, forward_batch, top_k)
         state.sender.record(layer.layer_id, top_k if positions is None else positions,

@@ -72,6 +72,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
                                      dtype=torch.uint8, device=self.device)
         self.ess_stage_of_loc = torch.full((locs + 1,), -1, dtype=torch.int32, device=self.device)
         self.ess_phase = EXTEND
+        self.ess_relabelled = False  # this forward is DP attention's relabelled decode (sglang_ess.hooks)
         self.ess_runtime = None  # set by the plugin once the runtime exists
         self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
         self._stage_pos: torch.Tensor | None = None  # the position of each staging row's token (-1: row 0)
@@ -115,6 +116,28 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             rows = torch.repeat_interleave(starts, lens, output_size=cached_locs.shape[0]) + cached_pos
             self._stage_cached = (cached_locs, rows)
         self._staged_layers = set()
+
+    def stage_selected(self, token_table: torch.Tensor, req: torch.Tensor, seq_lens: torch.Tensor, layer: int,
+                       top_k: torch.Tensor, fused: bool) -> None:
+        """A decode step that SGLang relabelled as one-token extends (DP attention), one layer: staging rows for the
+        rows its top-k selects (top_k [B, K] positions, or token locations when fused), gathered from the host, and for
+        each request's own new row, which the layer writes. At most B x (top-k + 1) rows, instead of every token of
+        the requests (a host sync: these forwards run eager)."""
+        own = token_table[req.long(), (seq_lens.long() - 1).clamp(min=0)].long()
+        locs = top_k.long() if fused else torch.where(
+            top_k >= 0, token_table[req.long().unsqueeze(1), top_k.long().clamp(min=0)].long(), -1)
+        selected = torch.unique(locs[(locs >= 0) & ~torch.isin(locs, own)])
+        need = torch.cat([selected, own])
+        n = need.shape[0]
+        if FIRST_ROW + n > self.ess_stage.shape[0]:
+            self.ess_stage = torch.zeros(whole_pages(FIRST_ROW + n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8,
+                                         device=self.device)
+        self.ess_stage_of_loc.fill_(-1)
+        self.ess_stage_of_loc[need] = torch.arange(FIRST_ROW, FIRST_ROW + n, dtype=torch.int32, device=need.device)
+        self._stage_locs = None  # nothing more to stage for this layer
+        rows = torch.arange(FIRST_ROW, FIRST_ROW + selected.shape[0], device=need.device)
+        self._pages_in(layer, selected)
+        flashtrans.gather(self.ess_host[layer], self._host_rows(layer, selected), self.ess_stage[:, 0], rows, self.backend)
 
     def _stage_layer(self, layer: int) -> None:
         """Bring the staged batch's cached rows of one layer from the host (once per layer and forward)."""

@@ -54,7 +54,7 @@ def host_limit_bytes(ranks_on_node: int) -> int:
 def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: float | None, max_requests: int | None,
                    context_len: int, capacity: int, per_token_bytes: int | None = None,
                    host_limit: int | None = None, disk_budget_bytes: int | None = None,
-                   host_per_request: int = 0) -> EssPoolSizes:
+                   host_per_request: int = 0, device_per_request: int = 0) -> EssPoolSizes:
     """Sizes for `max_requests` requests of up to `context_len` tokens with `capacity` GPU slots each. Tokens are what
     the device budget leaves after the per-request sparse pools, capped by the host pool (default: no cap beyond
     max_requests x context_len). max_requests None: as many requests as fit at full context on the device and in
@@ -64,10 +64,10 @@ def ess_pool_sizes(num_layers: int, device_budget_bytes: int, host_budget_gib: f
     never by running out. disk_budget_bytes: a disk tier's page file budget, which then caps the tokens, the host
     budget being its frames. host_per_request: host bytes each request row takes besides its tokens' rows (a PD
     decode node's warm-up metadata), charged to the same host budget. Raises ValueError naming the flag when nothing
-    fits."""
+    fits. device_per_request: device bytes each request row takes besides its slots and tables (staging rows)."""
     L = num_layers
     # slots + slot tables + the position -> slot table (sized by context, per request); then index-K per token
-    per_request = cache_bytes(L, context_len, layout.LATENT_ROW_BYTES, 0, capacity)
+    per_request = cache_bytes(L, context_len, layout.LATENT_ROW_BYTES, 0, capacity) + device_per_request
     per_token = L * layout.INDEX_ROW_BYTES if per_token_bytes is None else per_token_bytes
     # tokens whose latent rows the host pool (or a disk tier) holds
     latent_tokens = None if host_budget_gib is None else int(host_budget_gib * GIB) // (L * layout.LATENT_ROW_BYTES)
@@ -171,7 +171,8 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
     sizes = ess_pool_sizes(layers, budget, ess.host_pool_gib,
                            None if r is None else r + extra, facts.context, facts.buffer, per_token,
                            host_limit=host_limit_bytes(ranks_on_node),
-                           disk_budget_bytes=None if spec is None else spec.disk_bytes, host_per_request=per_request_host)
+                           disk_budget_bytes=None if spec is None else spec.disk_bytes, host_per_request=per_request_host,
+                           device_per_request=relabel_stage_rows(kvc.server_args, 1, facts) * layout.LATENT_ROW_BYTES)
     max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
     page = get_schedule().page_size
     tokens = kvc._apply_token_constraints(sizes.tokens) // page * page  # SGLang's own caps (--max-total-tokens)
@@ -184,7 +185,8 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
         logger.info("ESS disk tier: %.1f GiB of host frames over %.1f GiB of pages in %s", spec.host_bytes / GIB,
                     -(-tokens // PAGE_TOKENS) * layers * DISK_PAGE_BYTES / GIB, spec.disk_dir)
     host = spec.host_bytes if spec is not None else tokens * layers * layout.LATENT_ROW_BYTES
-    device = rows * cache_bytes(layers, facts.context, layout.LATENT_ROW_BYTES, 0, facts.buffer) + tokens * per_token
+    device = rows * (cache_bytes(layers, facts.context, layout.LATENT_ROW_BYTES, 0, facts.buffer)
+                     + relabel_stage_rows(kvc.server_args, 1, facts) * layout.LATENT_ROW_BYTES) + tokens * per_token
     logger.info(
         "ESS pool: %d tokens (index-K on the device, latent rows in %.2f GiB of host memory%s), %d requests x %d "
         "device slots (%d request-table rows), %.2f GiB device, limited by %s", tokens, host / GIB,
@@ -221,6 +223,14 @@ def warmup_metadata_bytes(facts, ess) -> int:
 
 
 METADATA_SLOTS_PER_ROW = 2
+
+
+def relabel_stage_rows(server_args, requests: int, facts) -> int:
+    """Staging rows a decode step of `requests` requests takes when DP attention relabels it as one-token extends
+    (each layer stages every selected row and own row: sglang_ess.pool.stage_selected); 0 without DP attention."""
+    if not getattr(server_args, "enable_dp_attention", False):
+        return 0
+    return requests * facts.query_rows * (facts.topk + 1)
 
 
 def scratch_requests(max_running_requests: int) -> int:

@@ -424,3 +424,70 @@ def test_a_prefill_nodes_ragged_top_k_becomes_positions(tmp_path, monkeypatch, p
         monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "0")  # the CPU path's: positions already
         backend.use_fused_topk = False
         assert plugin.ragged_positions(backend, batch, want) is None
+
+
+def relabel_as_sglang_does(batch):
+    """The fields SGLang's DP attention sets when it relabels a decode batch as one-token extends (the branch of
+    ForwardBatch.prepare_mlp_sync_batch for a rank whose peers prefill; forward_batch_info.py). The function itself
+    needs DP process groups and gathered buffers, which one CPU process does not have."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    bs = batch.batch_size
+    batch._original_forward_mode = batch.forward_mode
+    batch.forward_mode = ForwardMode.EXTEND
+    batch.extend_num_tokens = bs
+    batch.extend_seq_lens = torch.full_like(batch.seq_lens, 1)
+    batch.extend_prefix_lens = batch.seq_lens - 1
+    batch.extend_start_loc = torch.arange(bs, dtype=torch.int32)
+    batch.extend_prefix_lens_cpu = batch.extend_prefix_lens.tolist()
+    batch.extend_seq_lens_cpu = batch.extend_seq_lens.tolist()
+    batch.extend_logprob_start_lens_cpu = batch.extend_prefix_lens_cpu
+    return batch
+
+
+def test_a_decode_step_relabelled_by_dp_attention_reads_its_rows_without_losing_the_working_sets(launch, plugin):
+    """DP attention relabels a rank's decode batch as one-token extends while another rank prefills: SGLang's
+    logical_forward_mode still says decode. ESS then stages, per layer, only the step's own rows and the rows its top-k
+    selects (not every token of the requests), keeps the requests' GPU slots and LRU state (no warm-up), and the
+    attention equals the stock backend's; the next plain decode step goes on from the working sets."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
+    layers = attention_layers()
+    gen, rng = torch.Generator().manual_seed(6), random.Random(6)
+    req, ctx = torch.tensor(REQ), [40, 33]
+    write_prompts(tokens, stock_pool, ess_pool, layers, ctx, gen)
+    pos = torch.tensor(ctx)
+    resident = None
+    for step, relabel in enumerate([False, True, False]):
+        batch = decode_batch(tokens, req, pos)
+        stock_batch = decode_batch(tokens, req, pos)
+        if relabel:
+            relabel_as_sglang_does(batch), relabel_as_sglang_does(stock_batch)
+            assert batch.logical_forward_mode.is_decode() and batch.forward_mode.is_extend()
+            resident = [rt.cache.sparse.resident(i, REQ[0]) for i in range(L)]
+        ess.init_forward_metadata(batch)
+        stock.init_forward_metadata(stock_batch)
+        rt.start_forward()
+        for layer in layers:
+            topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+            q = torch.randn(len(REQ), HEADS, 576, generator=gen).bfloat16()
+            k = torch.randn(len(REQ), 1, 576, generator=gen).bfloat16()
+            call = "forward_extend" if relabel else "forward_decode"
+            outs = []
+            for backend, b in ((ess, batch), (stock, stock_batch)):
+                with forward_context(ForwardContext(attn_backend=backend)):
+                    if backend is ess and not relabel:
+                        plugin.after_indexer(topk, None, None, None, b.positions, b, layer.layer_id)
+                    outs.append(getattr(backend, call)(q[..., :512], k[..., :512], k[..., :512], layer, b,
+                                                       q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=topk))
+            assert torch.equal(outs[0], outs[1]), (step, layer.layer_id)
+            if relabel:
+                staged = int((ess_pool.ess_stage_of_loc >= 0).sum())
+                assert staged <= len(REQ) * (K + 1)  # not the requests' 73 tokens
+        rt.end_forward()
+        if relabel:  # the working sets survived the relabelled step
+            assert [rt.cache.sparse.resident(i, REQ[0]) for i in range(L)] == resident
+        pos = pos + 1
+    for i in range(L):  # every step's own rows reached the host pool
+        assert torch.equal(host_rows_by_location(ess_pool, i), stock_pool.kv_buffer[i][:, 0].view(torch.uint8))
