@@ -219,3 +219,37 @@ def test_flashmla_interface_equals_the_reference_sparse_attention():
     assert (lse[3] == torch.inf).all() and (o[3] == 0).all()
     mean = layout.dequantize_latent(pool[idx[0, 0].long()])[0].mean(0)
     torch.testing.assert_close(o[0, 0, live:].float(), mean.bfloat16().float().expand(H - live, -1))
+
+
+def test_sglangs_row_writer_on_the_cpu_never_writes_row_0(plugin):
+    """SGLang's MLA row writer (DSATokenToKVPool._write_mla_kv_buffer: the FP8 quantiser, then its scatter) skips
+    destination row 0, the location SGLang reserves for CUDA-graph padding; on the CPU path it is SGLang's own torch
+    scatter with the CPU quantiser. ESS hands it rows of its own buffers, from row 1 on (sglang_ess.sizing.FIRST_ROW)."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_ess.sizing import FIRST_ROW
+
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):
+        pool = DSATokenToKVPool(size=128, page_size=64, kv_lora_rank=512, dtype=torch.float8_e4m3fn,
+                                qk_rope_head_dim=64, layer_num=1, device="cpu", index_head_dim=128,
+                                enable_memory_saver=False, kv_cache_dim=656, start_layer=0, end_layer=1)
+        buf = torch.zeros(4, 1, 656, dtype=torch.uint8)
+        nope, rope = torch.randn(3, 1, 512).bfloat16(), torch.randn(3, 1, 64).bfloat16()
+        pool._write_mla_kv_buffer(buf, torch.tensor([0, 1, 2]), nope, rope)
+    assert (buf[0] == 0).all() and (buf[1:3] != 0).any(dim=-1).all()  # row 0 never written
+    assert torch.equal(buf[1:3, 0], layout.quantize_latent(nope[1:, 0].float(), rope[1:, 0].float()))
+    assert FIRST_ROW == 1
+
+
+def test_a_nodes_ranks_count_data_parallel_replicas():
+    """Each rank pins its own host pool: a node's ranks are its tensor x pipeline ranks, times the DP replicas unless
+    DP attention keeps them inside the tensor ranks."""
+    import types
+
+    from sglang_ess.sizing import node_ranks
+
+    args = dict(tp_size=4, pp_size=1, nnodes=1, dp_size=2)
+    assert node_ranks(types.SimpleNamespace(**args, enable_dp_attention=False)) == 8
+    assert node_ranks(types.SimpleNamespace(**args, enable_dp_attention=True)) == 4
+    assert node_ranks(types.SimpleNamespace(tp_size=16, pp_size=1, nnodes=2, dp_size=16, enable_dp_attention=True)) == 8

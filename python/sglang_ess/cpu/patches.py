@@ -15,7 +15,7 @@ import torch
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.cpu import indexer, kernels
-from sglang_ess.cpu.resolution import capability_answered
+from sglang_ess.cpu.resolution import capability_answered, replaced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +49,6 @@ def _is_dsa(model_config) -> bool:
     return is_deepseek_dsa(model_config.hf_config)
 
 
-@contextlib.contextmanager
-def _module_global(module_name: str, name: str, value):
-    module = importlib.import_module(module_name)
-    previous = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, previous)
-
-
 class _NotCpuPlatform:
     """SGLang's platform object, except that is_cpu() answers False (see around_configure)."""
 
@@ -85,7 +74,7 @@ def around_configure(original, kvc, *a, **kw):
         return original(kvc, *a, **kw)
     from sglang.srt.platforms import current_platform
 
-    with _module_global(KV_CONFIGURATOR, "current_platform", _NotCpuPlatform(current_platform)):
+    with replaced(importlib.import_module(KV_CONFIGURATOR), "current_platform", _NotCpuPlatform(current_platform)):
         return original(kvc, *a, **kw)
 
 
@@ -114,22 +103,12 @@ def around_rotary_native(original, rope, positions, query, key, *a, **kw):
     return q.reshape(query.shape), k.reshape(key.shape)
 
 
-@contextlib.contextmanager
-def _no_cuda_sync():
-    original = torch.cuda.synchronize
-    torch.cuda.synchronize = lambda device=None: None
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = original
-
-
 def around_set_embed_and_head(original, model, embed, head, *a, **kw):
     """DeepseekV2ForCausalLM.set_embed_and_head (the MTP draft shares the target's embedding and head) calls
     torch.cuda.synchronize, which raises without a driver; a CPU has nothing to wait for."""
     if embed.device.type != "cpu":
         return original(model, embed, head, *a, **kw)
-    with _no_cuda_sync():
+    with replaced(torch.cuda, "synchronize", lambda device=None: None):
         return original(model, embed, head, *a, **kw)
 
 
@@ -149,8 +128,9 @@ def gpu_branch(module_name: str, **flags) -> Callable:
         if not any(_on_cpu(a) for a in (*args, *kwargs.values())):
             return original(*args, **kwargs)
         with contextlib.ExitStack() as stack:
+            module = importlib.import_module(module_name)
             for name, value in {"_is_cpu": False, **flags}.items():
-                stack.enter_context(_module_global(module_name, name, value))
+                stack.enter_context(replaced(module, name, value))
             return original(*args, **kwargs)
 
     hook.__name__ = hook.__qualname__ = f"triton_branch_of_{module_name.rsplit('.', 1)[1]}"

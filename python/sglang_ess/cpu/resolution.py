@@ -95,15 +95,20 @@ def cpu_backends(server_args: Any, previous) -> None:
 
 
 @contextlib.contextmanager
-def capability_answered():
-    """SGLang's DSA resolution asks torch.cuda for the device capability (arg_groups/model_hook.py, and the DSA
-    backend and KV dtype defaults in overrides.py), which raises without a driver: answer for the stand-in GPU."""
-    original = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda device=None: STAND_IN_CAPABILITY
+def replaced(owner: Any, name: str, value: Any):
+    """owner.name is value inside the block (an attribute of a module: torch.cuda's, or one of SGLang's)."""
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        torch.cuda.get_device_capability = original
+        setattr(owner, name, previous)
+
+
+def capability_answered():
+    """SGLang's DSA resolution asks torch.cuda for the device capability (arg_groups/model_hook.py, and the DSA
+    backend and KV dtype defaults in overrides.py), which raises without a driver: answer for the stand-in GPU."""
+    return replaced(torch.cuda, "get_device_capability", lambda device=None: STAND_IN_CAPABILITY)
 
 
 def model_specific_adjustments(server_args: Any, previous) -> None:
