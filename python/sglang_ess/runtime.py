@@ -273,13 +273,13 @@ class EssRuntime:
     def apply_admissions(self) -> None:
         """At the start of a forward (on its stream): the rows reset since the last forward, then the warm-up states
         that arrived for them."""
-        if self._resets:
-            self.cache.release(torch.tensor(self._resets, dtype=torch.int64, device=self.cache.gpu.device))
-            self._resets.clear()
-        for slot, entries in self._loads.items():
+        resets, self._resets = self._resets, []  # taken whole: the scheduler may add more meanwhile
+        loads, self._loads = self._loads, {}
+        if resets:
+            self.cache.release(torch.tensor(resets, dtype=torch.int64, device=self.cache.gpu.device))
+        for slot, entries in loads.items():
             pos, window = pd_warmup.unpack(entries.to(self.cache.gpu.device), self.cache.capacity)
             self.cache.load_warm(slot, self.token_table, pos, self.cache.stamp - pd_warmup.WINDOWS + window)
-        self._loads.clear()
 
     # -- request lifecycle (scheduler side) --------------------------------------------------------------------------
     def release(self, req_slot: int, rid: str = "") -> str | None:
