@@ -99,9 +99,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         batch order, from FIRST_ROW). Called once per forward, before layer 0; lengths come from the host, so nothing
         syncs."""
         n = int(sum(seq_lens_cpu))
-        if FIRST_ROW + n > self.ess_stage.shape[0]:  # grow: the batch holds more tokens than any before
-            self.ess_stage = torch.zeros(whole_pages(FIRST_ROW + n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8,
-                                         device=self.device)
+        self._stage_room(n)
         locs, pos = batch_tokens(token_table, req, seq_lens_cpu)
         self.ess_stage_of_loc.fill_(-1)
         self.ess_stage_of_loc[locs] = torch.arange(FIRST_ROW, FIRST_ROW + n, dtype=torch.int32, device=locs.device)
@@ -117,6 +115,13 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             self._stage_cached = (cached_locs, rows)
         self._staged_layers = set()
 
+    def _stage_room(self, n: int) -> None:
+        """Staging rows for n tokens after the writer's reserved row 0: the buffer grows when a batch needs more than
+        any before (sizing charges the rows SGLang's admission lets a batch take)."""
+        if FIRST_ROW + n > self.ess_stage.shape[0]:
+            self.ess_stage = torch.zeros(whole_pages(FIRST_ROW + n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8,
+                                         device=self.device)
+
     def stage_selected(self, token_table: torch.Tensor, req: torch.Tensor, seq_lens: torch.Tensor, layer: int,
                        top_k: torch.Tensor, fused: bool) -> None:
         """A decode step that SGLang relabelled as one-token extends (DP attention), one layer: staging rows for the
@@ -129,9 +134,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         selected = torch.unique(locs[(locs >= 0) & ~torch.isin(locs, own)])
         need = torch.cat([selected, own])
         n = need.shape[0]
-        if FIRST_ROW + n > self.ess_stage.shape[0]:
-            self.ess_stage = torch.zeros(whole_pages(FIRST_ROW + n), 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8,
-                                         device=self.device)
+        self._stage_room(n)
         self.ess_stage_of_loc.fill_(-1)
         self.ess_stage_of_loc[need] = torch.arange(FIRST_ROW, FIRST_ROW + n, dtype=torch.int32, device=need.device)
         self._stage_locs = None  # nothing more to stage for this layer
