@@ -59,6 +59,24 @@ def check_disk_dir(directory: str, flag: str) -> None:
         raise KnobError(f"{flag} {directory}: not writable")
 
 
+def check_output_dir(directory: str, flag: str) -> None:
+    """A directory this process will create files in (created if missing): not a file, and its nearest existing
+    ancestor a writable directory (the message names `flag`)."""
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            raise KnobError(f"{flag} {directory}: exists and is not a directory")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise KnobError(f"{flag} {directory}: not writable")
+        return
+    parent = os.path.dirname(os.path.abspath(directory))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise KnobError(f"{flag} {directory}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise KnobError(f"{flag} {directory}: {parent} is not writable")
+
+
 def capacity(buffer_tokens, sparse_ratio, context_tokens: int, topk: int, names: dict = FIELD_NAMES) -> int:
     """GPU slots per (request, layer) for requests of up to context_tokens tokens: buffer_tokens, else the ratio
     (default DEFAULT_SPARSE_RATIO) of the context, rounded up; at least top-k + 1 (the step's set and its own token)."""

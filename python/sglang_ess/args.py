@@ -71,6 +71,11 @@ class EssArgs:
             raise EssArgsError(f"--ess-record-lookahead must be a non-negative integer, got {self.record_lookahead!r}")
         if self.record_lookahead and self.record_trace is None:
             raise EssArgsError("--ess-record-lookahead adds ranks to recorded traces: give --ess-record-trace DIR too")
+        if self.record_trace is not None:
+            try:
+                settings.check_output_dir(self.record_trace, self.FLAGS["record_trace"])
+            except settings.KnobError as e:
+                raise EssArgsError(str(e)) from e
         if self.disk_gib is not None:
             if self.disk_dir is None:
                 raise EssArgsError("--ess-disk-gib bounds the disk tier: give --ess-disk-dir too")

@@ -376,8 +376,14 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
     if buf is None or state.runtime is None or req.finished_reason is not None or request_slot(req) is None:
         return
     entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *state.wire)
-    if entries is not None:
-        state.runtime.admit_transferred(int(request_slot(req)), entries)
+    if entries is None:
+        return
+    prompt = getattr(req, "origin_input_ids", None)
+    reason = pd_warmup.check_entries(entries, len(prompt) if prompt else state.runtime.token_table.shape[1])
+    if reason is not None:  # a malformed record costs this request its warm-up, nothing else
+        logger.warning("ESS warm-up of request %s refused: %s; it starts with empty GPU slots", req.bootstrap_room, reason)
+        return
+    state.runtime.admit_transferred(int(request_slot(req)), entries)
 
 
 # -- PD transfer engines: ESS's latent layers are pinned host memory ------------------------------------------------

@@ -86,6 +86,21 @@ def unpack(entries: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Te
     return torch.where(e >= 0, e >> WINDOW_BITS, -1), torch.where(e >= 0, e & (WINDOWS - 1), 0)
 
 
+def check_entries(entries: torch.Tensor, positions: int) -> str | None:
+    """Why a received row's entries [layers, N] cannot be loaded for a request of `positions` tokens, or None: every
+    entry -1 or a position below `positions` (its window in the low bits), each position at most once per layer."""
+    e = entries.long()
+    if (e < -1).any():
+        return "a negative entry other than -1"
+    pos = torch.where(e >= 0, e >> WINDOW_BITS, -1)
+    if (pos >= positions).any():
+        return f"position {int(pos.max())} beyond the request's {positions} tokens"
+    s, _ = torch.sort(pos, dim=1)
+    if ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any():
+        return "a position twice in one layer"
+    return None
+
+
 # -- the metadata row ---------------------------------------------------------------------------------------------
 def _room_ints(room) -> list[int]:
     """A bootstrap room (an unsigned 64-bit id) as two int32."""

@@ -101,7 +101,10 @@ class TraceRecorder:
                       meta={"source": "sglang --ess-record-trace", "model": self.model, "rid": rid},
                       topk_ext=rows if rows.shape[3] > K else None)
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in rid)[:64]
-        path = os.path.join(self.directory, f"{self._written:06d}-{safe}.npz")
+        while True:  # never over a file already there (a server restarted on the same directory)
+            path = os.path.join(self.directory, f"{self._written:06d}-{safe}.npz")
+            self._written += 1
+            if not os.path.exists(path):
+                break
         save_trace(path, trace)
-        self._written += 1
         return path

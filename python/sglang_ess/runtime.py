@@ -287,9 +287,13 @@ class EssRuntime:
         back through SGLang's allocator). Returns the trace file written for it, if recording."""
         self.reset_rows([req_slot])
         self.released += 1
-        if self.recorder is not None:
+        if self.recorder is None:
+            return None
+        try:
             return self.recorder.finish(req_slot, rid)
-        return None
+        except OSError as e:  # the folder went away or became read-only: the server serves on without this trace
+            logger.error("ESS trace of request %r not written (--ess-record-trace %s): %s", rid, self.recorder.directory, e)
+            return None
 
     def counts(self) -> dict[str, int]:
         """The step counters (COUNTERS) as host ints: a device sync, for readouts only."""

@@ -7,8 +7,9 @@ import dataclasses
 import logging
 from typing import Any
 
+from ess.core.disk_tier import PAGE_BYTES
 from ess.core.plan import PlanError, load_plan
-from ess.core.settings import DEFAULT_SPARSE_RATIO
+from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB
 from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs, EssArgsError, ess_args
 
@@ -120,6 +121,8 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     if cfg.disaggregation_mode == "decode":  # the prefill node sends the warm-up state
         _check_pd_warmup(ess, context)
     layers = int(hf_config.num_hidden_layers)
+    _check_bounds(ess, cfg, topk, context)
+    _check_host_and_disk(ess, cfg, layers, topk, context, buffer, rows)
     # DBA in the plugin is DA under SGLang's two-batch overlap (docs/plugin.md, "Overlap"): each micro-batch's H2D
     # starts at its own indexer and runs under the other micro-batch's work; one batch has no halves to overlap
     tbo = bool(getattr(cfg, "enable_two_batch_overlap", False))
@@ -160,6 +163,47 @@ def _check_disk_tier(cfg: Any) -> None:
         raise EssArgsError(f"--ess-disk-dir reads pages from disk between layers on the host, which a CUDA graph cannot "
                            f"hold ({' and '.join(on)} graphs are on): add "
                            + " ".join(f"--cuda-graph-backend-{p} disabled" for p in on))
+
+
+def _check_bounds(ess: EssArgs, cfg: Any, topk: int, context: int) -> None:
+    """Upper bounds that follow from the model and the launch."""
+    ranked = context - topk  # the indexer ranks a request's positions; the top-k are selected, the rest can follow
+    if ess.record_lookahead > ranked:
+        raise EssArgsError(f"--ess-record-lookahead {ess.record_lookahead}: the indexer ranks at most the context's "
+                           f"{context} positions, top-k {topk} of them selected: at most {ranked} can follow")
+    chunk = cfg.chunked_prefill_size if (cfg.chunked_prefill_size or 0) > 0 else context
+    rows = min(chunk, context)  # the query rows of one prefill forward
+    if ess.warmup_windows > rows:
+        raise EssArgsError(f"--ess-warmup-windows {ess.warmup_windows}: LRU-Warmup replays the last W query rows of a "
+                           f"prefill forward, which holds at most {rows} (--chunked-prefill-size / --context-length)")
+
+
+def _check_host_and_disk(ess: EssArgs, cfg: Any, layers: int, topk: int, context: int, buffer: int, rows: int) -> None:
+    """What the host pool and a disk tier must hold, from the flags alone, before the weights load: one request of
+    the full context (sizing then charges the rest against the device budget it profiles after the load)."""
+    from sglang_ess import sizing
+
+    ranks = sizing.node_ranks(cfg)
+    disk = None
+    if ess.disk_dir is not None:
+        free = sizing.free_disk_bytes(ess.disk_dir) // ranks
+        if ess.disk_gib is not None and ess.disk_gib * GIB > free:
+            raise EssArgsError(f"--ess-disk-gib {ess.disk_gib}: more than this rank's share of the free space in "
+                               f"{ess.disk_dir}, {free / GIB:.1f} GiB")
+        disk = int(ess.disk_gib * GIB) if ess.disk_gib is not None else free
+    try:
+        sizing.ess_pool_sizes(layers, UNBOUNDED_DEVICE, ess.host_pool_gib, 1, context, buffer,
+                              host_limit=sizing.host_limit_bytes(ranks), disk_budget_bytes=disk)
+    except ValueError as e:
+        raise EssArgsError(str(e)) from e
+    if disk is not None:
+        need = sizing.tier_min_frames(context, 1, topk, rows, context)
+        if int(ess.host_pool_gib * GIB) // PAGE_BYTES < need:
+            raise EssArgsError(f"--ess-host-pool-gib {ess.host_pool_gib}: a disk tier's frames must hold the {need} pages "
+                               f"one layer's step of one request may need ({need * PAGE_BYTES / GIB:.3f} GiB)")
+
+
+UNBOUNDED_DEVICE = 1 << 62  # the device budget is profiled after the weights load; these checks need the host only
 
 
 def _check_pd_warmup(ess: EssArgs, context: int) -> None:

@@ -44,11 +44,15 @@ DISK = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "327
 def hopper(monkeypatch):
     """A GPU launch, resolved on this CPU machine: SGLang resolves DSA defaults from the GPU's compute capability
     (answered as an H100/H200 would), and the plugin's CPU path, which would set a CPU host's defaults for
-    `--device cpu` (context length, token pool; test_cpu_path.py tests them), stays off."""
+    `--device cpu` (context length, token pool; test_cpu_path.py tests them), stays off. The node is a GPU server's:
+    2 TiB of memory (the host pool's wall is checked at launch) and 8 TiB free on its disks."""
+    from sglang_ess import sizing
     from sglang_ess.cpu import resolution
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     monkeypatch.setattr(resolution, "is_cpu_dsa", lambda server_args: False)
+    monkeypatch.setattr(sizing, "host_limit_bytes", lambda ranks: (2 << 40) * 8 // 10 // ranks)
+    monkeypatch.setattr(sizing, "free_disk_bytes", lambda directory: 8 << 40)
 
 
 def resolve(argv):
@@ -195,6 +199,32 @@ BAD = [
     ("disk-pd-decode", {}, [*DISK, *NO_GRAPHS, "--disaggregation-mode", "decode"], "not supported on a PD decode node"),
     ("disk-prefill-node", {}, [*DISK, "--disaggregation-mode", "prefill"],
      "--ess-host-pool-gib, --ess-disk-dir shape\\(s\\) the decode node's cache"),
+    # upper bounds from the model and the launch, and what the host and disk must hold, before the weights load
+    ("lookahead-beyond-the-context", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                                          "--ess-record-trace", "T", "--ess-record-lookahead", "1000000000"],
+     "--ess-record-lookahead 1000000000: the indexer ranks at most the context's 32768 positions, top-k 2048 of them "
+     "selected: at most 30720 can follow"),
+    ("windows-beyond-a-forward", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                                      "--chunked-prefill-size", "8192", "--ess-warmup-windows", "10000000"],
+     "--ess-warmup-windows 10000000: LRU-Warmup replays the last W query rows of a prefill forward, which holds at "
+     "most 8192"),
+    ("trace-dir-is-a-file", {}, ["--enable-ess", "--ess-record-trace", "AFILE"], "--ess-record-trace .*afile: exists and "
+     "is not a directory"),
+    ("trace-dir-under-a-file", {}, ["--enable-ess", "--ess-record-trace", "UNDERFILE"], "afile is a file, not a directory"),
+    ("host-pool-tiny", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                            "--ess-host-pool-gib", "1e-5"], "--ess-host-pool-gib 1e-05: room for 0 tokens, below one "
+     "request of 32768"),
+    ("host-pool-below-a-request", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                                       "--ess-host-pool-gib", "0.5"], "room for 13416 tokens, below one request of 32768"),
+    ("host-pool-beyond-the-host", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                                       "--ess-host-pool-gib", "5000"], "--ess-host-pool-gib 5000.0: more than this rank "
+     "may pin, 1638.4 GiB"),
+    ("disk-below-a-request", {}, [*DISK, *NO_GRAPHS, "--ess-disk-gib", "0.01"], "--ess-disk-gib: 0.0 GiB of disk hold "
+     "192 tokens, below one request of 32768"),
+    ("disk-beyond-the-free-space", {}, [*DISK, *NO_GRAPHS, "--ess-disk-gib", "100000"], "--ess-disk-gib 100000.0: more "
+     "than this rank's share of the free space in .*disk, 8192.0 GiB"),
+    ("frames-below-a-step", {}, [*DISK[:-3], "0.001", *DISK[-2:], *NO_GRAPHS], "--ess-host-pool-gib 0.001: a disk "
+     "tier's frames must hold the 513 pages"),
 ]
 
 
@@ -206,8 +236,10 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
     plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 10, "modes": ["da"] * 10}))
     (tmp_path / "plan.bin").write_bytes(b"\xff\xfe\x00 not UTF-8")
     (tmp_path / "disk").mkdir()
+    (tmp_path / "afile").write_text("")
     places = {"PLAN10": str(plan), "PLANBIN": str(tmp_path / "plan.bin"), "DISK": str(tmp_path / "disk"),
-              "NODIR": str(tmp_path / "nodir")}
+              "NODIR": str(tmp_path / "nodir"), "AFILE": str(tmp_path / "afile"),
+              "UNDERFILE": str(tmp_path / "afile" / "traces"), "T": str(tmp_path / "traces")}
     flags = [places.get(f, f) for f in flags]
     with pytest.raises(EssArgsError, match=message):
         resolve(base(tmp_path, *flags, **model))
@@ -235,7 +267,7 @@ def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
     hf = ModelConfig(model_dir(tmp_path)).hf_config
     cfg = argparse.Namespace(enable_hisparse=False, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv",
                              dsa_prefill_backend="flashmla_kv", disaggregation_mode="decode", context_length=32768, speculative_algorithm="EAGLE",
-                             speculative_num_draft_tokens=3)
+                             speculative_num_draft_tokens=3, chunked_prefill_size=8192, tp_size=1, pp_size=1, nnodes=1)
     with pytest.raises(EssArgsError, match="3 verify rows x \\(top-k \\+ 1\\) = 6147"):
         validate_model(EssArgs(enable=True, buffer_tokens=6144), cfg, hf)
     facts = validate_model(EssArgs(enable=True, buffer_tokens=6400), cfg, hf)

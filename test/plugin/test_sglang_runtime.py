@@ -296,6 +296,67 @@ def test_record_trace_writes_profileable_files(tmp_path, plugin):
     assert rt.release(0) is None  # the padding row has no trace
 
 
+def test_a_trace_folder_that_goes_away_costs_the_traces_not_the_server(tmp_path, plugin, caplog):
+    """--ess-record-trace: files already in the folder are never overwritten; if the folder becomes unusable while
+    serving, the release hook logs the trace it could not write and the runtime serves on."""
+    import shutil
+
+    rng = random.Random(3)
+    rt, pool = setup_runtime(tmp_path)
+    (tmp_path / "000000-r3.npz").write_bytes(b"an earlier run's trace")
+    runner = types.SimpleNamespace(ess_runtime=rt)
+    req = torch.tensor(SLOTS)
+
+    def forward(runner, t):
+        topk = torch.tensor(random_topk(rng, [CTX + t] * 2), dtype=torch.int32)
+        for layer in range(L):
+            rt.swap_in_selected_pages(req, torch.tensor([CTX + t + 1] * 2), topk, layer)
+
+    for t in range(2):
+        plugin.around_model_forward(forward, runner, t)
+    path = rt.release(SLOTS[0], rid="r3")
+    assert path.endswith("000001-r3.npz") and (tmp_path / "000000-r3.npz").read_bytes() == b"an earlier run's trace"
+    shutil.rmtree(tmp_path)
+    tmp_path.write_text("the folder is a file now")
+    with caplog.at_level("ERROR", logger="sglang_ess"):
+        assert rt.release(SLOTS[1], rid="r1") is None
+    assert "trace of request 'r1' not written (--ess-record-trace" in caplog.text
+    plugin.around_model_forward(forward, runner, 2)  # the runtime serves on
+    tmp_path.unlink()
+    tmp_path.mkdir()
+
+
+def test_a_malformed_pd_warmup_record_costs_its_request_the_warmup_only(plugin, monkeypatch, caplog):
+    """A decode node that receives a warm-up row it cannot load (a position past the request, a position twice in a
+    layer, a stray negative entry) refuses it for that request, logs why, and serves on."""
+    L_, K_ = L, K
+    n = pd_warmup.entries_per_layer(K_)
+    good = torch.full((L_, n), -1, dtype=torch.int32)
+    good[:, :3] = torch.tensor([5 * 32 + 31, 3 * 32 + 30, 1 * 32 + 2], dtype=torch.int32)
+    assert pd_warmup.check_entries(good, CTX) is None
+    past, twice, stray = good.clone(), good.clone(), good.clone()
+    past[1, 0] = (CTX + 7) * 32 + 31
+    twice[0, 1] = 5 * 32 + 3
+    stray[0, 5] = -9
+    assert pd_warmup.check_entries(past, CTX) == f"position {CTX + 7} beyond the request's {CTX} tokens"
+    assert pd_warmup.check_entries(twice, CTX) == "a position twice in one layer"
+    assert pd_warmup.check_entries(stray, CTX) == "a negative entry other than -1"
+
+    rt, _ = setup_runtime(warmup=4)
+    monkeypatch.setattr(hooks.state, "runtime", rt)
+    monkeypatch.setattr(hooks.state, "wire", (L_, K_))
+    meta = metadata_buffers(4)
+    for i, entries in enumerate([past, good]):
+        pd_warmup.write_row(meta.ess_warmup[i], L_, n, entries, 4, 1000 + i)
+        req = sglang_req(SLOTS[i], 1000 + i, prompt=CTX)
+        with caplog.at_level("WARNING", logger="sglang_ess"):
+            hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=meta), decode_request(req, i))
+    rt.start_forward()
+    assert "warm-up of request 1000 refused: position" in caplog.text
+    assert rt.cache.sparse.resident(0, SLOTS[0]) == set()  # refused: empty slots
+    assert rt.cache.sparse.resident(0, SLOTS[1]) == {5, 3, 1}  # the other request's warm-up loaded
+
+
 def test_pool_sizing_matches_the_memory_arithmetic():
     from ess.core.memory import cache_bytes
 
@@ -411,12 +472,13 @@ def test_pd_transfer_engines_see_the_host_pool_as_host_memory(plugin, monkeypatc
 
 
 # -- LRU-Warmup across PD disaggregation, through SGLang's metadata buffers -----------------------------------------
-def sglang_req(slot: int | None, room: int = 0, metadata_index: int = -1):
-    """A real SGLang Req holding request-table row `slot` (0.5.23 keeps it in req.kv), as the scheduler leaves it."""
+def sglang_req(slot: int | None, room: int = 0, metadata_index: int = -1, prompt: int = 3):
+    """A real SGLang Req holding request-table row `slot` (0.5.23 keeps it in req.kv), as the scheduler leaves it,
+    with a prompt of `prompt` tokens."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    req = Req(f"r{slot}-{room}", "", [1, 2, 3], SamplingParams(max_new_tokens=4), bootstrap_room=room)
+    req = Req(f"r{slot}-{room}", "", [1] * prompt, SamplingParams(max_new_tokens=4), bootstrap_room=room)
     req.kv.req_pool_idx = slot
     req.metadata_buffer_index = metadata_index
     return req
@@ -516,7 +578,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     for i, r in enumerate(reqs):
         decode_rt.reset_rows([r.kv.req_pool_idx])  # SGLang's prealloc handed the row out (its on-alloc-rows callback)
         send_aux(prefill_meta, r.metadata_buffer_index, decode_meta, 5 + i)
-        decode_req = decode_request(sglang_req(r.kv.req_pool_idx, r.bootstrap_room), 5 + i)
+        decode_req = decode_request(sglang_req(r.kv.req_pool_idx, r.bootstrap_room, prompt=CTX), 5 + i)
         hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), decode_req)
     decode_rt.start_forward()  # the reset, then the load, in the next forward's order
 
