@@ -19,7 +19,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ess.core.settings import DEFAULT_DECAY_SHIFT, DEFAULT_SPARSE_RATIO, KERNELS, REPLAY_POLICIES, WARMUP_WINDOWS
+from ess.core.settings import (
+    DEFAULT_DECAY_SHIFT,
+    DEFAULT_SPARSE_RATIO,
+    KERNELS,
+    REPLAY_POLICIES,
+    WARMUP_WINDOWS,
+    KnobError,
+    check_disk_dir,
+    check_output_dir,
+    check_output_file,
+)
 
 err = Console(stderr=True)
 
@@ -107,6 +117,33 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _output_file(flag: str):
+    """An argparse type: a file to write, checked when the command line is read (not a directory, its folder
+    creatable), so that a bad path fails before any work."""
+
+    def parse(text: str) -> str:
+        try:
+            check_output_file(text, flag)
+        except KnobError as e:  # argparse names the flag itself
+            raise argparse.ArgumentTypeError(str(e)[len(flag) + 1:])
+        return text
+
+    return parse
+
+
+def _output_dir(flag: str):
+    """An argparse type: a directory to write files in, checked when the command line is read."""
+
+    def parse(text: str) -> str:
+        try:
+            check_output_dir(text, flag)
+        except KnobError as e:  # argparse names the flag itself
+            raise argparse.ArgumentTypeError(str(e)[len(flag) + 1:])
+        return text
+
+    return parse
+
+
 def _output(path: str | None) -> str | None:
     """An output file's path, its folder created."""
     if path:
@@ -139,8 +176,6 @@ def cmd_server_demo(args) -> int:
                          "SGLang's two-batch overlap, which the CPU path does not run)")
     if args.server_model is not None and not os.path.isfile(os.path.join(args.server_model, "config.json")):
         raise ValueError(f"--server-model {args.server_model}: no config.json there")
-    if args.server_logs is not None and os.path.exists(args.server_logs) and not os.path.isdir(args.server_logs):
-        raise ValueError(f"--server-logs {args.server_logs}: not a directory")
     opt = ServerDemoOptions(model=args.server_model, modes=modes, log_dir=args.server_logs, seed=args.seed)
     report = run_server_demo(opt, say=(lambda text: None) if args.quiet else say)
     table = Table(title="ess demo --server: stock SGLang against --enable-ess, the same requests (CPU)")
@@ -235,7 +270,7 @@ def cmd_cache_replay(args) -> int:
     with _Progress(not args.quiet) as progress:
         c = replay_counts(
             trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("decode steps", d, t),
-            kernel=args.kernel, policy=args.policy, lookahead=args.lookahead, decay_shift=args.decay_shift,
+            kernel=args.kernel, policy=args.policy, lookahead=args.lookahead, decay_shift=_decay_shift(args),
         )
     misses = c.misses
     doc = {"trace": args.trace, "buffer": args.buffer, "warmup": args.warmup, "policy": args.policy,
@@ -245,7 +280,7 @@ def cmd_cache_replay(args) -> int:
         doc |= {"lookahead": args.lookahead or trace.lookahead, "prefetched": c.prefetched.tolist(),
                 "prefetch_hits": c.prefetch_hits.tolist(), "wasted": c.wasted.tolist()}
     if args.policy == "score":
-        doc["decay_shift"] = args.decay_shift
+        doc["decay_shift"] = _decay_shift(args)
     # H2D bytes per request-step and layer: the misses' rows, plus the prefetched rows
     doc["bytes_per_step"] = float((misses.mean() + c.prefetched.mean()) * LATENT_ROW_BYTES) if misses.size else 0.0
     table = Table(title=f"misses per layer ({args.trace}, buffer {args.buffer}, policy {args.policy})")
@@ -402,7 +437,7 @@ def cmd_profile(args) -> int:
     ratios = None if args.buffer_tokens else args.ratios
     with _Progress(not args.quiet) as progress:
         prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t),
-                              policy=args.policy, lookahead=args.lookahead, decay_shift=args.decay_shift)
+                              policy=args.policy, lookahead=args.lookahead, decay_shift=_decay_shift(args))
     if args.plot:
         for path in plot_profile(prof, args.plot):
             say(f"wrote {path}")
@@ -489,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="prefill and greedy-decode the reference mini model, with or without ESS")
-    _add_model_args(d, batch=4, steps_type=NON_NEGATIVE)
+    _add_model_args(d, batch=4, steps_type=POSITIVE)
     d.add_argument("--ess", action="store_true", help="also decode with ESS and compare with the baseline")
     g = d.add_mutually_exclusive_group()
     g.add_argument("--buffer-tokens", type=NON_NEGATIVE, help="ESS GPU slots per request and layer (with --ess)")
@@ -510,7 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "benchmark; tokens compared request by request (docs/plugin.md)")
     d.add_argument("--server-model", help="with --server: a checkpoint directory (default: `ess tiny-checkpoint`'s)")
     d.add_argument("--server-modes", default="none,da", help="with --server: the ESS servers' --ess-overlap modes")
-    d.add_argument("--server-logs", help="with --server: keep the servers' logs in this directory")
+    d.add_argument("--server-logs", type=_output_dir("--server-logs"),
+                   help="with --server: keep the servers' logs in this directory")
     d.add_argument("--json", action="store_true", help=JSON_HELP)
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(func=cmd_demo)
@@ -534,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "topk_ext); score: eviction by a decayed use score (docs/policies.md)")
     r.add_argument("--lookahead", type=POSITIVE, help="with --policy prefetch: ranks past the top-k to fetch "
                                                        "(default: all the trace's topk_ext holds)")
-    r.add_argument("--decay-shift", type=POSITIVE, default=DEFAULT_DECAY_SHIFT,
+    r.add_argument("--decay-shift", type=POSITIVE,
                    help="with --policy score: the score decays by 2^-s per step")
     r.add_argument("--kernel", choices=KERNELS, default="torch",
                    help="the LRU step: torch ops, or the fused Triton kernel (on a CPU: Triton's interpreter, slow); "
@@ -563,14 +599,14 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--batch-min", type=POSITIVE, default=8, help="smallest batch per GPU")
     sw.add_argument("--batch-max", type=POSITIVE, default=192, help="largest batch per GPU")
     sw.add_argument("--batch-step", type=POSITIVE, default=8, help="batch increment")
-    sw.add_argument("--plot", help="PNG path")
+    sw.add_argument("--plot", type=_output_file("--plot"), help="PNG path")
     sw.add_argument("--disk-tier", action="store_true", help="also ESS past its host memory wall, with a disk tier")
     sw.add_argument("--nvme-gbps", type=_positive_float, help="with --disk-tier: a node's NVMe read bandwidth, GB/s")
     sw.set_defaults(func=cmd_sim_sweep)
     tr = sub.add_parser("trace", help="record or synthesise top-k trace files")
     tsub = tr.add_subparsers(dest="trace_command", required=True)
     rec = tsub.add_parser("record", help="run the reference model and write its trace")
-    rec.add_argument("--out", required=True, help="trace file to write (its folder is created)")
+    rec.add_argument("--out", required=True, type=_output_file("--out"), help="trace file to write (its folder is created)")
     _add_model_args(rec, batch=2, steps_type=POSITIVE)
     rec.add_argument("--lookahead", type=NON_NEGATIVE, default=0,
                      help="also record the d positions the indexer ranks after each decode top-k (topk_ext; for "
@@ -586,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'fresh' from anywhere). Defaults give, at ratio 0.2 and 32K, layer means of tens to hundreds of misses per "
         "request-step. See ess/analysis/synth.py.",
     )
-    syn.add_argument("--out", required=True, help="trace file to write (its folder is created)")
+    syn.add_argument("--out", required=True, type=_output_file("--out"), help="trace file to write (its folder is created)")
     from ess.analysis.synth import SynthOptions
 
     d = SynthOptions()
@@ -598,13 +634,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("traces", nargs="+", help="trace files; several of different context lengths add misses vs context")
     pr.add_argument("--ratios", type=_floats, default=[0.1, 0.2, 0.3, 0.5], help="Sparse Memory Ratios, comma-separated")
     pr.add_argument("--buffer-tokens", type=_ints, help="GPU slots instead of ratios, comma-separated")
-    pr.add_argument("--plot", help="directory for PNG plots (created)")
-    pr.add_argument("--out", help="write the profile JSON here too")
+    pr.add_argument("--plot", type=_output_dir("--plot"), help="directory for PNG plots (created)")
+    pr.add_argument("--out", type=_output_file("--out"), help="write the profile JSON here too")
     pr.add_argument("--policy", choices=[p for p in REPLAY_POLICIES if p != "belady"], default="lru",
                     help="the cache policy profiled (MIN is reported beside it); `ess plan` and `ess sim --profile` "
                          "then take its misses (and, for prefetch, its prefetched rows as transfer)")
     pr.add_argument("--lookahead", type=POSITIVE, help="with --policy prefetch: ranks past the top-k to fetch")
-    pr.add_argument("--decay-shift", type=POSITIVE, default=DEFAULT_DECAY_SHIFT, help="with --policy score")
+    pr.add_argument("--decay-shift", type=POSITIVE, help=f"with --policy score (default {DEFAULT_DECAY_SHIFT})")
     pr.add_argument("--json", action="store_true", help=JSON_HELP)
     pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)
@@ -614,21 +650,80 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_args(pl, profile=False)
     pl.add_argument("--batch-size", type=POSITIVE, required=True, help="requests per GPU")
     pl.add_argument("--sparse-ratio", type=_positive_float, help="default: the largest that fits the batch")
-    pl.add_argument("--out", help="write the plan JSON here too")
+    pl.add_argument("--out", type=_output_file("--out"), help="write the plan JSON here too")
     pl.set_defaults(func=cmd_plan)
 
     cal = ssub.add_parser("calibrate", help="refit the efficiency constants on the paper's baseline rows")
     cal.add_argument("--hardware", default="H200")
-    cal.add_argument("--out", help="write the fitted constants (JSON) here; ess/analysis/sim/data/calibration.json is the file "
+    cal.add_argument("--out", type=_output_file("--out"), help="write the fitted constants (JSON) here; ess/analysis/sim/data/calibration.json is the file "
                                    "the simulator reads")
     cal.add_argument("--json", action="store_true", help=JSON_HELP)
     cal.set_defaults(func=cmd_sim_calibrate)
     return p
 
 
+def _decay_shift(args) -> int:
+    return DEFAULT_DECAY_SHIFT if args.decay_shift is None else args.decay_shift
+
+
+def check_args(args) -> None:
+    """Combinations and bounds of a command's flags, before any work (single flags are checked by their argparse
+    types). Raises ValueError naming the flag."""
+    command = [c for c in (getattr(args, k, None) for k in ("command", "cache_command", "sim_command", "trace_command")) if c]
+    if command[:2] == ["cache", "replay"]:
+        if args.lookahead is not None and args.policy != "prefetch":
+            raise ValueError(f"--lookahead is the prefetch policy's; --policy {args.policy} would ignore it")
+        if args.decay_shift is not None and args.policy != "score":
+            raise ValueError(f"--decay-shift is the score policy's; --policy {args.policy} would ignore it")
+    if command[0] == "profile":
+        if args.lookahead is not None and args.policy != "prefetch":
+            raise ValueError(f"--lookahead is the prefetch policy's; --policy {args.policy} would ignore it")
+        if args.decay_shift is not None and args.policy != "score":
+            raise ValueError(f"--decay-shift is the score policy's; --policy {args.policy} would ignore it")
+    if command[0] == "sim" or command[0] == "plan":
+        if getattr(args, "nvme_gbps", None) is not None and not getattr(args, "disk_tier", False):
+            raise ValueError("--nvme-gbps is the disk tier's drive bandwidth: give --disk-tier too")
+        if getattr(args, "context", None) is not None and "model" in args:
+            from ess.analysis.sim.specs import get_model
+
+            limit = get_model(args.model).max_positions
+            if args.context > limit:
+                raise ValueError(f"--context {args.context}: {args.model} serves at most {limit} positions")
+    if command[:2] == ["sim", "sweep"] and args.batch_min > args.batch_max:
+        raise ValueError(f"--batch-min {args.batch_min} is above --batch-max {args.batch_max}: no batch to sweep")
+    if command[:2] == ["trace", "synth"] and args.context + args.steps > TRACE_POSITIONS:
+        raise ValueError(f"--context {args.context}: a trace's positions are int32, at most {TRACE_POSITIONS}")
+    if command[:2] == ["trace", "record"] or command[0] == "demo":
+        if not getattr(args, "server", False):
+            from ess.reference.config import get_config
+
+            limit = get_config(args.config).max_positions
+            if args.context + args.steps > limit:
+                raise ValueError(f"--context {args.context} + --steps {args.steps}: the {args.config} model serves at "
+                                 f"most {limit} positions")
+    if command[:2] == ["trace", "record"]:
+        from ess.reference.config import get_config
+
+        topk = args.topk or get_config(args.config).index_topk
+        ranked = args.context + args.steps - topk  # the positions a step's indexer can rank beyond its top-k
+        if args.lookahead > ranked:
+            raise ValueError(f"--lookahead {args.lookahead}: the indexer ranks at most --context + --steps = "
+                             f"{args.context + args.steps} positions, top-k {topk} of them selected: at most "
+                             f"{max(0, ranked)} can follow")
+    if command[0] == "demo" and not args.server and args.disk_dir is not None:
+        try:
+            check_disk_dir(args.disk_dir, "--disk-dir")
+        except KnobError as e:
+            raise ValueError(str(e)) from e
+
+
+TRACE_POSITIONS = 2**31 - 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_args(args)
         return args.func(args)
     except (ValueError, RuntimeError) as e:
         print(f"ess: error: {e}", file=sys.stderr)

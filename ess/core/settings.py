@@ -59,22 +59,38 @@ def check_disk_dir(directory: str, flag: str) -> None:
         raise KnobError(f"{flag} {directory}: not writable")
 
 
+def _check_can_create(path: str, flag: str) -> None:
+    """The nearest existing ancestor of a path to create is a writable directory."""
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise KnobError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise KnobError(f"{flag} {path}: {parent} is not writable")
+
+
 def check_output_dir(directory: str, flag: str) -> None:
-    """A directory this process will create files in (created if missing): not a file, and its nearest existing
-    ancestor a writable directory (the message names `flag`)."""
+    """A directory this process will create files in (created if missing): not a file, and writable or creatable
+    (the message names `flag`)."""
     if os.path.exists(directory):
         if not os.path.isdir(directory):
             raise KnobError(f"{flag} {directory}: exists and is not a directory")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise KnobError(f"{flag} {directory}: not writable")
         return
-    parent = os.path.dirname(os.path.abspath(directory))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise KnobError(f"{flag} {directory}: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise KnobError(f"{flag} {directory}: {parent} is not writable")
+    _check_can_create(directory, flag)
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """A file this process will write (its folders created if missing): not a directory, writable or creatable."""
+    if os.path.isdir(path):
+        raise KnobError(f"{flag} {path}: is a directory, not a file")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise KnobError(f"{flag} {path}: not writable")
+        return
+    _check_can_create(path, flag)
 
 
 def capacity(buffer_tokens, sparse_ratio, context_tokens: int, topk: int, names: dict = FIELD_NAMES) -> int:

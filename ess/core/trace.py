@@ -46,6 +46,9 @@ class Trace:
         if t.dtype != np.int32:
             raise TraceError(f"{where}: 'topk' must be int32, got {t.dtype}")
         R, steps, layers, K = t.shape
+        empty = [name for name, n in (("requests", R), ("steps", steps), ("layers", layers), ("top-k entries", K)) if n == 0]
+        if empty:
+            raise TraceError(f"{where}: 'topk' holds no {' and no '.join(empty)} (shape {t.shape})")
         c = self.context_len
         if c.shape != (R,) or c.dtype != np.int64:
             raise TraceError(f"{where}: 'context_len' must be int64 [{R}], got {c.dtype} {c.shape}")

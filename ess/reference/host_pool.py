@@ -78,7 +78,9 @@ class TotalMemoryPool:
         pages.extend(new)
 
     def release(self, req: int) -> None:
-        pages = self._pages.pop(req)
+        pages = self._pages.pop(req, None)
+        if pages is None:  # released twice, or never allocated: nothing of another request may be freed
+            raise ValueError(f"host pool: request {req} is not allocated (released twice?)")
         self._free_pages.extend(reversed(pages))
         self.page_table[req] = -1
         self._free_requests.append(req)

@@ -1,4 +1,5 @@
 import json
+import os
 
 import numpy as np
 import pytest
@@ -191,3 +192,60 @@ def test_tiny_checkpoint_is_deterministic_and_never_overwrites(tmp_path, capsys)
 def test_server_demo_refuses_bad_flags_before_starting_anything(capsys, argv, message):
     assert main(["demo", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def places(tmp_path):
+    """A trace, a directory, a file and a trace with no requests, for the bad-input cases."""
+    from ess.core.trace import Trace
+
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    assert main(["trace", "synth", "--out", str(tmp_path / "t.npz"), "--steps", "2", "--layers", "2"]) == 0
+    np.savez(tmp_path / "empty.npz", topk=np.zeros((0, 3, 2, 4), np.int32), context_len=np.zeros(0, np.int64),
+             meta=np.array(json.dumps({})))
+    assert Trace  # the format the empty one breaks
+    return {k: str(tmp_path / v) for k, v in dict(T="t.npz", DIR="adir", FILE="afile", UNDER="afile/x.npz",
+                                                   EMPTY="empty.npz", MISSING="missing").items()}
+
+
+BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refused before any work
+    (["trace", "synth", "--out", "DIR"], "argument --out: .*adir: is a directory, not a file"),
+    (["trace", "synth", "--out", "UNDER"], "afile is a file, not a directory"),
+    (["trace", "record", "--out", "DIR"], "argument --out: .*: is a directory, not a file"),
+    (["profile", "T", "--plot", "FILE"], "argument --plot: .*afile: exists and is not a directory"),
+    (["profile", "T", "--out", "DIR"], "argument --out: .*: is a directory, not a file"),
+    (["sim", "sweep", "--plot", "DIR"], "argument --plot: .*adir: is a directory, not a file"),
+    (["sim", "calibrate", "--out", "UNDER"], "is a file, not a directory"),
+    (["plan", "--profile", "T", "--batch-size", "8", "--out", "DIR"], "argument --out: .*: is a directory, not a file"),
+    (["cache", "replay", "T", "--buffer", "4096", "--policy", "lru", "--lookahead", "4"],
+     "--lookahead is the prefetch policy's; --policy lru would ignore it"),
+    (["cache", "replay", "T", "--buffer", "4096", "--decay-shift", "3"], "--decay-shift is the score policy's"),
+    (["trace", "record", "--out", "T", "--lookahead", "100000"],
+     "--lookahead 100000: the indexer ranks at most --context \\+ --steps = 2080 positions, top-k 64 of them selected: "
+     "at most 2016 can follow"),
+    (["sim", "run", "--batch-size", "8", "--nvme-gbps", "5"], "--nvme-gbps is the disk tier's drive bandwidth"),
+    (["sim", "sweep", "--batch-min", "64", "--batch-max", "8"], "--batch-min 64 is above --batch-max 8"),
+    (["sim", "run", "--batch-size", "8", "--context", "1000000000000"], "dsv32 serves at most 163840 positions"),
+    (["trace", "synth", "--out", "T", "--context", "1000000000000"], "a trace's positions are int32"),
+    (["demo", "--context", "1000000000000"], "the mini model serves at most 65536 positions"),
+    (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+    (["demo", "--ess", "--disk-dir", "MISSING", "--host-budget-mib", "64"], "--disk-dir .*missing: no such directory"),
+    (["cache", "replay", "EMPTY", "--buffer", "8"], "'topk' holds no requests"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=[" ".join(a[:2]) + f" {i}" for i, (a, _) in enumerate(BAD_INPUTS)])
+def test_bad_inputs_are_refused_before_any_work(places, capsys, argv, message):
+    import re
+
+    capsys.readouterr()
+    before = {p: os.path.getmtime(p) for p in places.values() if os.path.exists(p)}
+    try:
+        rc = main([places.get(a, a) for a in argv])
+    except SystemExit as e:  # argparse's own refusal of a flag's value
+        rc = e.code
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err
+    assert before == {p: os.path.getmtime(p) for p in places.values() if os.path.exists(p)}  # nothing written over

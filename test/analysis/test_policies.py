@@ -210,8 +210,9 @@ def test_replay_cli_reports_prefetch_and_score(recorded, capsys):
     path = str(recorded[0])
     out = {}
     for policy in ("lru", "prefetch", "score", "belady"):
-        assert main(["cache", "replay", path, "--buffer-tokens", "20", "--warmup", "--policy", policy,
-                     "--lookahead", "4", "--json", "--quiet"]) == 0
+        lookahead = ["--lookahead", "4"] if policy == "prefetch" else []  # the other policies refuse it
+        assert main(["cache", "replay", path, "--buffer-tokens", "20", "--warmup", "--policy", policy, *lookahead,
+                     "--json", "--quiet"]) == 0
         out[policy] = json.loads(capsys.readouterr().out)
     pre = out["prefetch"]
     assert pre["lookahead"] == 4 and np.array(pre["prefetched"]).shape == (2, 6, 2)

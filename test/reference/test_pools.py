@@ -22,6 +22,10 @@ def test_host_pool_allocation_release_and_reuse():
     c = pool.alloc_request()
     pool.reserve(c, 150)
     assert pool.free_pages == 0
+    pool.release(b)
+    with pytest.raises(ValueError, match=f"request {b} is not allocated \\(released twice\\?\\)"):
+        pool.release(b)  # a second release frees nothing of another request
+    assert pool.free_pages == 1
 
 
 def test_host_pool_exhaustion_is_clear_and_overwrites_nothing():

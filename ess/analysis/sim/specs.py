@@ -33,6 +33,7 @@ class ModelSpec:
     index_topk: int | None = 2048  # None: attend to the whole context
     latent_row_bytes: int = 656  # FP8 latent row (V3.2); V3 decodes on a bf16 cache: 576 x 2 bytes
     index_row_bytes: int = 132
+    max_positions: int = 163840  # the context the model serves (config.json's max_position_embeddings; V3 and V3.2)
 
     # Parameter counts (weights), per layer unless said otherwise.
     @property
