@@ -15,6 +15,9 @@ of its page if the page changed since its last write. `clean` writes changed pag
 starts reading pages a coming step is likely to need. Reads and writes are direct I/O (O_DIRECT, buffered where the
 file system refuses it) from a thread pool. Frames are host memory the device reads and writes asynchronously: before
 a frame changes page or is written out, the device is synchronised (a tier therefore runs outside CUDA graphs).
+Every page on disk carries, in its alignment padding, the CRC-32 of its rows and its own page number: a page read back
+changed, or from another page's place, is refused naming the file and the page (it stays on disk; nothing is read
+into the frame).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import errno
 import mmap
 import os
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -35,6 +39,8 @@ from ess.core.settings import DISK_PAGE_BYTES, PAGE_TOKENS, KnobError, check_dis
 PAGE_BYTES = PAGE_TOKENS * layout.LATENT_ROW_BYTES
 DISK_PAGE = DISK_PAGE_BYTES  # PAGE_BYTES, 4 KiB-aligned for direct I/O
 IO_THREADS = 8
+SEAL = np.dtype([("crc", "<u4"), ("page", "<u4")])  # after a page's rows, in its alignment padding
+assert DISK_PAGE - PAGE_BYTES >= SEAL.itemsize, "a disk page's padding holds its seal"
 # the flags each message names, by role (the reference's demo flags here; the plugin passes its own)
 FLAGS = {"host_budget": "--host-budget-mib", "disk_dir": "--disk-dir", "disk_gib": "--disk-gib"}
 
@@ -64,6 +70,7 @@ class DiskFile:
         except KnobError as e:
             raise DiskTierError(str(e)) from e
         path = os.path.join(directory, f"ess_tier_{os.getpid()}_{id(self):x}.pages")
+        self.path = path  # for messages: the file is unlinked once open
         self.direct = True
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
@@ -86,7 +93,9 @@ class DiskFile:
 
     def write(self, page: int, data: np.ndarray) -> None:
         buf = self._buffer()
-        buf[:PAGE_BYTES] = data.tobytes()
+        rows = data.tobytes()
+        buf[:PAGE_BYTES] = rows
+        buf[PAGE_BYTES:PAGE_BYTES + SEAL.itemsize] = np.array([(zlib.crc32(rows), page)], dtype=SEAL).tobytes()
         n = os.pwrite(self.fd, buf, page * DISK_PAGE)
         if n != DISK_PAGE:
             raise DiskTierError(f"{self.flags['disk_dir']}: short write of page {page} ({n} of {DISK_PAGE} bytes); "
@@ -98,7 +107,12 @@ class DiskFile:
         if n != DISK_PAGE:
             raise DiskTierError(f"{self.flags['disk_dir']}: short read of page {page} ({n} of {DISK_PAGE} bytes); "
                                 "the page stays on disk")
-        out[:] = np.frombuffer(buf, dtype=np.uint8, count=PAGE_BYTES).reshape(out.shape)
+        rows = buf[:PAGE_BYTES]
+        seal = np.frombuffer(buf, dtype=SEAL, count=1, offset=PAGE_BYTES)[0]
+        if int(seal["page"]) != page or int(seal["crc"]) != zlib.crc32(rows):
+            raise DiskTierError(f"{self.flags['disk_dir']}: page {page} of {self.path} fails its checksum (the file "
+                                f"was changed under the tier); the page stays on disk, nothing was read from it")
+        out[:] = np.frombuffer(rows, dtype=np.uint8).reshape(out.shape)
 
     def close(self) -> None:
         if getattr(self, "pool", None) is not None:

@@ -112,3 +112,34 @@ def test_a_failed_read_ahead_leaves_the_page_on_disk(tmp_path, monkeypatch):
     t.report()
     t.check()
     t.close()
+
+
+def test_a_page_changed_on_disk_is_refused(tmp_path):
+    """Each page carries its rows' CRC-32 and its number: bytes changed under the tier, or a page copied to another
+    page's place, are refused by name, and the frames keep what they held."""
+    import os
+
+    from ess.core.disk_tier import DISK_PAGE
+
+    t = PagedHostTier(1, 4 * 64, 2 * PAGE_BYTES, str(tmp_path))
+    rows = truth()[0, : 4 * 64]
+    for j in range(4):  # pages 0 and 1 end on disk
+        v = torch.arange(64 * j, 64 * (j + 1))
+        t.ensure(t.pages(0, v), dirty=True)
+        t.frame_rows[t.rows(0, v)] = rows[v]
+    t.clock += 1
+    fd = os.open(f"/proc/self/fd/{t.file.fd}", os.O_RDWR)  # buffered: the tier's descriptor may be direct I/O
+    os.pwrite(fd, bytes([rows[0, 0].item() ^ 1]), 0)  # one bit of page 0's first row
+    os.fsync(fd)
+    with pytest.raises(Exception, match=r"page 0 of .*ess_tier_.* fails its checksum"):
+        t.ensure([0])
+    assert t.frame_of[0] < 0 and t.written[0]
+    os.pwrite(fd, os.pread(fd, DISK_PAGE, DISK_PAGE), 0)  # page 1's bytes, seal and all, in page 0's place
+    os.fsync(fd)
+    os.close(fd)
+    with pytest.raises(Exception, match="page 0 of .* fails its checksum"):
+        t.ensure([0])
+    t.ensure([1])  # the untouched page reads back whole
+    v = torch.arange(64, 128)
+    assert torch.equal(t.frame_rows[t.rows(0, v)], rows[v])
+    t.close()
