@@ -17,7 +17,10 @@ file system refuses it) from a thread pool. Frames are host memory the device re
 a frame changes page or is written out, the device is synchronised (a tier therefore runs outside CUDA graphs).
 Every page on disk carries, in its alignment padding, the CRC-32 of its rows and its own page number: a page read back
 changed, or from another page's place, is refused naming the file and the page (it stays on disk; nothing is read
-into the frame).
+into the frame). A serving tier (quarantine=True) goes on instead: the page enters its frame with its rows zeroed
+and *lost* (`lost`, per row), each read of a lost row is charged to its reader (`check_read` -> `lost_reads`: the
+serving path aborts that request), and a row stops being lost when it is written again (`rewritten`: a new token at
+that location).
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ FLAGS = {"host_budget": "--host-budget-mib", "disk_dir": "--disk-dir", "disk_gib
 class DiskTierError(RuntimeError):
     """A disk-tier setting or an I/O fault; the message names the flag. Nothing was lost: every page is in a frame or
     in the file as before the call."""
+
+
+class PageChecksumError(DiskTierError):
+    """A page read back from the file is not the page written there (its checksum or its page number differ)."""
+
+    def __init__(self, message: str, page: int):
+        super().__init__(message)
+        self.page = page
 
 
 def free_disk_bytes(directory: str) -> int:
@@ -110,8 +121,8 @@ class DiskFile:
         rows = buf[:PAGE_BYTES]
         seal = np.frombuffer(buf, dtype=SEAL, count=1, offset=PAGE_BYTES)[0]
         if int(seal["page"]) != page or int(seal["crc"]) != zlib.crc32(rows):
-            raise DiskTierError(f"{self.flags['disk_dir']}: page {page} of {self.path} fails its checksum (the file "
-                                f"was changed under the tier); the page stays on disk, nothing was read from it")
+            raise PageChecksumError(f"{self.flags['disk_dir']}: page {page} of {self.path} fails its checksum (the "
+                                    "file was changed under the tier)", page)
         out[:] = np.frombuffer(rows, dtype=np.uint8).reshape(out.shape)
 
     def close(self) -> None:
@@ -127,8 +138,9 @@ class PagedHostTier:
     in `disk_dir` (at most `disk_bytes`)."""
 
     def __init__(self, num_layers: int, virtual_rows: int, host_budget_bytes: int, disk_dir: str,
-                 disk_bytes: int | None = None, device: torch.device | str = "cpu", flags: dict = FLAGS):
-        self.L, self.V, self.flags = num_layers, virtual_rows, flags
+                 disk_bytes: int | None = None, device: torch.device | str = "cpu", flags: dict = FLAGS,
+                 quarantine: bool = False):
+        self.L, self.V, self.flags, self.quarantine = num_layers, virtual_rows, flags, quarantine
         self.P = -(-virtual_rows // PAGE_TOKENS)  # pages per layer
         self.frames = int(host_budget_bytes // PAGE_BYTES)
         if self.frames < 1:
@@ -152,10 +164,13 @@ class PagedHostTier:
         self.prefetched = np.zeros(n, dtype=bool)  # in a frame by prefetch, not used since
         self._remapped: dict[int, int] = {}  # page -> frame changes not yet in frame_map
         self.clock = 0
+        self.lost: dict[int, np.ndarray] = {}  # page -> its rows lost to a failed checksum (quarantine)
+        self.lost_note: dict[int, str] = {}  # page -> the failure's message
+        self.lost_reads: dict[int, str] = {}  # reader -> the message of a lost row it read (check_read)
         # host_hits / disk_faults: pages a call needed that were in a frame / that it read from disk and waited for
         # (pages never written are neither); disk_reads: those reads and the prefetches
         self.stats = {"disk_reads": 0, "disk_writes": 0, "prefetch_hits": 0, "host_hits": 0, "disk_faults": 0,
-                      "exposed_disk_ms": 0.0}
+                      "exposed_disk_ms": 0.0, "checksum_failures": 0}
 
     # -- addressing (device ops) ----------------------------------------------------------------------------------
     def rows(self, layer: int, v: torch.Tensor) -> torch.Tensor:
@@ -201,11 +216,13 @@ class PagedHostTier:
             return
         try:
             fut.result()
-        except DiskTierError:
+        except DiskTierError as e:
             p = int(self.page_in[f])
             if p >= 0 and self.prefetched[p]:  # the read ahead: the frame holds nothing of the page
                 self.page_in[f], self.prefetched[p] = -1, False
                 self._map(p, -1)
+                if self.quarantine and isinstance(e, PageChecksumError):
+                    return  # the call that needs the page reads it again, and quarantines it then
             raise
 
     def _settle_frames(self, frames: np.ndarray) -> None:
@@ -247,6 +264,11 @@ class PagedHostTier:
                 self.file.read(new, view)
             else:
                 view[:] = 0
+        except PageChecksumError as e:
+            if not self.quarantine:
+                return f"read:{e}; the page stays on disk, nothing was read from it"
+            view[:] = 0
+            return f"lost:{e}"
         except DiskTierError as e:
             return f"read:{e}"
         return None
@@ -277,9 +299,11 @@ class PagedHostTier:
                     self.written[old], self.dirty[old] = True, False
                 self.page_in[f], self.prefetched[old] = -1, False
                 self._map(old, -1)
-            if stage is not None:
+            if stage is not None and stage.startswith("read:"):
                 failed = failed or stage[5:]
                 continue
+            if stage is not None:  # lost: in its frame, zeroed
+                self._quarantine(p, stage[5:])
             self.stats["disk_reads"] += int(self.written[p])
             self.stats["disk_faults"] += int(self.written[p])
             self.page_in[f], self.last_use[f] = p, self.clock
@@ -362,6 +386,69 @@ class PagedHostTier:
             self.pending[f] = self.file.pool.submit(write)
             self.stats["disk_writes"] += 1
 
+    # -- lost rows (quarantine) -----------------------------------------------------------------------------------
+    def _quarantine(self, p: int, message: str) -> None:
+        self.lost.setdefault(p, np.ones(PAGE_TOKENS, dtype=bool))  # rows written since stay found
+        self.lost_note[p] = message
+        self.stats["checksum_failures"] += 1
+
+    def _lost_index(self, layer: int, v: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pages, rows within them, lost mask) of virtual rows v on `layer` (host values: syncs)."""
+        v = v.long().flatten().cpu().numpy()
+        ok = (v >= 0) & (v < self.V)
+        p = np.where(ok, layer * self.P + v // PAGE_TOKENS, -1)
+        r = np.where(ok, v % PAGE_TOKENS, 0)
+        mask = np.zeros(p.shape, dtype=bool)
+        if self.lost:
+            pages = np.array(sorted(self.lost), dtype=np.int64)
+            rows = np.stack([self.lost[q] for q in pages.tolist()])  # [lost pages, 64]
+            at = np.minimum(np.searchsorted(pages, p), pages.size - 1)
+            hit = pages[at] == p
+            mask[hit] = rows[at[hit], r[hit]]
+        return p, r, mask
+
+    def lost_rows(self, layer: int, v: torch.Tensor) -> np.ndarray:
+        """Which of virtual rows v (flattened) on `layer` are lost."""
+        return self._lost_index(layer, v)[2]
+
+    def lost_state(self, layer: int, v: torch.Tensor) -> tuple[np.ndarray | None, str]:
+        """(lost mask, message) of virtual rows v on `layer`, for a copy of them (`rewritten(..., lost, note)`);
+        (None, "") while no row is lost."""
+        if not self.lost:
+            return None, ""
+        p, _, mask = self._lost_index(layer, v)
+        return mask, (self.lost_note[int(p[mask][0])] if mask.any() else "")
+
+    def check_read(self, layer: int, v: torch.Tensor, reader: torch.Tensor) -> None:
+        """The caller reads virtual rows v on `layer` for readers `reader` (same shape): each reader of a lost row is
+        charged in `lost_reads` with the failure's message. Nothing to do, and no sync, while no row is lost."""
+        if not self.lost:
+            return
+        p, _, mask = self._lost_index(layer, v)
+        readers = reader.expand_as(v).flatten().cpu().numpy()
+        for who, page in zip(readers[mask].tolist(), p[mask].tolist()):
+            self.lost_reads.setdefault(int(who), self.lost_note[page])
+
+    def rewritten(self, layer: int, v: torch.Tensor, lost: np.ndarray | None = None, note: str = "") -> None:
+        """Virtual rows v on `layer` were written: no longer lost, or lost again where `lost` (a copy of lost rows,
+        `note` its message)."""
+        if not self.lost and (lost is None or not lost.any()):
+            return
+        p, r, _ = self._lost_index(layer, v)
+        again = (p >= 0) & (lost if lost is not None else False)  # rows copied lost
+        touched = (np.isin(p, np.fromiter(self.lost, dtype=np.int64, count=len(self.lost))) & (p >= 0)) | again
+        for page in np.unique(p[touched]).tolist():  # a loop over the few pages with lost rows, not over rows
+            at = p == page
+            mark = self.lost.get(page)
+            if mark is None:
+                mark = self.lost[page] = np.zeros(PAGE_TOKENS, dtype=bool)
+            mark[r[at & ~again]] = False
+            mark[r[at & again]] = True
+            if again[at].any():
+                self.lost_note[page] = note
+            if not mark.any():
+                del self.lost[page], self.lost_note[page]
+
     # -- accounting ------------------------------------------------------------------------------------------------
     def host_pages(self) -> int:
         return int((self.page_in >= 0).sum())
@@ -386,7 +473,7 @@ class PagedHostTier:
         finally:
             self._publish()
         return {"host_pages": self.host_pages(), "disk_pages": self.disk_pages(), "frames": self.frames,
-                "page_bytes": PAGE_BYTES, "direct_io": self.file.direct, **self.stats,
+                "page_bytes": PAGE_BYTES, "direct_io": self.file.direct, "lost_pages": len(self.lost), **self.stats,
                 "exposed_disk_ms": round(self.stats["exposed_disk_ms"], 3)}
 
     def close(self) -> None:

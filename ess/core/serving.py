@@ -107,7 +107,9 @@ class ServingLatentCache:
         selected position are kept for the next step's read-ahead (more: this call is a further part of the same
         step, as DBA's second half, whose pages join the first part's)."""
         tier = self.tier
-        tier.ensure(tier.pages(layer, self.locations(token_table, req, self.missing(layer, req, sets, own))))
+        fetched = self.locations(token_table, req, self.missing(layer, req, sets, own))
+        tier.ensure(tier.pages(layer, fetched))
+        tier.check_read(layer, fetched, req.long().unsqueeze(1))  # a lost row (a failed checksum) charges its request
         pages = tier.pages(layer, self.locations(token_table, req, sets))
         kept = self.selected_pages[layer]
         self.selected_pages[layer] = np.union1d(kept, pages) if more and kept is not None else pages
@@ -133,6 +135,7 @@ class ServingLatentCache:
         loc = self.locations(token_table, req, torch.where(took, pos, -1))
         if self.tier is not None:
             self.tier.ensure(self.tier.pages(layer, loc))
+            self.tier.check_read(layer, loc, req.long().view(-1, *[1] * (loc.dim() - 1)))
         flashtrans.gather(self.host[layer], self.host_of(layer, loc).flatten(), self.gpu[layer], slots.flatten(), self.backend)
 
     def load_warm(self, req: int, token_table: torch.Tensor, pos: torch.Tensor, stamps: torch.Tensor) -> None:

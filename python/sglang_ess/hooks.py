@@ -16,7 +16,7 @@ from sglang_ess import cpu, pd_warmup, sizing
 from sglang_ess.args import EssArgs
 from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.validate import resolution_step, runtime_facts
+from sglang_ess.validate import MIB, rank_weight_bytes, resolution_step, runtime_facts
 
 logger = logging.getLogger("sglang_ess")
 
@@ -33,6 +33,7 @@ DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
 NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
 INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 RESOLUTION_STEP = "handle_other_validations"
 
 @dataclasses.dataclass
@@ -46,6 +47,7 @@ class ProcessState:
     wire: tuple[int, int] | None = None  # (layers, top-k) of the PD warm-up rows, once this process has ESS
     stage_tokens: int | None = None  # the prefill staging rows sizing charged; the scheduler keeps batches within
     tier_spec: sizing.DiskTierSpec | None = None  # the disk tier sizing resolved, for the pool (--ess-disk-dir)
+    lost_readers: list = dataclasses.field(default_factory=list)  # Reqs aborted for reading lost rows, not yet let go
 
 
 state = ProcessState()
@@ -91,6 +93,24 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
 
 
 # -- runtime ---------------------------------------------------------------------------------------------------
+def before_load_model(model_runner, *a, **kw):
+    """In each scheduler, before its weights load: the launch's device check (sglang_ess.validate._check_device) again
+    with the free memory SGLang measured after its own start-up (`pre_model_load_memory`, what its KV budget is taken
+    from), so memory other processes hold is found before the load, not after it."""
+    facts = runtime_facts(model_runner.server_args)
+    free_gib = getattr(model_runner, "pre_model_load_memory", None)
+    if facts is None or facts.role == "pd-prefill" or getattr(model_runner, "is_draft_worker", False) or free_gib is None:
+        return
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    sa = resolving_view(model_runner.server_args)  # the record as SGLang resolved it
+    weights, source = rank_weight_bytes(sa, facts.layers, facts.query_rows > 1)
+    sizing.check_device_budget(free_gib * 1024 * MIB, f"the free memory of {model_runner.device} before the load",
+                               float(sa.mem_fraction_static), weights, source,
+                               sizing.one_request_device_bytes(facts.layers, facts.context, facts.buffer,
+                                                               facts.query_rows), facts.context, facts.buffer)
+
+
 def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     """Build this rank's EssRuntime once the memory pools exist, where SGLang builds HiSparse's coordinator, and
     install it as the runner's sparse-offload coordinator: the DSA backend (built later) then asks it for the selected
@@ -337,6 +357,49 @@ def before_release_kv_cache(req, *a, **kw):
             logger.info("ESS trace written: %s", path)
 
 
+# -- a disk-tier page that fails its checksum: its readers aborted, the prefix cache let go ------------------------------
+def after_run_batch(result, scheduler, batch, *a, **kw):
+    """Right after a forward (the disk tier reads pages on the host while it runs): each request of the batch that read
+    a lost row (ess.core.disk_tier, quarantine) ends with that page's error, its output dropped and kept out of the
+    prefix cache, as SGLang ends a request whose external KV load failed; the rest of the batch goes on."""
+    rt = state.runtime
+    tier = rt.cache.tier if rt is not None else None
+    if tier is None or not tier.lost_reads or batch is None:
+        return None
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    for req in batch.reqs:
+        message = tier.lost_reads.get(request_slot(req))
+        if message is None or req.finished() or req.discard_output_reason is not None:
+            continue
+        reason = FINISH_ABORT(f"{message}: the request read KV rows lost with that page and is aborted; the server "
+                              "serves on", HTTPStatus.INTERNAL_SERVER_ERROR, "DiskTierError")
+        req.skip_radix_cache_insert = True
+        req.discard_output_reason = reason  # a prefill's output is dropped
+        req.to_finish = reason  # a decode step's
+        if scheduler.chunked_req is req:  # its next chunk never runs (SGLang's own path for a failed KV load)
+            scheduler._pending_chunked_abort_req = req
+        state.lost_readers.append(req)
+        logger.error("ESS disk tier: request %s aborted: %s", req.rid, message)
+    return None
+
+
+def before_get_next_batch(scheduler, *a, **kw):
+    """Before the scheduler matches new requests against the prefix cache: once every request aborted for a lost row
+    is let go, the cache's unlocked prefixes are evicted, so no later request reuses a lost row (a cached prefix is
+    recomputed instead; a request still running keeps its rows and is aborted only if it reads a lost one)."""
+    if not state.lost_readers or not all(r.kv.is_kv_released for r in state.lost_readers):
+        return
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    tree = scheduler.tree_cache
+    evicted = tree.evict(EvictParams(num_tokens=tree.evictable_size())).num_tokens_evicted
+    logger.warning("ESS disk tier: %d cached prefix tokens evicted after a lost page", evicted)
+    state.lost_readers.clear()
+
+
 def after_get_internal_state(result, controller, *a, **kw):
     """The scheduler's state readout (GET /get_server_info, `internal_states`): ESS's step counters and pool."""
     if state.runtime is not None:
@@ -419,6 +482,7 @@ def _hook_table():
         (f"{SERVER_ARGS}.from_cli_args", HookType.AFTER, after_from_cli_args),
         (f"{KV_CONFIGURATOR}._resolve_memory_pool_config", HookType.AROUND, around_resolve_memory_pool_config),
         (f"{KV_CONFIGURATOR}._build_dsa_kv_pool", HookType.AROUND, around_build_dsa_kv_pool),
+        (f"{MODEL_RUNNER}.load_model", HookType.BEFORE, before_load_model),
         (f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator", HookType.AFTER, after_init_sparse_coordinator),
         (f"{MODEL_RUNNER}.forward", HookType.AROUND, around_model_forward),
         (f"{DSA_BACKEND}.init_forward_metadata", HookType.AFTER, after_init_forward_metadata),
@@ -429,6 +493,8 @@ def _hook_table():
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
         (f"{PREFILL_ADDER}.add_one_req", HookType.AROUND, around_add_one_req),
         (f"{INTERNAL_STATE}.get_internal_state", HookType.AFTER, after_get_internal_state),
+        (f"{SCHEDULER}.run_batch", HookType.AFTER, after_run_batch),
+        (f"{SCHEDULER}.get_next_batch_to_run", HookType.BEFORE, before_get_next_batch),
         (f"{METADATA_BUFFERS}.__init__", HookType.AFTER, after_metadata_buffers_init),
         (f"{METADATA_BUFFERS}.get_buf_infos", HookType.AFTER, after_get_buf_infos),
         (f"{METADATA_BUFFERS}.set_buf", HookType.AFTER, after_set_buf),
@@ -444,6 +510,7 @@ EXPECTED_PARAMS = {
     f"{SERVER_ARGS}.from_cli_args": ["cls", "args"],
     f"{KV_CONFIGURATOR}._resolve_memory_pool_config": ["self", "pre_model_load_memory"],
     f"{KV_CONFIGURATOR}._build_dsa_kv_pool": ["self", "max_total_num_tokens", "max_running_requests", "dsa_pool_class"],
+    f"{MODEL_RUNNER}.load_model": ["self"],
     f"{MODEL_RUNNER}.maybe_init_hisparse_coordinator": ["self"],
     f"{MODEL_RUNNER}.forward": ["self", "forward_batch"],
     f"{DSA_BACKEND}.init_forward_metadata": ["self", "forward_batch"],
@@ -455,6 +522,8 @@ EXPECTED_PARAMS = {
     RELEASE_KV: ["req", "tree_cache"],
     f"{PREFILL_ADDER}.add_one_req": ["self", "req", "has_chunked_req"],
     f"{INTERNAL_STATE}.get_internal_state": ["self", "recv_req"],
+    f"{SCHEDULER}.run_batch": ["self", "batch"],
+    f"{SCHEDULER}.get_next_batch_to_run": ["self"],
     f"{METADATA_BUFFERS}.__init__": ["self", "size"],
     f"{METADATA_BUFFERS}.get_buf_infos": ["self"],
     f"{METADATA_BUFFERS}.set_buf": ["self", "req"],

@@ -18,7 +18,9 @@ copies them to their host rows (D2H); in decode the same rows are the step's own
 
 With --ess-disk-dir the host pool is a disk tier (ess.core.disk_tier) whose virtual rows are the token locations:
 `ess_host` holds its frames, every access first brings the locations' pages into frames (`_pages_in`, host work
-that waits for the device: eager mode only) and addresses them through the tier's page map (`_host_rows`).
+that waits for the device: eager mode only) and addresses them through the tier's page map (`_host_rows`). The tier
+quarantines a page that fails its checksum: every read charges the request-table row of a reader of a lost row
+(`_check_read`; the plugin aborts that request), every write finds the rows again, a copy carries the loss along.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         else:  # the frames of a disk tier over the location space (one view per layer, all of the same frames)
             spec = self.tier_spec
             self.ess_tier = PagedHostTier(self.layer_num, locs, spec.host_bytes, spec.disk_dir, spec.disk_bytes,
-                                          self.device, TIER_FLAGS)
+                                          self.device, TIER_FLAGS, quarantine=True)
             self.ess_host = self.ess_tier.data
             self.kv_buffer = [self.ess_host[i].unsqueeze(1) for i in range(self.layer_num)]
         self.ess_scratch = torch.zeros(FIRST_ROW + self.scratch_rows, 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8,
@@ -76,7 +78,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self.ess_runtime = None  # set by the plugin once the runtime exists
         self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
         self._stage_pos: torch.Tensor | None = None  # the position of each staging row's token (-1: row 0)
-        self._stage_cached: tuple[torch.Tensor, torch.Tensor] | None = None  # cached prefix: (locations, staging rows)
+        self._stage_cached: tuple[torch.Tensor, ...] | None = None  # cached prefix: locations, staging rows, readers
         self._staged_layers: set[int] = set()
 
     # -- host rows: by location, or through the disk tier ------------------------------------------------------------
@@ -87,6 +89,15 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         """With a disk tier: the pages of these locations on `layer` into host frames (dirty: about to be written)."""
         if self.ess_tier is not None:
             self.ess_tier.ensure(self.ess_tier.pages(layer, loc), dirty)
+
+    def _check_read(self, layer: int, loc: torch.Tensor, reader: torch.Tensor) -> None:
+        """With a disk tier: the request-table rows `reader` (broadcast over loc) read these locations on `layer`."""
+        if self.ess_tier is not None:
+            self.ess_tier.check_read(layer, loc, reader)
+
+    def _rewritten(self, layer: int, loc: torch.Tensor, lost=None, note: str = "") -> None:
+        if self.ess_tier is not None:
+            self.ess_tier.rewritten(layer, loc, lost, note)
 
     def get_kv_size_bytes(self):
         """Device bytes (SGLang logs this as the KV cache size); the host pool is reported by the runtime."""
@@ -112,7 +123,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             starts = FIRST_ROW + torch.cumsum(seq, 0) - seq  # each request's first staging row
             lens = torch.tensor(prefix_lens_cpu, device=locs.device)
             rows = torch.repeat_interleave(starts, lens, output_size=cached_locs.shape[0]) + cached_pos
-            self._stage_cached = (cached_locs, rows)
+            readers = torch.repeat_interleave(req.to(lens.device), lens, output_size=cached_locs.shape[0])
+            self._stage_cached = (cached_locs, rows, readers)
         self._staged_layers = set()
 
     def _stage_room(self, n: int) -> None:
@@ -140,6 +152,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self._stage_locs = None  # nothing more to stage for this layer
         rows = torch.arange(FIRST_ROW, FIRST_ROW + selected.shape[0], device=need.device)
         self._pages_in(layer, selected)
+        self._check_read(layer, torch.where(torch.isin(locs, own), -1, locs), req.unsqueeze(1))
         flashtrans.gather(self.ess_host[layer], self._host_rows(layer, selected), self.ess_stage[:, 0], rows, self.backend)
 
     def _stage_layer(self, layer: int) -> None:
@@ -148,8 +161,9 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             return
         self._staged_layers.add(layer)
         if self._stage_cached is not None:
-            locs, rows = self._stage_cached
+            locs, rows, readers = self._stage_cached
             self._pages_in(layer, locs)
+            self._check_read(layer, locs, readers)
             flashtrans.gather(self.ess_host[layer], self._host_rows(layer, locs), self.ess_stage[:, 0], rows, self.backend)
 
     def translate_loc_to_hisparse_device(self, locs: torch.Tensor) -> torch.Tensor:
@@ -179,6 +193,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             buf, rows = self.ess_scratch, self.ess_scratch_idx[:n]
         self._write_mla_kv_buffer(buf, rows, cache_k_nope, cache_k_rope)  # SGLang's FP8 quantiser
         self._pages_in(local, loc, dirty=True)
+        self._rewritten(local, loc)
         flashtrans.scatter(buf[:, 0], rows, self.ess_host[local], self._host_rows(local, loc), self.backend)  # D2H backup
         if self.ess_phase != EXTEND and self.ess_runtime is not None:
             self.ess_runtime.keep_own_rows(layer_id, buf[FIRST_ROW:FIRST_ROW + n, 0])  # a view: read before the next
@@ -215,6 +230,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
                 tier.ensure(np.union1d(tier.pages(layer, s), tier.pages(layer, t)))
                 tier.ensure(tier.pages(layer, t), dirty=True)
                 self._move_rows(self.ess_host[layer], tier.rows(layer, s), self.ess_host[layer], tier.rows(layer, t))
+                tier.rewritten(layer, t, *tier.lost_state(layer, s))  # a lost row stays lost where it goes
         self.index_key_cache.move(tgt_loc, src_loc)
 
     def _move_rows(self, src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
@@ -232,8 +248,11 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         idx = indices.long()
         if self.ess_tier is None:
             kv = self.ess_host[:, idx.cpu()].clone()
-        else:
+        else:  # with the rows' lost state (a failed checksum), which load_cpu_copy restores
             kv = torch.stack([self.ess_host[i][self._frame_rows(i, idx)] for i in range(self.layer_num)])
+            lost = [self.ess_tier.lost_state(i, idx) for i in range(self.layer_num)]
+            if any(mask is not None and mask.any() for mask, _ in lost):
+                return {"kv": kv, "index_k": self.index_key_cache.cpu_copy(indices), "ess_lost": lost}
         return {"kv": kv, "index_k": self.index_key_cache.cpu_copy(indices)}
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
@@ -241,8 +260,10 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         if self.ess_tier is None:
             self.ess_host[:, idx.cpu()] = kv_cache_cpu["kv"]
         else:
+            lost = kv_cache_cpu.get("ess_lost") or [(None, "")] * self.layer_num
             for i in range(self.layer_num):
                 self.ess_host[i][self._frame_rows(i, idx, dirty=True)] = kv_cache_cpu["kv"][i]
+                self._rewritten(i, idx, *lost[i])
         self.index_key_cache.load_cpu_copy(kv_cache_cpu["index_k"], indices)
 
 

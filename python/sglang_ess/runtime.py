@@ -269,6 +269,8 @@ class EssRuntime:
         self._resets.extend(rows)
         for r in rows:
             self._loads.pop(r, None)  # a state loaded for the row's previous request does not carry over
+            if self.cache.tier is not None:  # nor a lost row that request read (sglang_ess.hooks.after_run_batch)
+                self.cache.tier.lost_reads.pop(r, None)
 
     def apply_admissions(self) -> None:
         """At the start of a forward (on its stream): the rows reset since the last forward, then the warm-up states

@@ -182,7 +182,7 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
         if spec.host_bytes // PAGE_BYTES < need:
             raise EssArgsError(f"--ess-host-pool-gib {ess.host_pool_gib}: a disk tier's frames must hold the {need} pages "
                                f"one layer's step may need ({need * PAGE_BYTES / GIB:.2f} GiB) for {max_requests} requests")
-        logger.info("ESS disk tier: %.1f GiB of host frames over %.1f GiB of pages in %s", spec.host_bytes / GIB,
+        logger.info("ESS disk tier: %.3g GiB of host frames over %.3g GiB of pages in %s", spec.host_bytes / GIB,
                     -(-tokens // PAGE_TOKENS) * layers * DISK_PAGE_BYTES / GIB, spec.disk_dir)
     host = spec.host_bytes if spec is not None else tokens * layers * layout.LATENT_ROW_BYTES
     device = rows * (cache_bytes(layers, facts.context, layout.LATENT_ROW_BYTES, 0, facts.buffer)
@@ -264,3 +264,34 @@ def scratch_bytes(max_requests: int, query_rows: int) -> int:
 def stage_bytes(context_len: int) -> int:
     """The prefill staging buffer ESS starts with: one request's rows at full context (it grows for bigger batches)."""
     return whole_pages(FIRST_ROW + context_len) * layout.LATENT_ROW_BYTES
+
+
+def one_request_device_bytes(layers: int, context_len: int, capacity: int, query_rows: int) -> int:
+    """Device bytes ESS takes before a second request fits: the prefill staging buffer and the decode scratch that
+    resolve_memory_pool_config charges first, and one request at full context (its slots and tables, index-K of its
+    tokens). SGLang's fixed overheads and an MTP draft layer's cells come on top."""
+    return (stage_bytes(context_len) + scratch_bytes(MAX_REQUESTS, query_rows)
+            + cache_bytes(layers, context_len, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, capacity))
+
+
+def check_device_budget(memory_bytes: float, memory_source: str, mem_fraction_static: float, weight_bytes: int | None,
+                        weights_source: str, need_bytes: int, context_len: int, capacity: int) -> None:
+    """Before the weights load: SGLang's static budget (weights and KV cache: memory_bytes x --mem-fraction-static)
+    less the checkpoint's weights on this rank must hold one ESS request (one_request_device_bytes), or no request
+    ever fits and the launch would fail only after the load. The weights are a lower bound (replicated layers and
+    converted copies add to them), so a launch refused here cannot fit. Raises EssArgsError naming the flags."""
+    from sglang_ess.args import EssArgsError
+
+    weights = weight_bytes or 0
+    left = memory_bytes * mem_fraction_static - weights
+    counted = (f" less the weights' {weights / GIB:.2f} GiB on this rank ({weights_source})" if weight_bytes is not None
+               else f" (weights not counted: {weights_source})")
+    if left >= need_bytes:
+        logger.info("ESS device check before the load: %s %.2f GiB x %s%s leaves %.2f GiB; one request needs %.3f GiB",
+                    memory_source, memory_bytes / GIB, mem_fraction_static, counted, left / GIB, need_bytes / GIB)
+        return
+    raise EssArgsError(
+        f"--enable-ess: one request of {context_len} tokens with {capacity} GPU slots needs {need_bytes / GIB:.3f} GiB of "
+        f"device memory (slots, index-K, staging, scratch), and SGLang's static budget leaves {max(0.0, left) / GIB:.3f} GiB: "
+        f"{memory_source} {memory_bytes / GIB:.2f} GiB x --mem-fraction-static {mem_fraction_static}{counted}. Lower "
+        "--context-length or --ess-buffer-tokens / --ess-sparse-ratio, or raise --mem-fraction-static or --tp-size")

@@ -123,6 +123,7 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     layers = int(hf_config.num_hidden_layers)
     _check_bounds(ess, cfg, topk, context)
     _check_host_and_disk(ess, cfg, layers, topk, context, buffer, rows)
+    _check_device(cfg, layers, context, buffer, rows)
     # DBA in the plugin is DA under SGLang's two-batch overlap (docs/plugin.md, "Overlap"): each micro-batch's H2D
     # starts at its own indexer and runs under the other micro-batch's work; one batch has no halves to overlap
     tbo = bool(getattr(cfg, "enable_two_batch_overlap", False))
@@ -203,6 +204,40 @@ def _check_host_and_disk(ess: EssArgs, cfg: Any, layers: int, topk: int, context
                                f"one layer's step of one request may need ({need * PAGE_BYTES / GIB:.3f} GiB)")
 
 
+def rank_weight_bytes(cfg: Any, layers: int, with_mtp: bool) -> tuple[int | None, str]:
+    """The checkpoint's weights over the tensor-parallel ranks (a lower bound of one rank's: nothing is split more
+    ways), and where the figure comes from; None where the weights are not on this disk yet."""
+    from sglang_ess.weights import CheckpointError, checkpoint_weight_bytes
+
+    try:
+        total = checkpoint_weight_bytes(cfg.model_path, layers, with_mtp)
+    except (CheckpointError, OSError) as e:
+        raise EssArgsError(f"--model-path: {e}") from e
+    tp = max(1, cfg.tp_size or 1)
+    if total is None:
+        return None, f"{cfg.model_path} holds no safetensors files"
+    return total // tp, f"{total / GIB:.2f} GiB in {cfg.model_path} over --tp-size {tp}"
+
+
+def _check_device(cfg: Any, layers: int, context: int, buffer: int, rows: int) -> None:
+    """SGLang's static budget for the device (its capacity, as SGLang reads it, x --mem-fraction-static) less the
+    weights must hold one ESS request, checked before the weights load. The scheduler checks again with the free
+    memory it measures before its load (sglang_ess.hooks.before_load_model)."""
+    from sglang.srt.utils.common import get_device_memory_capacity
+    from sglang_ess import sizing
+
+    capacity_mib = get_device_memory_capacity(cfg.device)
+    if capacity_mib is None or cfg.mem_fraction_static is None:
+        logger.info("ESS: the device memory is checked in the scheduler, before its load: SGLang reads no capacity "
+                    "for --device %s here", cfg.device)
+        return
+    weights, source = rank_weight_bytes(cfg, layers, rows > 1)
+    sizing.check_device_budget(capacity_mib * MIB, f"the {cfg.device} device's capacity", float(cfg.mem_fraction_static),
+                               weights, source, sizing.one_request_device_bytes(layers, context, buffer, rows),
+                               context, buffer)
+
+
+MIB = 1 << 20
 UNBOUNDED_DEVICE = 1 << 62  # the device budget is profiled after the weights load; these checks need the host only
 
 

@@ -6,18 +6,24 @@ The ESS server's plan mixes the overlap modes across the two layers (none on lay
 `--ess-overlap none` or `da` alike the ESS server reads the same rows with the same kernel as stock SGLang, so its
 tokens must equal stock's exactly, always. (DBA needs SGLang's two-batch overlap, which the CPU path does not run;
 test_sglang_plugin checks its refusal without it.) A second pair of servers runs MTP (EAGLE, one draft token):
-verify steps through ESS, tokens equal too.
+verify steps through ESS, tokens equal too. A third pair serves with a disk tier whose page file is changed under
+the ESS server: the one request that reads a changed page is aborted, the others get stock's tokens.
 
 Every workload waits for the previous one (ess.reference.server): a server's batches then depend on the calls only,
 not on timing, so stock and ESS compute the same batches (SGLang's CPU kernels are not batch-invariant).
 """
 
+import glob
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 pytest.importorskip("sglang")
 
+from ess.core.disk_tier import DISK_PAGE  # noqa: E402
 from ess.reference import checkpoint  # noqa: E402
 from ess.reference import server as S  # noqa: E402
 
@@ -116,3 +122,86 @@ def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path):
     results, state, _ = run_pair(tmp_path, model, S.MTP_FLAGS, S.ESS_MTP_FLAGS, workload)
     assert tokens(results["ess"]) == tokens(results["stock"])
     assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
+
+
+def test_a_device_too_small_for_one_request_is_refused_before_the_weights_load(model):
+    """The real launcher, --mem-fraction-static 1e-5 of this machine's memory (SGLang's CPU "device"): SGLang's static
+    budget cannot hold one ESS request, which is said in one line before any weight loads."""
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", model, *S.CPU_FLAGS,
+                          *S.ESS_FLAGS, "--mem-fraction-static", "0.00001"], capture_output=True, text=True,
+                         env={**os.environ, "SGLANG_PLUGINS": "ess"}, timeout=300)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr and "Load weight" not in out.stdout + out.stderr, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglang: error: --enable-ess: one request of ") and "--mem-fraction-static 1e-05" in last
+
+
+# -- a disk-tier page changed under the server -------------------------------------------------------------------------
+TIER_FLAGS = ["--max-running-requests", "1", "--context-length", "2048", "--max-total-tokens", "8192",
+              "--cuda-graph-backend-decode", "disabled"]  # a disk tier runs eager (docs/plugin.md, "Disk tier")
+# 66 frames of 41,984 bytes: the 65 pages one decode step of one request may need, so a few prompts push pages to disk
+ESS_TIER_FLAGS = ["--ess-host-pool-gib", "0.0026"]
+
+
+def corrupt_page_files(disk_dir: str) -> int:
+    """Change one byte's worth of every page of every ESS page file under disk_dir, through the scheduler's own open
+    descriptor (the file is unlinked once open), as a failing disk or a stray writer would. Returns the pages changed."""
+    changed = 0
+    for link in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            target = os.readlink(link)
+        except OSError:
+            continue
+        if not target.startswith(os.path.join(disk_dir, "ess_tier_")):
+            continue
+        fd = os.open(link, os.O_RDWR)  # buffered: flushed below, so the tier's direct reads see it
+        try:
+            for page in range(os.fstat(fd).st_size // DISK_PAGE):
+                os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 8, page * DISK_PAGE)), page * DISK_PAGE)
+                changed += 1
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return changed
+
+
+def test_a_page_changed_on_disk_aborts_its_reader_only_and_the_server_serves_on(model, tmp_path):
+    """A prompt's rows pushed to the disk tier, every page of the page file then changed: the next request that reuses
+    that prompt's cached prefix reads a page that fails its checksum and gets HTTP 500 naming the file and the page;
+    an unrelated request after it gets stock's tokens; and the same request sent again is computed afresh (the
+    server let its cached prefixes go) and gets stock's tokens too."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    a = S.prompts(1, (400, 400), seed=5)[0]
+    b = a[:320] + S.prompts(1, (80, 80), seed=6)[0]  # five of a's 64-token pages from the radix cache
+    pushers = S.prompts(2, (1100, 1100), seed=7)  # 2 x 18 pages a layer, over the 66 frames
+
+    def workload(srv, is_ess):
+        out = {"a": srv.generate([a], NEW_TOKENS)}
+        for p in pushers:
+            srv.generate([p], NEW_TOKENS)
+        if is_ess:
+            out["tier_before"] = srv.state()["ess"]["tier"]
+            out["pages_changed"] = corrupt_page_files(str(disk))
+            with pytest.raises(S.ServerError) as err:
+                srv.generate([b], NEW_TOKENS)
+            out["b"] = str(err.value)
+        else:
+            out["b"] = srv.generate([b], NEW_TOKENS)
+        out["c"] = srv.generate(S.prompts(1, (300, 300), seed=8), NEW_TOKENS)
+        if not is_ess:
+            srv.flush()  # stock's cache holds b: both servers compute it afresh
+        out["b_again"] = srv.generate([b], NEW_TOKENS)
+        return out
+
+    results, state, log = run_pair(tmp_path, model, TIER_FLAGS,
+                                   S.ESS_FLAGS + ESS_TIER_FLAGS + ["--ess-disk-dir", str(disk)], workload)
+    stock, ess = results["stock"], results["ess"]
+    assert ess["tier_before"]["disk_pages"] > 0 and ess["pages_changed"] > 0, ess["tier_before"]
+    assert "HTTP 500" in ess["b"] and "fails its checksum" in ess["b"] and "ess_tier_" in ess["b"], ess["b"]
+    assert tokens(ess["a"]) == tokens(stock["a"])
+    assert tokens(ess["c"]) == tokens(stock["c"])
+    assert tokens(ess["b_again"]) == tokens(stock["b_again"])
+    assert ess["b_again"][0]["meta_info"]["cached_tokens"] == 0  # a's lost prefix was let go, not reused
+    assert state["tier"]["checksum_failures"] > 0, state["tier"]  # (its rows are found again once rewritten)
+    assert any("ESS disk tier: request" in line and "aborted" in line for line in log.splitlines())

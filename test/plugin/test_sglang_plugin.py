@@ -257,6 +257,82 @@ def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):
     assert validate_server_args(sa).role == "co-located"
 
 
+def sparse_checkpoint(directory, tensors):
+    """A safetensors file whose header declares `tensors` (name -> bytes) over a sparse file of their size: a
+    checkpoint of any size on this disk, its header the only bytes written (the format: an 8-byte little-endian
+    header length, a JSON header of each tensor's dtype, shape and data_offsets)."""
+    header, at = {}, 0
+    for name, n in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [n], "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = os.path.join(directory, "model-00001-of-00001.safetensors")
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(8 + len(text) + at)
+    return path
+
+
+def test_weights_are_counted_from_the_safetensors_headers(tmp_path):
+    """SGLang's own writer (safetensors) makes the files; the MTP layer's tensors count only for an MTP launch; a
+    file that is not safetensors is named."""
+    from safetensors.torch import save_file
+
+    from sglang_ess.weights import CheckpointError, checkpoint_weight_bytes
+
+    tensors = {"model.embed_tokens.weight": torch.zeros(10, 8, dtype=torch.bfloat16),
+               "model.layers.0.mlp.w": torch.zeros(4, 4, dtype=torch.float8_e4m3fn),
+               "model.layers.1.mlp.w": torch.zeros(3, dtype=torch.float32)}  # layer 1 of a 1-layer model: MTP
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    assert checkpoint_weight_bytes(str(tmp_path), 1, with_mtp=False) == 160 + 16
+    assert checkpoint_weight_bytes(str(tmp_path), 1, with_mtp=True) == 160 + 16 + 12
+    assert checkpoint_weight_bytes(str(tmp_path / "absent"), 1, with_mtp=False) is None  # a hub name: not on disk
+    (tmp_path / "b.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="b.safetensors: not a safetensors file"):
+        checkpoint_weight_bytes(str(tmp_path), 1, with_mtp=False)
+
+
+DEVICE_MIB = 81559  # an H100's capacity as nvidia-smi reports it
+
+
+@pytest.mark.parametrize("spare_mib", [-1, 1])
+def test_weights_that_leave_no_room_for_one_request_are_refused_before_the_load(plugin, hopper, tmp_path, monkeypatch,
+                                                                                spare_mib):
+    """Inside SGLang's resolution, before anything loads: the device's capacity x --mem-fraction-static less the
+    checkpoint's weights (a sparse 70 GiB checkpoint, its MTP layer not counted) must hold one request's slots,
+    index-K, staging and scratch; one MiB short is refused naming the flags, one MiB over resolves. The scheduler
+    checks again before its load, with the free memory SGLang measured there."""
+    import types
+
+    from sglang.srt.utils import common
+
+    from sglang_ess import sizing
+    from sglang_ess.args import EssArgsError
+    from sglang_ess.validate import MIB
+
+    monkeypatch.setattr(common, "get_device_memory_capacity", lambda device=None: float(DEVICE_MIB))
+    need = sizing.one_request_device_bytes(61, 32768, 4096, 1)
+    weights = int(DEVICE_MIB * MIB * 0.9) - need - spare_mib * MIB
+    d = model_dir(tmp_path)
+    sparse_checkpoint(d, {"model.layers.0.mlp.w": weights, "model.layers.61.mlp.w": 10 << 30})  # 61: MTP
+    argv = ["--model-path", d, "--skip-tokenizer-init", "--device", "cpu", "--kv-cache-dtype", "fp8_e4m3",
+            "--enable-ess", "--context-length", "32768", "--ess-buffer-tokens", "4096", "--mem-fraction-static", "0.9"]
+    if spare_mib < 0:
+        with pytest.raises(EssArgsError, match=r"one request of 32768 tokens with 4096 GPU slots needs .* GiB of device "
+                                               r"memory .* --mem-fraction-static 0.9 less the weights' .* GiB on this "
+                                               r"rank .* over --tp-size 1\)\. Lower --context-length"):
+            resolve(argv)
+        return
+    sa = resolve(argv)
+    runner = types.SimpleNamespace(server_args=sa, device="cuda", is_draft_worker=False,
+                                   pre_model_load_memory=DEVICE_MIB / 1024)  # GB, as SGLang measures it
+    plugin.before_load_model(runner)  # the whole device free: fits
+    runner.pre_model_load_memory -= 2 / 1024  # another process holds 2 MiB of it
+    with pytest.raises(EssArgsError, match="the free memory of cuda before the load"):
+        plugin.before_load_model(runner)
+
+
 def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
     """With speculative decoding, a verify step holds S query rows of one request at once."""
     from sglang.srt.configs.model_config import ModelConfig
@@ -267,7 +343,8 @@ def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
     hf = ModelConfig(model_dir(tmp_path)).hf_config
     cfg = argparse.Namespace(enable_hisparse=False, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv",
                              dsa_prefill_backend="flashmla_kv", disaggregation_mode="decode", context_length=32768, speculative_algorithm="EAGLE",
-                             speculative_num_draft_tokens=3, chunked_prefill_size=8192, tp_size=1, pp_size=1, nnodes=1)
+                             speculative_num_draft_tokens=3, chunked_prefill_size=8192, tp_size=1, pp_size=1, nnodes=1,
+                             device="cpu", mem_fraction_static=None)  # no capacity check here
     with pytest.raises(EssArgsError, match="3 verify rows x \\(top-k \\+ 1\\) = 6147"):
         validate_model(EssArgs(enable=True, buffer_tokens=6144), cfg, hf)
     facts = validate_model(EssArgs(enable=True, buffer_tokens=6400), cfg, hf)

@@ -4,8 +4,10 @@ exactly the bytes the stock pool gives at those token locations. Both pools writ
 (`_write_mla_kv_buffer`: the FP8 quantiser, on a CPU the plugin's CPU path, then SGLang's scatter, which never writes
 destination row 0)."""
 
+import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -328,7 +330,7 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
     staged = tokens.req_to_token[REQ[0], :5].long()
     # staging rows from 1 on (SGLang's writer skips row 0)
     assert torch.equal(ess.translate_loc_to_hisparse_device(staged), torch.arange(1, 6, dtype=torch.int32))
-    locs, rows = ess._stage_cached  # request 0's cached prefix, and only it, comes from the host
+    locs, rows, _ = ess._stage_cached  # request 0's cached prefix, and only it, comes from the host
     assert torch.equal(locs, staged[:2]) and rows.tolist() == [1, 2]
     seen = []
     for mode, phase in [(ForwardMode.EXTEND, EXTEND), (ForwardMode.TARGET_VERIFY, DECODE)]:
@@ -463,16 +465,21 @@ def test_move_and_cpu_copy_through_a_disk_tier(tiered, monkeypatch):
         write(stock, ess, layer, loc)
     tgt, src = torch.cat([torch.arange(SIZE - 10, SIZE), loc[:2]]), torch.cat([loc[:10], loc[2:4]])
     moved = torch.stack([stock.kv_buffer[layer][src.long(), 0].view(torch.uint8) for layer in range(L)])
+    tier = ess.ess_tier  # the first source row lost on layer 1 (as a failed checksum leaves it): its mark moves with it
+    tier.rewritten(1, src[:1], lost=np.array([True]), note="page N fails its checksum")
     ess.move_kv_cache(tgt, src)  # also overlapping: two sources are targets too
     for layer in range(L):
         assert torch.equal(by_location(ess, layer, tgt), moved[layer])
+        assert tier.lost_rows(layer, tgt).tolist() == [layer == 1] + [False] * 11
     copy = ess.get_cpu_copy(tgt)
-    assert torch.equal(copy["kv"], moved)
-    for layer in range(L):  # overwrite them, then load the copy back
+    assert torch.equal(copy["kv"], moved) and copy["ess_lost"][1][0].tolist() == [True] + [False] * 11
+    for layer in range(L):  # overwrite them (found again), then load the copy back (lost again)
         write(stock, ess, layer, tgt, salt=5)
+        assert not tier.lost_rows(layer, tgt).any()
     ess.load_cpu_copy(copy, tgt)
     for layer in range(L):
         assert torch.equal(by_location(ess, layer, tgt), moved[layer])
+    assert tier.lost_rows(1, tgt[:1]).all() and tier.lost_note[1 * tier.P + int(tgt[0]) // 64] == "page N fails its checksum"
     ess.ess_tier.check()
 
 
@@ -497,3 +504,63 @@ def test_a_pd_decode_node_charges_its_warmup_metadata_to_the_host(monkeypatch):
     assert config.max_total_num_tokens < 40 * ctx  # the metadata took what the last request's tokens needed
     config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap, host_pool_gib=host_gib, warmup_windows=0), facts)
     assert config.max_total_num_tokens >= 40 * ctx  # no warm-up rows, no metadata of ESS's: every token fits
+
+
+def test_a_page_that_fails_its_checksum_aborts_its_readers_only(tiered, plugin, monkeypatch):
+    """A cached prefix row whose disk page was changed under the tier: the prefill that stages it charges its request
+    (and no other), the scheduler hook after the forward ends that request with the page's error, its output dropped
+    and kept out of the prefix cache; once it is let go the hook before the next batch evicts the cache's unlocked
+    prefixes. SGLang's Req and ScheduleBatch are real; the scheduler and its tree cache are stand-ins (a Scheduler is
+    a whole process; test_server.py runs SGLang's own radix cache through this path)."""
+    import types
+
+    from ess.core.disk_tier import DISK_PAGE
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    stock, ess, tokens = tiered
+    tier = ess.ess_tier
+    rng = random.Random(3)
+    prefill(stock, ess, tokens, REQ, [0, 0], [30, 20], rng)
+    other = set((tokens.req_to_token[REQ[1], :20].long() // 64).tolist())
+    loc = next(int(x) for x in tokens.req_to_token[REQ[0], :30] if int(x) // 64 not in other)  # request 0's alone
+    page = 1 * tier.P + loc // 64  # on layer 1
+    tier.clock += 1
+    tier.ensure([p for p in range(2 * tier.P) if p != page][:FRAMES])  # every frame to other pages: `page` on disk
+    assert tier.frame_of[page] < 0 and tier.written[page]
+    fd = os.open(f"/proc/self/fd/{tier.file.fd}", os.O_RDWR)
+    os.pwrite(fd, b"\xff" * 8, page * DISK_PAGE)
+    os.close(fd)
+    readers = torch.tensor(REQ)
+    ess.stage_extend(tokens.req_to_token, readers, [40, 33], [30, 20])  # the next chunks: both prefixes staged
+    for layer in range(L):
+        ess._stage_layer(layer)
+    assert list(tier.lost_reads) == [REQ[0]] and f"page {page} of" in tier.lost_reads[REQ[0]]
+    rt = make_runtime(ess, tokens)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
+    monkeypatch.setattr(plugin.state, "lost_readers", [])
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    a, b = (Req(f"r{slot}", "", [1] * 30, SamplingParams(max_new_tokens=4)) for slot in REQ)
+    for req, slot in zip((a, b), REQ):
+        req.kv.req_pool_idx, req.kv.kv_allocated_len = slot, 30  # as the scheduler leaves them: rows held
+    scheduler = types.SimpleNamespace(chunked_req=a, _pending_chunked_abort_req=None)
+    plugin.after_run_batch(None, scheduler, ScheduleBatch(reqs=[a, b]))
+    reason = a.discard_output_reason
+    assert reason is a.to_finish and reason.status_code == 500 and f"page {page} of {tier.file.path}" in reason.message
+    assert a.skip_radix_cache_insert and scheduler._pending_chunked_abort_req is a
+    assert b.discard_output_reason is None and b.to_finish is None and not b.skip_radix_cache_insert
+    evicted = []
+    tree = types.SimpleNamespace(evictable_size=lambda: 77, evict=lambda p: evicted.append(p.num_tokens) or
+                                 types.SimpleNamespace(num_tokens_evicted=p.num_tokens))
+    scheduler.tree_cache = tree
+    plugin.before_get_next_batch(scheduler)
+    assert evicted == []  # the aborted request still holds its prefix
+    a.kv.mark_kv_released()
+    rt.release(REQ[0])  # SGLang's release hook: the row's charge goes with its request
+    plugin.before_get_next_batch(scheduler)
+    assert evicted == [77] and not plugin.state.lost_readers and REQ[0] not in tier.lost_reads
+    ess.stage_extend(tokens.req_to_token, torch.tensor([REQ[1]]), [33], [20])  # the other request reads on unharmed
+    for layer in range(L):
+        ess._stage_layer(layer)
+    assert not tier.lost_reads
