@@ -1,0 +1,246 @@
+"""The decode Lightning Indexer over FP8 index-K rows in place, as one Triton kernel, and its top-k.
+
+    indexer_scores_fp8(q, w, rows, pos, loc=None)     fp32 [N, T]: score[n, t] = sum_h w[n, h] * ReLU(q[n, h] . k[n, t])
+    indexer_topk_fp8(q, w, rows, pos, k, loc=None)    int32 [N, k]: the best k positions, best first, -1 padded
+equal to ess.core.dsa_math's `index_scores` then `select_topk` (docs/design.md, "Model facts"), up to fp32 summation
+order in the scores, and exactly in the top-k (tie rule below).
+
+What the kernel reads. Index-K rows (ess.core.layout: 128 FP8 e4m3 bytes, then one float32 scale; value = fp8 *
+scale) are read as the uint8 bytes they are: the kernel bitcasts each byte to FP8 in registers and multiplies the dot
+product by the row's scale, so no dequantised copy of the cache is ever made. Two layouts:
+    rows [N, T, 132]                 each request's rows (benchmark/decode_gpu.py's index_k, any strides but the last)
+    rows [S, 132] + loc [N, T]       a flat row table and each request's row locations (a serving system's token
+                                     table, read in place); loc -1: no row there, the position scores -inf
+Positions t > pos[n] score -inf (the request's own token, at pos[n], is included).
+
+Tile. One program per (block of BLOCK_T = 128 positions, request n): it loads the request's queries [H, 128] once,
+the block's rows [128, 128] bytes and scales, computes q . k^T with tl.dot (H padded to a power of two >= 16, the
+dot's minimum; padded heads have weight 0), scales, ReLU, weights and reduces over the heads in registers. A block
+wholly beyond pos[n] reads nothing and writes -inf. The dot runs in the queries' dtype: bf16 / fp16 queries on the
+tensor cores (an FP8 value is exact in either), fp32 queries in full fp32 ("ieee", not TF32). The model's queries
+have been through FP8 (ess.reference's index_query), so bf16 holds them exactly: pass bf16 for speed.
+
+Tie rule: select_topk's. Ties go to the lower position, positions <= pos[n] only, -inf (and missing rows) never
+chosen, -1 padding, int32. The kernel writes each score as a unique, order-preserving int64 key instead of a float:
+    key = (monotone int32 of the float's bits) << 32 | (2^32 - 1 - t)
+so a larger key is a larger score, or an equal score at a lower position (-0.0 is made +0.0 first: they tie in
+select_topk). torch.topk over the keys then has no ties to break, and its sorted output is select_topk's, order
+included; the position is read back from the low word. NaN scores are not ranked as select_topk ranks them (inputs
+are finite).
+
+Backends: "triton" (the compiled kernel, CUDA tensors; FP8 e4m3 needs compute capability 8.9 or later, e.g. an
+H100), "interpret" (the same kernel in Triton's CPU interpreter, from Triton 3.8: how CI checks it; there bf16 queries
+are multiplied in fp32, since the interpreter's tl.dot multiplies bf16 as raw integers: the products are the same),
+"torch" (the reference math of ess.core.dsa_math, for machines without Triton; it dequantises, so it is a check, not
+a fast path). "auto": "triton" for CUDA tensors, else "torch".
+
+GPU timing has NOT been measured: this was written on a CPU-only machine. BLOCK_T and NUM_WARPS are untuned first
+choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32 bits), and the keys take 8
+bytes a position ([N, T] int64; the rows read are 132).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ess.core import dsa_math, layout
+from ess.core.flashtrans import INTERPRETER_OK, triton
+
+BLOCK_T = 128  # positions per program
+NUM_WARPS = 4  # per program (GPU only)
+QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOW_WORD = 0xFFFFFFFF
+NEG_INF_KEY = -2139095041  # the high word of -inf's key: int32 of 0xFF800000 ^ 0x7FFFFFFF
+
+if triton is not None:
+    import triton.language as tl
+
+    # Reductions through tl.reduce with the standard library's combine function: tl.sum is a jit function, which
+    # Triton's interpreter cannot call unless TRITON_INTERPRET was set at import.
+    _ADD = tl.standard._sum_combine
+
+    def _scores_kernel(q_ptr, w_ptr, rows, loc, pos_ptr, out, T, H, row_n, row_t, loc_n, loc_t,
+                       D: tl.constexpr, SCALE_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                       PAGED: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+        n = tl.program_id(1).to(tl.int64)
+        t0 = tl.program_id(0) * BLOCK_T
+        t = t0 + tl.arange(0, BLOCK_T)
+        last = tl.minimum(tl.load(pos_ptr + n).to(tl.int64), T - 1)  # the request's last scored position
+        if t0 <= last:
+            valid = t <= last
+            if PAGED:  # row locations from the request's map; -1: no row
+                r = tl.load(loc + n * loc_n + t.to(tl.int64) * loc_t, mask=valid, other=-1).to(tl.int64)
+                valid = valid & (r >= 0)
+                base = r * row_t
+            else:
+                base = n * row_n + t.to(tl.int64) * row_t
+            h = tl.arange(0, BLOCK_H)
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + (n * H + h)[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
+            if UPCAST:  # the interpreter's tl.dot multiplies bf16 as raw integers; in fp32 the products are the same
+                q = q.to(tl.float32)
+            w = tl.load(w_ptr + n * H + h, mask=h < H, other=0.0).to(tl.float32)
+            kb = tl.load(rows + base[:, None] + d[None, :], mask=valid[:, None], other=0)
+            k = kb.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # exact: every e4m3 value is a bf16 / fp16 value
+            scale = tl.load((rows + base + SCALE_OFFSET).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T], fp32 accumulation
+            s = tl.maximum(s * scale[None, :], 0.0) * w[:, None]
+            score = tl.where(valid, tl.reduce(s, 0, _ADD), float("-inf"))
+        else:  # the whole block is beyond pos[n]: nothing to read
+            score = tl.full([BLOCK_T], float("-inf"), tl.float32)
+        if KEYS:
+            bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)  # -0.0 ties with +0.0
+            mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order = float order
+            low = tl.full([BLOCK_T], 4294967295, tl.int64) - t  # an int64 literal (a bare 2^32 - 1 is uint32)
+            key = (mono.to(tl.int64) << 32) | low
+            tl.store(out + n * T + t, key, mask=t < T)
+        else:
+            tl.store(out + n * T + t, score, mask=t < T)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """The scores kernel compiled for the GPU or wrapped for Triton's CPU interpreter (decided per call, not per
+    import, as ess.core.flashtrans and ess.core.lru_kernel do)."""
+    if triton is None:
+        raise RuntimeError("indexer: the triton and interpret backends need the triton package")
+    if interpret:
+        if not INTERPRETER_OK:
+            raise RuntimeError("indexer: the 'interpret' backend needs Triton >= 3.8's interpreter")
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_scores_kernel)
+    return triton.jit(_scores_kernel)
+
+
+def _got(x) -> str:
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+
+
+def _check(q, w, rows, pos, loc) -> tuple[int, int, int]:
+    """Refuse bad inputs naming the argument; returns (N, H, T)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != layout.INDEX_DIM or q.dtype not in QUERY_DTYPES:
+        raise ValueError(f"indexer: q must be [N, H, {layout.INDEX_DIM}] bf16, fp16 or fp32, got {_got(q)}")
+    N, H, _ = q.shape
+    if not isinstance(w, torch.Tensor) or tuple(w.shape) != (N, H) or not w.is_floating_point():
+        raise ValueError(f"indexer: w must be a float [N, H] = [{N}, {H}] tensor (q's), got {_got(w)}")
+    if not _is_int(pos) or tuple(pos.shape) != (N,):
+        raise ValueError(f"indexer: pos must be an integer [N] = [{N}] tensor, got {_got(pos)}")
+    paged = loc is not None
+    want = f"[S, {layout.INDEX_ROW_BYTES}]" if paged else f"[N, T, {layout.INDEX_ROW_BYTES}] with N = {N}"
+    if (not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != (2 if paged else 3)
+            or rows.shape[-1] != layout.INDEX_ROW_BYTES or (not paged and rows.shape[0] != N)):
+        raise ValueError(f"indexer: rows must be uint8 {want}, got {_got(rows)}")
+    if rows.stride(-1) != 1 or any(s % 4 for s in rows.stride()[:-1]) or rows.data_ptr() % 4:
+        raise ValueError(f"indexer: rows {tuple(rows.shape)} must have contiguous, 4-byte aligned 132-byte rows "
+                         f"(the scale is read as a float32), got strides {rows.stride()}")
+    if not paged:
+        T = rows.shape[1]
+    else:
+        if not _is_int(loc) or loc.dim() != 2 or loc.shape[0] != N or loc.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"indexer: loc must be an int32 or int64 [N, T] tensor with N = {N}, got {_got(loc)}")
+        T = loc.shape[1]
+        # Out-of-range locations would read outside rows. Checked on the CPU only: on a GPU it would sync the stream.
+        if not loc.is_cuda and loc.numel() and not bool(((loc >= -1) & (loc < rows.shape[0])).all()):
+            raise ValueError(f"indexer: loc entries must be -1 or row numbers below rows.shape[0] = {rows.shape[0]}")
+    for name, t in (("w", w), ("rows", rows), ("pos", pos), ("loc", loc)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"indexer: {name} is on {t.device}, q on {q.device}")
+    return N, H, T
+
+
+def _backend(backend: str, rows: torch.Tensor) -> str:
+    if backend == "auto":
+        return "triton" if rows.is_cuda and triton is not None else "torch"
+    if backend not in ("triton", "interpret", "torch"):
+        raise ValueError(f"indexer: backend must be 'auto', 'triton', 'interpret' or 'torch', got {backend!r}")
+    if backend == "triton" and not rows.is_cuda:
+        raise ValueError("indexer: backend 'triton' needs CUDA tensors ('interpret' runs the kernel on a CPU)")
+    if backend == "interpret" and rows.is_cuda:
+        raise ValueError("indexer: backend 'interpret' needs CPU tensors (Triton's interpreter reads host memory)")
+    return backend
+
+
+def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
+    """The reference math (dequantises the rows the request reads)."""
+    if loc is not None:
+        picked = rows[loc.clamp(min=0).long()]  # [N, T, 132]
+    else:
+        picked = rows
+    scores = dsa_math.index_scores(q.float(), w.float(), picked)
+    t = torch.arange(scores.shape[1], device=scores.device)
+    keep = t <= pos.unsqueeze(1)
+    if loc is not None:
+        keep = keep & (loc >= 0)
+    return torch.where(keep, scores, torch.full_like(scores, -math.inf))
+
+
+def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool) -> torch.Tensor:
+    out = torch.empty(N, T, dtype=torch.int64 if keys else torch.float32, device=q.device)
+    if N * T == 0:
+        return out
+    paged = loc is not None
+    loc_arg = loc if paged else pos  # unread when not paged
+    grid = (triton.cdiv(T, BLOCK_T), N)
+    upcast = interpret and q.dtype == torch.bfloat16  # see the kernel
+    _kernel(interpret)[grid](
+        q.contiguous(), w.contiguous(), rows, loc_arg, pos.contiguous(), out, T, H,
+        0 if paged else rows.stride(0), rows.stride(-2), loc.stride(0) if paged else 0, loc.stride(1) if paged else 0,
+        D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=BLOCK_T,
+        BLOCK_H=max(16, 1 << (H - 1).bit_length()), PAGED=paged, KEYS=keys,
+        UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else None,
+        **({} if interpret else {"num_warps": NUM_WARPS}),
+    )
+    return out
+
+
+def score_keys(scores: torch.Tensor) -> torch.Tensor:
+    """The kernel's int64 keys of fp32 scores [N, T], in torch: unique per row, and ordered as select_topk ranks
+    (larger score first, then lower position)."""
+    s = torch.where(scores == 0, torch.zeros_like(scores), scores.float())  # -0.0 ties with +0.0
+    bits = s.view(torch.int32)
+    mono = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    t = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    return (mono << 32) | (LOW_WORD - t)
+
+
+def topk_from_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The best k positions [N, k] int32 of score keys [N, T], best first; -inf scores and padding give -1."""
+    N, T = keys.shape
+    top = torch.topk(keys, min(k, T), dim=1).values  # sorted, largest first; the keys are unique, so no ties
+    idx = torch.where((top >> 32) > NEG_INF_KEY, LOW_WORD - (top & LOW_WORD), -1).to(torch.int32)
+    if T < k:
+        idx = torch.nn.functional.pad(idx, (0, k - T), value=-1)
+    return idx
+
+
+def indexer_scores_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                       loc: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """Indexer scores fp32 [N, T] of queries q [N, H, 128] (bf16 / fp16 / fp32) with head weights w [N, H] over FP8
+    index-K rows: rows [N, T, 132] uint8, or a row table rows [S, 132] with locations loc [N, T] (-1: no row).
+    Positions beyond pos [N], and missing rows, score -inf."""
+    N, H, T = _check(q, w, rows, pos, loc)
+    backend = _backend(backend, rows)
+    if backend == "torch":
+        return _torch_scores(q, w, rows, pos, loc)
+    return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=False)
+
+
+def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, k: int,
+                     loc: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """The indexer's top-k: int32 [N, k] positions, best first, ties to the lower position, -1 padded; equal to
+    select_topk(indexer_scores_fp8(...), pos, k). Arguments as indexer_scores_fp8."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"indexer: k must be a positive int, got {k!r}")
+    N, H, T = _check(q, w, rows, pos, loc)
+    backend = _backend(backend, rows)
+    if backend == "torch":
+        return dsa_math.select_topk(_torch_scores(q, w, rows, pos, loc), pos, k)
+    return topk_from_keys(_launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=True), k)
