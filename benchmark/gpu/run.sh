@@ -1,22 +1,86 @@
 #!/usr/bin/env bash
-# The GPU kit (docs/gpu.md): bash benchmark/gpu/run.sh [--smoke] OUT_DIR
-# On a GPU: the suite's tests that need no SGLang (JUnit XML in OUT_DIR), then benchmark/gpu/kit.py, which writes
-# OUT_DIR/kit.json and plots. --smoke: kit.py alone, on the CPU, tiny sizes, FlashMLA replaced by its reference.
+# The GPU runs (docs/gpu.md):  bash benchmark/gpu/run.sh [--smoke] OUT_DIR [--all | PHASE ...] [--budget-min M]
+# Phases, in order (--all: every one; no phase named: kit):
+#   kit          the suite's tests that need no SGLang (JUnit XML in OUT_DIR), then benchmark/gpu/kit.py (kit.json, plots)
+#   decode32k    benchmark/decode_gpu.py at 32K (decode.json, decode.png)
+#   decode128k   the same at 128K, appended to decode.json
+#   bookkeeping  benchmark/bookkeeping.py (bookkeeping.json)
+# --smoke: every phase on the CPU at tiny sizes (FlashMLA replaced by its reference, no tests run), as CI checks it.
+# --budget-min M (default 20): the phases share M minutes in order; each runs under what is left, and one the budget
+# cuts is named in OUT_DIR/phases.log (its results are whatever it wrote). No phase time has been measured on a GPU
+# yet, so no estimate is printed beyond the phases and the budget. The device tool caps a command at 10 minutes: there,
+# run the phases as separate commands into the same OUT_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-smoke=""
-if [ "${1:-}" = "--smoke" ]; then smoke="--smoke"; shift; fi
-out=${1:?usage: benchmark/gpu/run.sh [--smoke] OUT_DIR}
+ALL=(kit decode32k decode128k bookkeeping)
+smoke="" out="" budget=20 phases=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) smoke="--smoke" ;;
+    --all) phases=("${ALL[@]}") ;;
+    --budget-min) budget=${2:?--budget-min needs minutes}; shift ;;
+    kit|decode32k|decode128k|bookkeeping) phases+=("$1") ;;
+    -*) echo "run.sh: unknown flag $1" >&2; exit 2 ;;
+    *) if [ -n "$out" ]; then echo "run.sh: unknown phase $1 (phases: ${ALL[*]})" >&2; exit 2; fi; out=$1 ;;
+  esac
+  shift
+done
+[ -n "$out" ] || { echo "usage: benchmark/gpu/run.sh [--smoke] OUT_DIR [--all | PHASE ...] [--budget-min M]" >&2; exit 2; }
+[[ "$budget" =~ ^[0-9]+([.][0-9]+)?$ ]] && awk "BEGIN{exit !($budget > 0)}" \
+  || { echo "run.sh: --budget-min must be a positive number of minutes, got $budget" >&2; exit 2; }
+[ ${#phases[@]} -gt 0 ] || phases=(kit)
 mkdir -p "$out"
 PY=${PYTHON:-python3}
 export PYTHONPATH=".:python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-tests=()
-if [ -z "$smoke" ]; then
-  # SGLang is not on the GPU machine: the plugin tests (test/plugin) run in CI. The kit's own smoke test would run the
-  # kit twice.
-  "$PY" -m pytest -q -p no:cacheprovider --junitxml="$out/tests.xml" test/core test/reference test/analysis \
-    --ignore=test/analysis/test_gpu_kit.py > "$out/tests.log" 2>&1 || true
-  tail -n 3 "$out/tests.log"
-  tests=(--tests "$out/tests.xml")
-fi
-"$PY" benchmark/gpu/kit.py $smoke "${tests[@]}" "$out" 2>&1 | tee "$out/kit.log"
+deadline=$(awk "BEGIN{printf \"%d\", $(date +%s) + $budget * 60}")
+echo "run.sh: phases ${phases[*]}${smoke:+ (smoke)}, $budget min in all, into $out"
+
+phase_kit() {
+  local tests=()
+  if [ -z "$smoke" ]; then
+    # SGLang is not on the GPU machine: the plugin tests (test/plugin) run in CI. The kit's own smoke test, and the
+    # benchmarks' smoke tests, would run the kit and the benchmarks again.
+    "$PY" -m pytest -q -p no:cacheprovider --junitxml="$out/tests.xml" test/core test/reference test/analysis \
+      --ignore=test/analysis/test_gpu_kit.py --ignore=test/analysis/test_decode_gpu.py > "$out/tests.log" 2>&1 || true
+    tail -n 3 "$out/tests.log"
+    tests=(--tests "$out/tests.xml")
+  fi
+  "$PY" benchmark/gpu/kit.py $smoke "${tests[@]}" "$out" 2>&1 | tee "$out/kit.log"
+}
+phase_decode32k() {
+  if [ -n "$smoke" ]; then "$PY" benchmark/decode_gpu.py --smoke --out "$out"
+  else "$PY" benchmark/decode_gpu.py --contexts 32768 --out "$out"; fi 2>&1 | tee "$out/decode32k.log"
+}
+phase_decode128k() {
+  if [ -n "$smoke" ]; then "$PY" benchmark/decode_gpu.py --smoke --append --out "$out"
+  else "$PY" benchmark/decode_gpu.py --contexts 131072 --append --out "$out"; fi 2>&1 | tee "$out/decode128k.log"
+}
+phase_bookkeeping() {
+  "$PY" benchmark/bookkeeping.py $smoke "$out" 2>&1 | tee "$out/bookkeeping.log"
+}
+
+status=0
+for phase in "${phases[@]}"; do
+  left=$(( deadline - $(date +%s) ))
+  if [ "$left" -le 0 ]; then
+    echo "$phase: not run (the budget of $budget min was spent)" | tee -a "$out/phases.log"
+    status=1
+    continue
+  fi
+  start=$(date +%s)
+  export -f "phase_$phase"
+  export smoke out PY
+  set +e
+  timeout "$left" bash -c "set -euo pipefail; phase_$phase"
+  rc=$?
+  set -e
+  took=$(( $(date +%s) - start ))
+  if [ "$rc" -eq 124 ]; then
+    echo "$phase: cut by the budget after ${took} s" | tee -a "$out/phases.log"
+    status=1
+  else
+    echo "$phase: exit $rc after ${took} s" | tee -a "$out/phases.log"
+    [ "$rc" -eq 0 ] || status=1
+  fi
+done
+exit $status

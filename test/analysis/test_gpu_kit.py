@@ -1,4 +1,5 @@
-"""The GPU kit's smoke run: every part on the CPU with tiny sizes and the torch reference in place of FlashMLA."""
+"""The GPU runs' smoke run (`run.sh --smoke OUT --all`): every phase on the CPU with tiny sizes and the torch reference in
+place of FlashMLA: the kit, decode_gpu.py twice (the second appended), bookkeeping.py."""
 
 import json
 import os
@@ -11,8 +12,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_kit_smoke_run_writes_every_key(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
-    subprocess.run(["bash", str(ROOT / "benchmark" / "gpu" / "run.sh"), "--smoke", str(tmp_path)], check=True, env=env,
-                   timeout=300)
+    subprocess.run(["bash", str(ROOT / "benchmark" / "gpu" / "run.sh"), "--smoke", str(tmp_path), "--all"], check=True,
+                   env=env, timeout=600)
+    phases = (tmp_path / "phases.log").read_text().splitlines()
+    assert [line.split(":")[0] for line in phases] == ["kit", "decode32k", "decode128k", "bookkeeping"]
+    assert all(": exit 0 after" in line for line in phases), phases
+    assert len(json.loads((tmp_path / "decode.json").read_text())["commands"]) == 2
+    assert json.loads((tmp_path / "bookkeeping.json").read_text())["cases"]
     kit = json.loads((tmp_path / "kit.json").read_text())
     for key in ("device", "torch", "date", "flashtrans", "flashmla", "da_split", "cuda_graph",
                 "bookkeeping_us_per_layer", "overlap"):
@@ -26,3 +32,18 @@ def test_kit_smoke_run_writes_every_key(tmp_path):
     assert set(kit["overlap"]["exposed_ms"]) == {"none", "da", "dba"}
     for png in ("flashtrans.png", "da_split.png", "overlap.png"):
         assert (tmp_path / png).stat().st_size > 0
+
+
+def test_a_phase_the_budget_cuts_is_named_and_bad_arguments_are_refused(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    run = ["bash", str(ROOT / "benchmark" / "gpu" / "run.sh")]
+    out = subprocess.run([*run, "--smoke", str(tmp_path), "kit", "bookkeeping", "--budget-min", "0.02"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    kit, bookkeeping = (tmp_path / "phases.log").read_text().splitlines()
+    assert kit.startswith("kit: cut by the budget after ")
+    assert bookkeeping == "bookkeeping: not run (the budget of 0.02 min was spent)"
+    for args, message in ((["--budget-min", "x"], "--budget-min must be a positive number"),
+                          (["decode64k"], "unknown phase decode64k")):
+        bad = subprocess.run([*run, str(tmp_path / "b"), *args], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr and not (tmp_path / "b").exists()
