@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import sys
@@ -112,20 +113,45 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number, got {text}")
     return value
 
 
-def _output_file(flag: str):
+SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed (numpy's take any non-negative integer)
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a generator seed, 0 .. SEED_MAX."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2^63 - 1 (torch's generators), got {value}")
+    return value
+
+
+def _output_file(flag: str, plot: bool = False):
     """An argparse type: a file to write, checked when the command line is read (not a directory, its folder
-    creatable), so that a bad path fails before any work."""
+    creatable; a plot's name ends in a format matplotlib writes), so that a bad path fails before any work. An
+    existing file is refused in check_args unless --force."""
 
     def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError("an empty path")
         try:
             check_output_file(text, flag)
         except KnobError as e:  # argparse names the flag itself
             raise argparse.ArgumentTypeError(str(e)[len(flag) + 1:])
+        if plot:
+            from matplotlib.figure import Figure
+
+            formats = Figure().canvas.get_supported_filetypes()
+            suffix = pathlib.Path(text).suffix.lstrip(".").lower()
+            if suffix not in formats:
+                raise argparse.ArgumentTypeError(f"{text}: a plot's name ends in one of matplotlib's formats "
+                                                 f"({', '.join('.' + f for f in sorted(formats))})")
         return text
 
     return parse
@@ -135,6 +161,8 @@ def _output_dir(flag: str):
     """An argparse type: a directory to write files in, checked when the command line is read."""
 
     def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError("an empty path")
         try:
             check_output_dir(text, flag)
         except KnobError as e:  # argparse names the flag itself
@@ -160,7 +188,10 @@ def _emit(args, doc: dict, table: Table | None) -> None:
 
 # flags of the mini-model demo that mean nothing to `ess demo --server` (name: default)
 MINI_ONLY = {"ess": False, "buffer_tokens": None, "sparse_ratio": None, "no_warmup": False, "device_mem_gib": None,
-             "overlap": "none", "layer_plan": None, "host_budget_mib": None, "disk_dir": None, "disk_gib": None}
+             "overlap": "none", "layer_plan": None, "host_budget_mib": None, "disk_dir": None, "disk_gib": None,
+             "config": "mini", "layers": None, "topk": None, "batch": 4, "context": 2048, "steps": 32, "device": "auto"}
+# and the flags of `ess demo --server` that mean nothing to the mini-model demo
+SERVER_ONLY = {"server_model": None, "server_modes": "none,da", "server_logs": None}
 
 
 def cmd_server_demo(args) -> int:
@@ -267,9 +298,14 @@ def cmd_cache_replay(args) -> int:
     from ess.core.trace import load_trace
 
     trace = load_trace(args.trace)
+    held = None if trace.prefill_topk is None else trace.prefill_topk.shape[2]
+    if args.warmup_windows is not None and held is not None and args.warmup_windows > held:  # (the default takes all)
+        raise ValueError(f"--warmup-windows {args.warmup_windows}: {args.trace} holds {held} prefill windows "
+                         "('prefill_topk')")
     with _Progress(not args.quiet) as progress:
         c = replay_counts(
-            trace, args.buffer, args.warmup, args.warmup_windows, progress=lambda d, t: progress("decode steps", d, t),
+            trace, args.buffer, args.warmup, WARMUP_WINDOWS if args.warmup_windows is None else args.warmup_windows,
+            progress=lambda d, t: progress("decode steps", d, t),
             kernel=args.kernel, policy=args.policy, lookahead=args.lookahead, decay_shift=_decay_shift(args),
         )
     misses = c.misses
@@ -417,16 +453,25 @@ def cmd_trace_synth(args) -> int:
 
 def _floats(text: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x]
+        values = [float(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated numbers, got {text!r}")
+    return values
 
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x]
+        values = [int(x) for x in text.split(",") if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected one or more comma-separated integers, got {text!r}")
+    return values
+
+
+PROFILE_RATIOS = [0.1, 0.2, 0.3, 0.5]
 
 
 def cmd_profile(args) -> int:
@@ -434,7 +479,7 @@ def cmd_profile(args) -> int:
     from ess.core.trace import load_trace
 
     traces = [(path, load_trace(path)) for path in args.traces]
-    ratios = None if args.buffer_tokens else args.ratios
+    ratios = None if args.buffer_tokens else (args.ratios or PROFILE_RATIOS)
     with _Progress(not args.quiet) as progress:
         prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t),
                               policy=args.policy, lookahead=args.lookahead, decay_shift=_decay_shift(args))
@@ -487,6 +532,10 @@ def _add_sim_args(p, profile: bool = True) -> None:
 
 
 JSON_HELP = "print one JSON document on stdout instead of a table"
+
+
+def _add_force(p) -> None:
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file (refused otherwise)")
 SEED_HELP = "seed of the random weights and prompts"
 SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in ess/analysis/synth.py
     ("requests", POSITIVE, "requests in the trace"),
@@ -503,7 +552,7 @@ SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in
     ("drift_max", float, "largest per-layer share of the hot set that moves each step"),
     ("pool", POSITIVE, "working-set positions per (request, layer) that churn draws from"),
     ("fresh", float, "share of churn drawn from the whole context instead of the pool"),
-    ("seed", int, "seed of the trace"),
+    ("seed", _seed, "seed of the trace"),
 ]
 
 
@@ -515,7 +564,7 @@ def _add_model_args(p, batch: int, steps_type) -> None:
     p.add_argument("--batch", type=POSITIVE, default=batch, help="prompts decoded together")
     p.add_argument("--context", type=POSITIVE, default=2048, help="prompt length in tokens")
     p.add_argument("--steps", type=steps_type, default=32, help="decode steps")
-    p.add_argument("--seed", type=int, default=0, help=SEED_HELP)
+    p.add_argument("--seed", type=_seed, default=0, help=SEED_HELP)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (auto: CUDA if present)")
 
 
@@ -553,8 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tiny-checkpoint", help="write a tiny random DeepSeek-V3.2 checkpoint that SGLang serves "
                                               "(the CPU server's model; ess/reference/checkpoint.py)")
-    t.add_argument("out", help="directory to write (created; refused if it holds a checkpoint already)")
-    t.add_argument("--seed", type=int, default=0, help="the weights' generator seed (the same seed, the same bytes)")
+    t.add_argument("out", type=_output_dir("OUT"),
+                   help="directory to write (created; refused if it holds a checkpoint already)")
+    t.add_argument("--seed", type=_seed, default=0, help="the weights' generator seed (the same seed, the same bytes)")
     t.set_defaults(func=cmd_tiny_checkpoint)
 
     c = sub.add_parser("cache", help="ESS cache tools")
@@ -563,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("trace", help="trace .npz (format: docs/design.md, Formats)")
     r.add_argument("--buffer-tokens", "--buffer", dest="buffer", type=POSITIVE, required=True, help="GPU slots per (request, layer)")
     r.add_argument("--warmup", action="store_true", help="apply LRU-Warmup from the trace's prefill_topk")
-    r.add_argument("--warmup-windows", type=NON_NEGATIVE, default=WARMUP_WINDOWS, help="LRU-Warmup windows (with --warmup)")
+    r.add_argument("--warmup-windows", type=NON_NEGATIVE, help=f"LRU-Warmup windows (with --warmup; default {WARMUP_WINDOWS})")
     r.add_argument("--policy", choices=REPLAY_POLICIES, default="lru",
                    help="lru: ESS's policy; belady: the offline optimum (Belady's MIN), the fewest misses any policy "
                         "can have with these slots; prefetch: LRU plus the indexer's next ranks fetched ahead (needs "
@@ -597,9 +647,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw = ssub.add_parser("sweep", help="throughput and OTPS against batch size, with a plot")
     _add_sim_args(sw)
     sw.add_argument("--batch-min", type=POSITIVE, default=8, help="smallest batch per GPU")
-    sw.add_argument("--batch-max", type=POSITIVE, default=192, help="largest batch per GPU")
+    sw.add_argument("--batch-max", type=POSITIVE, help=f"largest batch per GPU (default {SWEEP_BATCH_MAX}, or fewer: as "
+                                                       "many requests as the GPU holds the index-K rows of)")
     sw.add_argument("--batch-step", type=POSITIVE, default=8, help="batch increment")
-    sw.add_argument("--plot", type=_output_file("--plot"), help="PNG path")
+    sw.add_argument("--plot", type=_output_file("--plot", plot=True), help="plot path (.png, .pdf, .svg ...)")
+    _add_force(sw)
     sw.add_argument("--disk-tier", action="store_true", help="also ESS past its host memory wall, with a disk tier")
     sw.add_argument("--nvme-gbps", type=_positive_float, help="with --disk-tier: a node's NVMe read bandwidth, GB/s")
     sw.set_defaults(func=cmd_sim_sweep)
@@ -607,6 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = tr.add_subparsers(dest="trace_command", required=True)
     rec = tsub.add_parser("record", help="run the reference model and write its trace")
     rec.add_argument("--out", required=True, type=_output_file("--out"), help="trace file to write (its folder is created)")
+    _add_force(rec)
     _add_model_args(rec, batch=2, steps_type=POSITIVE)
     rec.add_argument("--lookahead", type=NON_NEGATIVE, default=0,
                      help="also record the d positions the indexer ranks after each decode top-k (topk_ext; for "
@@ -623,6 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
         "request-step. See ess/analysis/synth.py.",
     )
     syn.add_argument("--out", required=True, type=_output_file("--out"), help="trace file to write (its folder is created)")
+    _add_force(syn)
     from ess.analysis.synth import SynthOptions
 
     d = SynthOptions()
@@ -632,10 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("profile", help="miss profile of traces through the ESS cache policy, with plots")
     pr.add_argument("traces", nargs="+", help="trace files; several of different context lengths add misses vs context")
-    pr.add_argument("--ratios", type=_floats, default=[0.1, 0.2, 0.3, 0.5], help="Sparse Memory Ratios, comma-separated")
+    pr.add_argument("--ratios", type=_floats, help=f"Sparse Memory Ratios, comma-separated (default {','.join(map(str, PROFILE_RATIOS))})")
     pr.add_argument("--buffer-tokens", type=_ints, help="GPU slots instead of ratios, comma-separated")
     pr.add_argument("--plot", type=_output_dir("--plot"), help="directory for PNG plots (created)")
     pr.add_argument("--out", type=_output_file("--out"), help="write the profile JSON here too")
+    _add_force(pr)
     pr.add_argument("--policy", choices=[p for p in REPLAY_POLICIES if p != "belady"], default="lru",
                     help="the cache policy profiled (MIN is reported beside it); `ess plan` and `ess sim --profile` "
                          "then take its misses (and, for prefetch, its prefetched rows as transfer)")
@@ -651,6 +706,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch-size", type=POSITIVE, required=True, help="requests per GPU")
     pl.add_argument("--sparse-ratio", type=_positive_float, help="default: the largest that fits the batch")
     pl.add_argument("--out", type=_output_file("--out"), help="write the plan JSON here too")
+    _add_force(pl)
     pl.set_defaults(func=cmd_plan)
 
     cal = ssub.add_parser("calibrate", help="refit the efficiency constants on the paper's baseline rows")
@@ -658,6 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", type=_output_file("--out"), help="write the fitted constants (JSON) here; ess/analysis/sim/data/calibration.json is the file "
                                    "the simulator reads")
     cal.add_argument("--json", action="store_true", help=JSON_HELP)
+    _add_force(cal)
     cal.set_defaults(func=cmd_sim_calibrate)
     return p
 
@@ -670,12 +727,19 @@ def check_args(args) -> None:
     """Combinations and bounds of a command's flags, before any work (single flags are checked by their argparse
     types). Raises ValueError naming the flag."""
     command = [c for c in (getattr(args, k, None) for k in ("command", "cache_command", "sim_command", "trace_command")) if c]
+    _check_outputs(args)
     if command[:2] == ["cache", "replay"]:
+        if args.warmup_windows is not None and not args.warmup:
+            raise ValueError("--warmup-windows sets LRU-Warmup's windows: give --warmup too")
+        if args.kernel != "torch" and args.policy != "lru":
+            raise ValueError(f"--kernel chooses the LRU step's implementation; --policy {args.policy} would ignore it")
         if args.lookahead is not None and args.policy != "prefetch":
             raise ValueError(f"--lookahead is the prefetch policy's; --policy {args.policy} would ignore it")
         if args.decay_shift is not None and args.policy != "score":
             raise ValueError(f"--decay-shift is the score policy's; --policy {args.policy} would ignore it")
     if command[0] == "profile":
+        if args.ratios is not None and args.buffer_tokens is not None:
+            raise ValueError("--ratios and --buffer-tokens both size the slots: give one")
         if args.lookahead is not None and args.policy != "prefetch":
             raise ValueError(f"--lookahead is the prefetch policy's; --policy {args.policy} would ignore it")
         if args.decay_shift is not None and args.policy != "score":
@@ -683,16 +747,39 @@ def check_args(args) -> None:
     if command[0] == "sim" or command[0] == "plan":
         if getattr(args, "nvme_gbps", None) is not None and not getattr(args, "disk_tier", False):
             raise ValueError("--nvme-gbps is the disk tier's drive bandwidth: give --disk-tier too")
+        if getattr(args, "ep", None) is not None and "model" in args:
+            from ess.analysis.sim.specs import get_model
+
+            experts = get_model(args.model).experts
+            if args.ep > experts:
+                raise ValueError(f"--ep {args.ep}: {args.model} has {experts} routed experts; a GPU past the "
+                                 f"{experts}th would hold none")
         if getattr(args, "context", None) is not None and "model" in args:
             from ess.analysis.sim.specs import get_model
 
             limit = get_model(args.model).max_positions
             if args.context > limit:
                 raise ValueError(f"--context {args.context}: {args.model} serves at most {limit} positions")
-    if command[:2] == ["sim", "sweep"] and args.batch_min > args.batch_max:
-        raise ValueError(f"--batch-min {args.batch_min} is above --batch-max {args.batch_max}: no batch to sweep")
+    if command[:2] == ["sim", "sweep"]:
+        _check_sweep_batches(args)
+        if args.disk_tier and args.model == "dsv3":
+            raise ValueError("--disk-tier extends ESS, which needs sparse attention: --model dsv3 has none")
+        if args.batch_min > args.batch_max:
+            raise ValueError(f"--batch-min {args.batch_min} is above --batch-max {args.batch_max}: no batch to sweep")
+    if command[:2] == ["sim", "run"] and args.sparse_ratio is None:
+        given = [flag for flag, on in (("--disk-tier", args.disk_tier), (f"--overlap {args.overlap}", args.overlap != "plan"),
+                                       ("--profile", args.profile is not None)) if on]
+        if given:
+            raise ValueError(f"{', '.join(given)}: ESS settings; give --sparse-ratio (without it `sim run` simulates "
+                             "the baseline)")
+    if command[:2] == ["sim", "run"] and args.overlap == "dba" and not args.tbo:
+        raise ValueError("--overlap dba overlaps one micro-batch's transfer with the other's compute: it needs "
+                         "two-batch overlap (--tbo)")
     if command[:2] == ["trace", "synth"] and args.context + args.steps > TRACE_POSITIONS:
-        raise ValueError(f"--context {args.context}: a trace's positions are int32, at most {TRACE_POSITIONS}")
+        raise ValueError(f"--context {args.context} + --steps {args.steps}: a trace's positions are int32, at most "
+                         f"{TRACE_POSITIONS}")
+    if command[:2] == ["trace", "synth"]:
+        _check_trace_memory(args)
     if command[:2] == ["trace", "record"] or command[0] == "demo":
         if not getattr(args, "server", False):
             from ess.reference.config import get_config
@@ -701,15 +788,26 @@ def check_args(args) -> None:
             if args.context + args.steps > limit:
                 raise ValueError(f"--context {args.context} + --steps {args.steps}: the {args.config} model serves at "
                                  f"most {limit} positions")
-    if command[:2] == ["trace", "record"]:
+    if command[:2] == ["trace", "record"] or (command[0] == "demo" and not args.server):
         from ess.reference.config import get_config
 
         topk = args.topk or get_config(args.config).index_topk
+        if topk > args.context:  # the first step would select padding
+            flag = f"--topk {args.topk}" if args.topk else f"--config {args.config}'s top-k {topk}"
+            raise ValueError(f"{flag}: more than the --context {args.context} positions a step can select from")
+    if command[:2] == ["trace", "record"]:
         ranked = args.context + args.steps - topk  # the positions a step's indexer can rank beyond its top-k
         if args.lookahead > ranked:
             raise ValueError(f"--lookahead {args.lookahead}: the indexer ranks at most --context + --steps = "
                              f"{args.context + args.steps} positions, top-k {topk} of them selected: at most "
                              f"{max(0, ranked)} can follow")
+    if command[0] == "demo" and not args.server:
+        given = [f"--{k.replace('_', '-')}" for k, default in SERVER_ONLY.items() if getattr(args, k) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)}: options of `ess demo --server`; give --server too")
+        if args.ess and args.buffer_tokens is not None and args.buffer_tokens > args.context + args.steps:
+            raise ValueError(f"--buffer-tokens {args.buffer_tokens}: more slots than the --context + --steps = "
+                             f"{args.context + args.steps} positions a request holds")
     if command[0] == "demo" and not args.server and args.disk_dir is not None:
         try:
             check_disk_dir(args.disk_dir, "--disk-dir")
@@ -720,6 +818,55 @@ def check_args(args) -> None:
 TRACE_POSITIONS = 2**31 - 1
 
 
+SWEEP_BATCH_MAX = 192
+
+
+def _check_sweep_batches(args) -> None:
+    """A sweep's largest batch: every system keeps at least each request's index-K rows on the GPU (its latent rows,
+    for a model without sparse attention)."""
+    from ess.analysis.sim.specs import GIB, get_hardware, get_model
+    from ess.core.layout import INDEX_ROW_BYTES, LATENT_ROW_BYTES
+
+    spec, hw = get_model(args.model), get_hardware(args.hardware)
+    row, what = (INDEX_ROW_BYTES, "index-K") if spec.index_topk else (LATENT_ROW_BYTES, "latent")
+    most = int(hw.memory_gib * GIB // (args.context * spec.layers * row))
+    if args.batch_max is None:
+        args.batch_max = min(SWEEP_BATCH_MAX, most)
+    if args.batch_max > most:
+        raise ValueError(f"--batch-max {args.batch_max}: {args.hardware}'s {hw.memory_gib} GiB hold the {what} rows of "
+                         f"at most {most} requests of --context {args.context}, which every system keeps on the GPU")
+
+
+def _available_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _check_trace_memory(args) -> None:
+    """A synthetic trace is built in memory: its arrays must fit what this machine has free."""
+    from ess.analysis.synth import SynthOptions
+
+    need = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk,
+                        pool=args.pool).trace_bytes()
+    if need > _available_memory():
+        raise ValueError(f"--requests {args.requests} x --layers {args.layers} x --topk {args.topk} x --steps "
+                         f"{args.steps} (and --pool {args.pool}): a trace of {need / 2**30:.1f} GiB, more than the "
+                         f"{_available_memory() / 2**30:.1f} GiB of memory free here")
+
+
+def _check_outputs(args) -> None:
+    """An output file that exists is overwritten only with --force, and never when it is one of the command's
+    inputs (a trace or a profile would be lost)."""
+    inputs = [*(getattr(args, "traces", None) or []), getattr(args, "trace", None), getattr(args, "profile", None)]
+    for attr in ("out", "plot"):
+        path = getattr(args, attr, None)
+        if not path or not os.path.isfile(path):
+            continue
+        if any(i and os.path.exists(i) and os.path.samefile(i, path) for i in inputs):
+            raise ValueError(f"--{attr} {path}: that is an input of this command; write the output elsewhere")
+        if not getattr(args, "force", False):
+            raise ValueError(f"--{attr} {path}: exists; give --force to overwrite it")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -727,6 +874,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, RuntimeError) as e:
         print(f"ess: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:  # what the checks before the work cannot see (a full disk; a path only root is refused)
+        print(f"ess: error: {f'{e.filename}: ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
         return 2
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ess.analysis.sim.cost import Deployment
-from ess.analysis.sim.engine import layer_misses, load_calibration, plan_layers, ratio_for_batch, simulate
+from ess.analysis.sim.engine import check_slots, layer_misses, load_calibration, plan_layers, ratio_for_batch, simulate
 from ess.analysis.sim.specs import get_hardware, get_model
 from ess.core.plan import FORMAT, MODES, PlanError
 
@@ -18,10 +18,14 @@ def make_plan(profile: dict, hardware: str, context: int, batch: int, mtp: int =
         raise PlanError(f"profile has {have} layers; {model} has {spec.layers} (+1 MTP layer)")
     cal = load_calibration()
     dep = Deployment(ep=ep, tbo=tbo)
+    if context < spec.index_topk + 1:
+        raise ValueError(f"--context {context}: below {model}'s top-k + 1 = {spec.index_topk + 1}; every position "
+                         "would be selected, there is nothing to offload")
     if sparse_ratio is None:
         sparse_ratio = ratio_for_batch(spec, hw, cal, dep, batch, context)
         if sparse_ratio * context < spec.index_topk + 1:
             raise ValueError(f"--batch-size {batch} does not fit {hardware} at context {context} even with ESS")
+    check_slots(spec, sparse_ratio, context)
     misses = layer_misses(spec, mtp, profile, sparse_ratio)
     n = len(misses)
     layers = plan_layers(spec, hw, cal, dep, batch, context, mtp, misses)

@@ -73,8 +73,12 @@ def profile_traces(
                              f"({ctx0:.0f} tokens), a ratio above 1")
         pairs = sorted((b / ctx0, b) for b in buffer_tokens)
     else:
-        if any(not 0 < r <= 1 for r in ratios):
-            raise ValueError("--ratios must lie in (0, 1]")
+        if not ratios or any(not 0 < r <= 1 for r in ratios):
+            raise ValueError(f"--ratios: one or more ratios in (0, 1], got {ratios}")
+        low = [r for r in ratios if math.ceil(r * ctx0) < K + 1]
+        if low:  # the profile would label top-k + 1 slots with the ratio asked
+            raise ValueError(f"--ratios {','.join(map(str, low))}: below top-k + 1 = {K + 1} slots of the mean context "
+                             f"of {first_name} ({ctx0:.0f} tokens); the smallest ratio is {(K + 1) / ctx0:.4f}")
         pairs = sorted((r, buffer_for_ratio(first, r)) for r in ratios)
     warm = first.prefill_topk is not None
     total = len(traces) * len(pairs) + 2 + len(pairs)

@@ -44,6 +44,11 @@ class SynthOptions:
     fresh: float = 0.02
     seed: int = 0
 
+    def trace_bytes(self) -> int:
+        """The bytes of the trace's arrays (top-k and prefill windows as int32, the working-set pools as int64)."""
+        sets = self.requests * self.layers * self.topk * (self.steps + self.warmup_windows)
+        return 4 * sets + 8 * self.requests * self.layers * self.pool
+
     def validate(self) -> None:
         fixed = self.sinks + self.window + self.churn_max
         if fixed >= self.topk:

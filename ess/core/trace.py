@@ -56,6 +56,8 @@ class Trace:
             raise TraceError(f"{where}: 'context_len' must be >= 1")
         if (t < -1).any():
             raise TraceError(f"{where}: 'topk' holds entries below -1")
+        if (t == -1).all():
+            raise TraceError(f"{where}: 'topk' selects no position (every entry is the -1 padding)")
         limit = c[:, None, None, None] + np.arange(steps)[None, :, None, None]  # causal: position <= own position
         if (t > limit).any():
             raise TraceError(f"{where}: 'topk' selects a future position (beyond context_len + step)")

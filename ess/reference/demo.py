@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from ess.analysis import memory
 from ess.reference.ess_cache import EssLatentCache
 from ess.core import settings
-from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB, WARMUP_WINDOWS, EssConfig, KnobError
+from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB, PAGE_TOKENS, WARMUP_WINDOWS, EssConfig, KnobError
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.model import GenerateResult, MiniModel, random_prompts
@@ -46,19 +47,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_fits(cfg, device: torch.device) -> None:
-    need = cfg.weight_bytes()
+def check_fits(cfg, device: torch.device, batch: int, tokens: int) -> None:
+    """The weights (float32) and the baseline's caches of `batch` requests of `tokens` positions fit in 0.8 of the
+    device's free memory (the CPU's, or the GPU's), checked before anything is allocated."""
+    weights = cfg.weight_bytes()
+    caches = batch * (cfg.latent_bytes(tokens) + cfg.index_k_bytes(tokens))
     if device.type == "cuda":
         have = torch.cuda.mem_get_info(device)[0]
     else:
         import os
 
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    if need > 0.8 * have:
+    if weights > 0.8 * have:
         raise ValueError(
-            f"--config {cfg.name}: {cfg.num_layers} layers need {need / GIB:.1f} GiB of float32 weights, "
+            f"--config {cfg.name}: {cfg.num_layers} layers need {weights / GIB:.1f} GiB of float32 weights, "
             f"{have / GIB:.1f} GiB free on {device}; use fewer --layers"
         )
+    if weights + caches > 0.8 * have:
+        raise ValueError(f"--batch {batch} x {tokens} positions (--context + --steps): {caches / GIB:.1f} GiB of caches "
+                         f"beside {weights / GIB:.1f} GiB of weights, {have / GIB:.1f} GiB free on {device}")
 
 
 def _run(model: MiniModel, prompts, steps: int, make_cache, progress, label: str, modes=None) -> tuple[GenerateResult, object]:
@@ -88,7 +95,7 @@ def _setup(opt: DemoOptions):
     if opt.batch < 1 or opt.context < 1 or opt.steps < 0:
         raise ValueError("--batch and --context must be positive and --steps non-negative")
     device = resolve_device(opt.device)
-    check_fits(cfg, device)
+    check_fits(cfg, device, opt.batch, opt.context + opt.steps)
     return cfg, device, MiniModel(cfg, seed=opt.seed, device=device), random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
 
 
@@ -125,8 +132,30 @@ def check_options(opt: DemoOptions) -> None:
     if opt.disk_gib is not None and opt.disk_dir is None:
         raise ValueError("--disk-gib bounds the disk tier: give --disk-dir (and --host-budget-mib) too")
     for flag, v in (("--host-budget-mib", opt.host_budget_mib), ("--disk-gib", opt.disk_gib)):
-        if v is not None and not v > 0:
-            raise ValueError(f"{flag} must be positive, got {v}")
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{flag} must be a positive, finite number, got {v}")
+    if opt.host_budget_mib is not None:
+        _check_disk_tier_sizes(opt)
+
+
+def _check_disk_tier_sizes(opt: DemoOptions) -> None:
+    """The disk tier's frames and page file, as ess.reference.disk_tier sizes them, before the baseline runs."""
+    import os
+
+    from ess.core.disk_tier import DISK_PAGE, PAGE_BYTES
+
+    host = int(opt.host_budget_mib * 2**20)
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host < PAGE_BYTES:
+        raise ValueError(f"--host-budget-mib {opt.host_budget_mib}: {host} bytes hold no {PAGE_BYTES}-byte page")
+    if host > physical:
+        raise ValueError(f"--host-budget-mib {opt.host_budget_mib}: more than this machine's {physical / 2**20:.0f} MiB")
+    if opt.disk_gib is not None:
+        layers = opt.layers or get_config(opt.config).num_layers
+        need = layers * opt.batch * -(-(opt.context + opt.steps) // PAGE_TOKENS) * DISK_PAGE
+        if need > opt.disk_gib * GIB:
+            raise ValueError(f"--disk-gib {opt.disk_gib}: the batch needs {need / GIB:.3g} GiB on disk ({layers} layers "
+                             f"x {opt.batch} requests x {opt.context + opt.steps} positions in {DISK_PAGE}-byte pages)")
 
 
 def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None = None) -> dict:

@@ -31,6 +31,17 @@ TOKENS = range(2, 258)  # the tiny checkpoint's byte tokens (ess.reference.check
 START_TIMEOUT_S = 300
 
 
+@contextlib.contextmanager
+def terminate_as_exit():
+    """SIGTERM raises SystemExit inside the block (Python's default ends the process at once), so the servers the
+    block started are stopped on the way out: a `timeout` or a job runner never leaves them running."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

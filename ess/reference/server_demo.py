@@ -81,7 +81,7 @@ def serve(model: str, flags: list[str], log: str, opt: ServerDemoOptions, say) -
 
 
 def run_server_demo(opt: ServerDemoOptions, say=lambda text: None) -> dict:
-    with tempfile.TemporaryDirectory(prefix="ess-demo-") as tmp:
+    with S.terminate_as_exit(), tempfile.TemporaryDirectory(prefix="ess-demo-") as tmp:
         logs = opt.log_dir or tmp
         os.makedirs(logs, exist_ok=True)
         model = opt.model

@@ -129,7 +129,7 @@ BAD = [  # (argv, with {d} the files' folder; what the one line must name)
     (["profile", "{d}/meta_list.npz", "--quiet"], "meta_list.npz"),
     (["profile", "{d}/no_steps.npz", "--quiet"], "no_steps.npz"),
     (["profile", "{d}/good.npz", "--buffer-tokens", "100", "--quiet"], "--buffer-tokens"),
-    (["sim", "run", "--profile", "{d}/good.npz", "--batch-size", "8"], "good.npz"),
+    (["sim", "run", "--profile", "{d}/good.npz", "--batch-size", "8", "--sparse-ratio", "0.2"], "good.npz"),
     (["sim", "run", "--ep", "0", "--batch-size", "8"], "--ep"),
     (["sim", "sweep", "--batch-step", "0"], "--batch-step"),
 ]
@@ -206,7 +206,8 @@ def places(tmp_path):
              meta=np.array(json.dumps({})))
     assert Trace  # the format the empty one breaks
     return {k: str(tmp_path / v) for k, v in dict(T="t.npz", DIR="adir", FILE="afile", UNDER="afile/x.npz",
-                                                   EMPTY="empty.npz", MISSING="missing").items()}
+                                                   EMPTY="empty.npz", MISSING="missing", NEW="new.npz",
+                                                   TXT="plot.txt").items()}
 
 
 BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refused before any work
@@ -221,17 +222,44 @@ BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refu
     (["cache", "replay", "T", "--buffer", "4096", "--policy", "lru", "--lookahead", "4"],
      "--lookahead is the prefetch policy's; --policy lru would ignore it"),
     (["cache", "replay", "T", "--buffer", "4096", "--decay-shift", "3"], "--decay-shift is the score policy's"),
-    (["trace", "record", "--out", "T", "--lookahead", "100000"],
+    (["trace", "record", "--out", "NEW", "--lookahead", "100000"],
      "--lookahead 100000: the indexer ranks at most --context \\+ --steps = 2080 positions, top-k 64 of them selected: "
      "at most 2016 can follow"),
     (["sim", "run", "--batch-size", "8", "--nvme-gbps", "5"], "--nvme-gbps is the disk tier's drive bandwidth"),
     (["sim", "sweep", "--batch-min", "64", "--batch-max", "8"], "--batch-min 64 is above --batch-max 8"),
     (["sim", "run", "--batch-size", "8", "--context", "1000000000000"], "dsv32 serves at most 163840 positions"),
-    (["trace", "synth", "--out", "T", "--context", "1000000000000"], "a trace's positions are int32"),
+    (["trace", "synth", "--out", "NEW", "--context", "1000000000000"], "a trace's positions are int32"),
     (["demo", "--context", "1000000000000"], "the mini model serves at most 65536 positions"),
     (["demo", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
     (["demo", "--ess", "--disk-dir", "MISSING", "--host-budget-mib", "64"], "--disk-dir .*missing: no such directory"),
     (["cache", "replay", "EMPTY", "--buffer", "8"], "'topk' holds no requests"),
+    # outputs: an existing file only with --force, never an input; empty paths; a plot's format
+    (["trace", "synth", "--out", "T"], "--out .*t.npz: exists; give --force to overwrite it"),
+    (["profile", "T", "--out", "T", "--force"], "--out .*t.npz: that is an input of this command"),
+    (["trace", "synth", "--out", ""], "argument --out: an empty path"),
+    (["sim", "sweep", "--plot", "TXT"], "a plot's name ends in one of matplotlib's formats"),
+    (["tiny-checkpoint", "UNDER"], "afile is a file, not a directory"),
+    # bounds from the machine, the hardware, the trace, the model
+    (["trace", "synth", "--out", "NEW", "--seed", "-1"], "argument --seed: a seed is an integer from 0 to 2\\^63 - 1"),
+    (["trace", "synth", "--out", "NEW", "--requests", "1000000000000"], "GiB of memory free here"),
+    (["sim", "sweep", "--batch-max", "1000000000000"], "hold the index-K rows of at most"),
+    (["sim", "run", "--batch-size", "64", "--sparse-ratio", "1e-9"], "below top-k \\+ 1 = 2049"),
+    (["sim", "calibrate", "--hardware", "H20"], "measured on H200"),
+    (["cache", "replay", "T", "--buffer", "1000000000000"], "more than the trace's"),
+    (["demo", "--batch", "1000000000000", "--device", "cpu"], "of caches beside"),
+    (["demo", "--ess", "--buffer-tokens", "100000"], "more slots than the --context \\+ --steps"),
+    (["demo", "--device-mem-gib", "inf"], "must be a positive, finite number"),
+    (["demo", "--ess", "--disk-dir", "DIR", "--host-budget-mib", "1e-12"], "hold no 41984-byte page"),
+    (["trace", "record", "--out", "NEW", "--topk", "5000", "--context", "128"], "--topk 5000: more than the --context 128"),
+    # flags another flag would make meaningless
+    (["sim", "run", "--batch-size", "8", "--disk-tier"], "--disk-tier: ESS settings; give --sparse-ratio"),
+    (["sim", "run", "--batch-size", "8", "--sparse-ratio", "0.2", "--no-tbo", "--overlap", "dba"],
+     "needs two-batch overlap"),
+    (["cache", "replay", "T", "--buffer", "100", "--warmup-windows", "5"], "give --warmup too"),
+    (["cache", "replay", "T", "--buffer", "100", "--policy", "belady", "--kernel", "fused"], "--kernel chooses"),
+    (["profile", "T", "--ratios", "0.3", "--buffer-tokens", "100"], "give one"),
+    (["demo", "--server-modes", "da"], "options of `ess demo --server`; give --server too"),
+    (["demo", "--server", "--context", "5"], "--context: options of the mini-model demo"),
 ]
 
 

@@ -9,7 +9,7 @@ from importlib import resources
 from ess.analysis.sim import cost
 from ess.analysis.sim.cost import Calibration, Deployment, EssSetting
 from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
-from ess.analysis.sim.profile import moved_rows_at, synthetic_profile
+from ess.analysis.sim.profile import misses_at, moved_rows_at, synthetic_profile
 from ess.analysis.sim.specs import GIB, ModelSpec, get_hardware, get_model
 
 OVERLAP_CHOICES = ("none", "da", "dba", "plan")
@@ -30,7 +30,13 @@ def layer_misses(spec: ModelSpec, mtp: int, profile: dict | None, ratio: float) 
     and, with MTP, the MTP layer; a profile of the model's own layer count stands for the MTP layer with the mean of
     its layers."""
     n = n_dsa_layers(spec, mtp)
-    misses = moved_rows_at(profile or synthetic_profile(n), ratio)
+    profile = profile or synthetic_profile(n)
+    most = spec.index_topk * (mtp + 1)  # the positions one step of a request selects
+    worst = max(misses_at(profile, ratio))
+    if worst > most:
+        raise ValueError(f"miss profile: {worst:g} mean misses per request-step on a layer at ratio {ratio}, more than "
+                         f"the {most} positions a step selects (top-k {spec.index_topk} x {mtp + 1} query rows)")
+    misses = moved_rows_at(profile, ratio)
     if len(misses) == spec.layers and n == spec.layers + 1:
         misses = misses + [sum(misses) / len(misses)]
     if len(misses) != n:
@@ -102,6 +108,7 @@ def simulate(
             raise ValueError(f"--sparse-ratio must be in (0, 1], got {sparse_ratio}")
         if spec.index_topk is None:
             raise ValueError(f"--model {model}: ESS needs DeepSeek Sparse Attention (top-k), which this model lacks")
+        check_slots(spec, sparse_ratio, context)
         misses = layer_misses(spec, mtp, profile, sparse_ratio)
         modes = plan_modes(spec, hw, cal, dep, batch, context, mtp, misses) if overlap == "plan" else [overlap] * len(misses)
         ess = EssSetting(sparse_ratio, misses, modes)
@@ -223,8 +230,21 @@ def plot_sweep(result: dict, path: str, title: str) -> None:
     plt.close(fig)
 
 
+def check_slots(spec: ModelSpec, sparse_ratio: float, context: int) -> None:
+    """ESS's slots at a ratio hold a step's top-k set and its own token, as the plugin requires."""
+    slots = -(-int(sparse_ratio * context * 1e9) // int(1e9))  # ceil, robust to the float's last bit
+    if slots < spec.index_topk + 1:
+        raise ValueError(f"--sparse-ratio {sparse_ratio} x --context {context} = {slots} slots, below top-k + 1 = "
+                         f"{spec.index_topk + 1} (the plugin refuses it); the smallest ratio at this context is "
+                         f"{(spec.index_topk + 1) / context:.4f}")
+
+
 def fit_calibration(hardware: str = HARDWARE) -> dict:
-    """Refit the three efficiency constants on the paper's baseline rows only."""
+    """Refit the three efficiency constants on the paper's baseline rows only (measured on HARDWARE: a fit to them
+    describes that part only)."""
+    if hardware != HARDWARE:
+        raise ValueError(f"--hardware {hardware}: the paper's baseline rows were measured on {HARDWARE}; fitting them "
+                         f"to {hardware} would describe neither")
     from scipy.optimize import least_squares
 
     names = ("eta_compute", "eta_net", "a2a_latency_us")

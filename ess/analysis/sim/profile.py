@@ -34,15 +34,28 @@ def synthetic_profile(num_layers: int = 62) -> dict:
             "ratios": ratios, "mean_misses": rows}
 
 
+def _numbers(value, field: str, where: str, ndim: int) -> np.ndarray:
+    """A JSON field of numbers, `ndim` nested lists deep (not strings, not ragged)."""
+    shape = "a list of numbers" if ndim == 1 else "a list of lists of numbers (one row per ratio)"
+    try:
+        a = np.asarray(value, dtype=float)
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: {field!r} must be {shape} ({e})") from e
+    if a.ndim != ndim or any(isinstance(x, str) for x in np.asarray(value, dtype=object).flat):
+        raise ProfileError(f"{where}: {field!r} must be {shape}")
+    return a
+
+
 def validate_profile(p: dict, where: str = "profile") -> dict:
     if not isinstance(p, dict) or p.get("format") != FORMAT:
         raise ProfileError(f"{where}: not an ESS miss profile (expected format {FORMAT!r})")
-    try:
-        ratios = [float(r) for r in p["ratios"]]
-        rows = np.asarray(p["mean_misses"], dtype=float)
-        n = int(p["num_layers"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProfileError(f"{where}: missing or malformed field ({e})") from e
+    for field in ("num_layers", "ratios", "mean_misses"):
+        if field not in p:
+            raise ProfileError(f"{where}: no {field!r} field")
+    n = p["num_layers"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ProfileError(f"{where}: 'num_layers' must be a positive integer, got {n!r}")
+    ratios, rows = _numbers(p["ratios"], "ratios", where, 1).tolist(), _numbers(p["mean_misses"], "mean_misses", where, 2)
     if rows.shape != (len(ratios), n):
         raise ProfileError(f"{where}: 'mean_misses' must be [{len(ratios)} ratios][{n} layers], got {list(rows.shape)}")
     if sorted(ratios) != ratios or not all(0 < r <= 1 for r in ratios):
