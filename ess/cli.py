@@ -402,6 +402,9 @@ def cmd_sim_sweep(args) -> int:
         plot_sweep(result, _output(args.plot), f"{args.model} on {args.hardware}, context {args.context}, MTP {args.mtp} "
                    f"(accept {args.accept}), EP {args.ep}, TBO {'on' if args.tbo else 'off'}")
     rows = result["baseline"] + result["hisparse"] + result["ess"] + result["ess_disk"]
+    if args.disk_tier and not result["ess_disk"]:
+        say(f"--disk-tier: no batch of this sweep passes ESS's host memory wall (batch {result['host_wall_batch']}), "
+            "so no row needs the disk; raise --batch-max past it")
     _emit(args, result, _sim_table(rows, f"sweep (GPU memory wall at batch {result['memory_wall_batch']}, host memory "
                                           f"wall of ESS at batch {result['host_wall_batch']})"))
     return 0
@@ -479,7 +482,17 @@ def cmd_profile(args) -> int:
     from ess.core.trace import load_trace
 
     traces = [(path, load_trace(path)) for path in args.traces]
-    ratios = None if args.buffer_tokens else (args.ratios or PROFILE_RATIOS)
+    ratios = None if args.buffer_tokens else args.ratios
+    if ratios is None and not args.buffer_tokens:  # the defaults that give top-k + 1 slots at least, said
+        first = traces[0][1]
+        least = (first.topk.shape[3] + 1) / float(first.context_len.mean())
+        ratios = [r for r in PROFILE_RATIOS if r >= least]
+        if len(ratios) < len(PROFILE_RATIOS):
+            say(f"ess profile: default ratios below {least:.4f} (top-k + 1 slots of {traces[0][0]}'s mean context) "
+                f"left out: profiling {','.join(map(str, ratios)) or 'none'}")
+        if not ratios:
+            raise ValueError(f"{traces[0][0]}: every default ratio is below top-k + 1 slots; give --ratios from "
+                             f"{least:.4f} up, or --buffer-tokens")
     with _Progress(not args.quiet) as progress:
         prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t),
                               policy=args.policy, lookahead=args.lookahead, decay_shift=_decay_shift(args))
@@ -690,7 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--buffer-tokens", type=_ints, help="GPU slots instead of ratios, comma-separated")
     pr.add_argument("--plot", type=_output_dir("--plot"), help="directory for PNG plots (created)")
     pr.add_argument("--out", type=_output_file("--out"), help="write the profile JSON here too")
-    _add_force(pr)
+    _add_force(pr)  # --out, and the PNGs in --plot
     pr.add_argument("--policy", choices=[p for p in REPLAY_POLICIES if p != "belady"], default="lru",
                     help="the cache policy profiled (MIN is reported beside it); `ess plan` and `ess sim --profile` "
                          "then take its misses (and, for prefetch, its prefetched rows as transfer)")
@@ -738,6 +751,11 @@ def check_args(args) -> None:
         if args.decay_shift is not None and args.policy != "score":
             raise ValueError(f"--decay-shift is the score policy's; --policy {args.policy} would ignore it")
     if command[0] == "profile":
+        from ess.analysis.profiling import PLOTS
+
+        there = [name for name in PLOTS if args.plot and os.path.exists(os.path.join(args.plot, name))]
+        if there and not args.force:
+            raise ValueError(f"--plot {args.plot}: holds {', '.join(there)} already; give --force to overwrite them")
         if args.ratios is not None and args.buffer_tokens is not None:
             raise ValueError("--ratios and --buffer-tokens both size the slots: give one")
         if args.lookahead is not None and args.policy != "prefetch":
@@ -780,6 +798,13 @@ def check_args(args) -> None:
                          f"{TRACE_POSITIONS}")
     if command[:2] == ["trace", "synth"]:
         _check_trace_memory(args)
+        from ess.analysis.synth import SynthOptions
+
+        d = SynthOptions()
+        spread = [f"--{k.replace('_', '-')}" for k in ("churn_min", "drift_min") if getattr(args, k) != getattr(d, k)]
+        if args.layers == 1 and spread:
+            raise ValueError(f"{', '.join(spread)}: the low end of a spread over layers; with --layers 1 the one layer "
+                             "takes --churn-max and --drift-max")
     if command[:2] == ["trace", "record"] or command[0] == "demo":
         if not getattr(args, "server", False):
             from ess.reference.config import get_config

@@ -141,6 +141,9 @@ def profile_traces(
     return doc
 
 
+PLOTS = ("misses_per_layer.png", "similarity.png", "misses_by_step.png", "misses_vs_context.png")  # plot_profile's
+
+
 def plot_profile(p: dict, out_dir: str) -> list[str]:
     import os
 

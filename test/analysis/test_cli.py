@@ -201,13 +201,16 @@ def places(tmp_path):
 
     (tmp_path / "adir").mkdir()
     (tmp_path / "afile").write_text("")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "similarity.png").write_bytes(b"an earlier run's plot")
     assert main(["trace", "synth", "--out", str(tmp_path / "t.npz"), "--steps", "2", "--layers", "2"]) == 0
     np.savez(tmp_path / "empty.npz", topk=np.zeros((0, 3, 2, 4), np.int32), context_len=np.zeros(0, np.int64),
              meta=np.array(json.dumps({})))
     assert Trace  # the format the empty one breaks
     return {k: str(tmp_path / v) for k, v in dict(T="t.npz", DIR="adir", FILE="afile", UNDER="afile/x.npz",
                                                    EMPTY="empty.npz", MISSING="missing", NEW="new.npz",
-                                                   TXT="plot.txt").items()}
+                                                   TXT="plot.txt", PLOTS="plots",
+                                                   PNG="plots/similarity.png").items()}
 
 
 BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refused before any work
@@ -239,12 +242,15 @@ BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refu
     (["trace", "synth", "--out", ""], "argument --out: an empty path"),
     (["sim", "sweep", "--plot", "TXT"], "a plot's name ends in one of matplotlib's formats"),
     (["tiny-checkpoint", "UNDER"], "afile is a file, not a directory"),
+    (["profile", "T", "--plot", "PLOTS"], "--plot .*plots: holds similarity.png already; give --force"),
     # bounds from the machine, the hardware, the trace, the model
     (["trace", "synth", "--out", "NEW", "--seed", "-1"], "argument --seed: a seed is an integer from 0 to 2\\^63 - 1"),
     (["trace", "synth", "--out", "NEW", "--requests", "1000000000000"], "GiB of memory free here"),
     (["sim", "sweep", "--batch-max", "1000000000000"], "hold the index-K rows of at most"),
     (["sim", "run", "--batch-size", "64", "--sparse-ratio", "1e-9"], "below top-k \\+ 1 = 2049"),
     (["sim", "calibrate", "--hardware", "H20"], "measured on H200"),
+    (["sim", "run", "--batch-size", "8", "--ep", "1000"], "--ep 1000: dsv32 has 256 routed experts"),
+    (["trace", "synth", "--out", "NEW", "--layers", "1", "--churn-min", "1"], "with --layers 1 the one layer takes"),
     (["cache", "replay", "T", "--buffer", "1000000000000"], "more than the trace's"),
     (["demo", "--batch", "1000000000000", "--device", "cpu"], "of caches beside"),
     (["demo", "--ess", "--buffer-tokens", "100000"], "more slots than the --context \\+ --steps"),
