@@ -236,7 +236,7 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
     timer = graph_us if s.device.type == "cuda" else median_us
     if buffer is None:
         return {"baseline": {"attention_ms": timer(lambda: stack.step(t, "baseline"), s.iters) / 1e3,
-                             "exposed_ms": 0.0, "misses": None}}
+                             "exposed_ms": 0.0, "misses": None, "parts_ms": part_times(stack, t, timer)}}
     # the timed replays restore the LRU tables only (they decide the misses; row contents do not change the time); the
     # check restores the GPU pool's rows as well
     state = (lambda: stack.tables() + [stack.cache.serving.gpu]) if s.check else stack.tables
@@ -271,6 +271,49 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
         free_us = timer(lambda: stack.step(t, mode), s.iters, lambda: restore(resident))
         out[mode] = {"attention_ms": attn_us / 1e3, "exposed_ms": max(0.0, attn_us - free_us) / 1e3,
                      "misses": sum(per_layer) / len(per_layer), "modes": list(stack.modes) or None, "diff": diff}
+    restore()
+    parts = part_times(stack, t, timer, restore)
+    for m in out.values():
+        m["parts_ms"] = parts
+    return out
+
+
+def part_times(stack: Stack, t: int, timer, restore=lambda: None) -> dict | None:
+    """Layer 0 of step t part by part, each timed alone from the state the step starts in, in the serial order (what
+    dominates a layer; the overlap modes reorder these parts, the step's own time is attention_ms): q_a and kv_a,
+    the indexer with its top-k, PreAttn, FlashMLA; for ESS also the LRU step (its tables restored before each
+    replay), the H2D of its misses and the D2H of the own rows. Decode steps only (None for verify rows)."""
+    if stack.S != 1:
+        return None
+    s, cfg, w, li = stack.s, stack.s.cfg, stack.w, 0
+    pos, h = stack.positions(t), stack.h[t]
+    q_lora, own = A.q_lora_of(w, h), A.kv_latent_rows(w, cfg, h, pos)
+    q_nope, q_pe = A.pre_attn(w, cfg, q_lora, pos)
+    sel = A.indexer_topk(w, cfg, h, q_lora, pos, stack.index_k) if stack.topk_steps is None else stack.topk_steps[t, li]
+
+    def ms(fn, setup=lambda: None) -> float:
+        return round(timer(fn, s.iters, setup) / 1e3, 4)
+
+    out = {"q_a": ms(lambda: A.q_lora_of(w, h)), "kv_a": ms(lambda: A.kv_latent_rows(w, cfg, h, pos)),
+           "indexer_topk": ms(lambda: A.indexer_topk(w, cfg, h, q_lora, pos, stack.index_k)),
+           "pre_attn": ms(lambda: A.pre_attn(w, cfg, q_lora, pos))}
+    if stack.buffer is None:
+        idx = torch.where(sel >= 0, stack.row_req.unsqueeze(1) * stack.max_len + sel, -1)
+        rows = stack.cache.rows[li].view(-1, layout.LATENT_ROW_BYTES)
+        out["flashmla"] = ms(lambda: sparse_decode(q_nope, q_pe, rows, idx, cfg.softmax_scale, s.attention))
+        return out
+    cache = stack.cache
+    cache.set_step(t)
+    restore()
+    out["lru_step"] = ms(lambda: cache.update(li, sel, pos), restore)
+    restore()
+    r = cache.update(li, sel, pos)  # the step's result, for the parts that read it
+    out["h2d"] = ms(lambda: cache.fetch(li, r))
+    cache.store_own(li, r, own)
+    out["d2h"] = ms(lambda: cache.streams.wait(cache.backup_own(li, r, pos)))
+    pool = cache.serving.gpu[li]
+    out["flashmla"] = ms(lambda: sparse_decode(q_nope, q_pe, pool, r.attn_slot, cfg.softmax_scale, s.attention))
+    restore()
     return out
 
 
@@ -338,6 +381,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                        "exposed_transfer_ms": round(m["exposed_ms"], 4),
                        "misses_per_request_layer": None if m["misses"] is None else round(m["misses"], 2),
                        "simulator_step_ms": round(sim_attn * s.layers * 1e3, 4), "memory_wall_batch": wall}
+                if m.get("parts_ms") is not None:  # layer 0, part by part, beside the modelled rest of a layer
+                    row["parts_ms"] = m["parts_ms"] | {"modelled_rest": round(rest_ms, 4)}
                 if m.get("diff") is not None:
                     row["max_abs_diff_vs_baseline"] = m["diff"]
                 if m.get("modes"):

@@ -24,6 +24,11 @@ def test_decode_gpu_smoke_run(tmp_path):
     assert {r["batch"] for r in doc["rows"]} >= {1, 2}
     assert "SYNTHETIC" in doc["topk_label"]
     assert {r["query_rows"] for r in ess} == {1, 2}  # decode, and MTP verify (2 rows in the smoke run)
+    common = {"q_a", "kv_a", "indexer_topk", "pre_attn", "flashmla", "modelled_rest"}
+    for r in doc["rows"]:  # decode rows: layer 0 part by part, beside the modelled rest
+        if r["query_rows"] == 1:
+            want = common if r["mode"] == "baseline" else common | {"lru_step", "h2d", "d2h"}
+            assert set(r["parts_ms"]) == want and all(v >= 0 for v in r["parts_ms"].values()), r
     # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
     for r in ess:
         assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r
