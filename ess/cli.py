@@ -373,6 +373,8 @@ def cmd_sim_run(args) -> int:
     row = simulate(model=args.model, hardware=args.hardware, context=args.context, mtp=args.mtp, accept=args.accept,
                    batch=args.batch_size, sparse_ratio=args.sparse_ratio, tbo=args.tbo, overlap=args.overlap, ep=args.ep,
                    profile=_profile_arg(args), disk_tier=args.disk_tier, nvme_gbps=args.nvme_gbps)
+    if args.disk_tier and not row.get("disk_share"):
+        say(f"--disk-tier: batch {args.batch_size}'s host pool fits the host budget, so nothing of this step is on disk")
     _emit(args, row, _sim_table([row], f"ess sim run ({args.model} on {args.hardware})"))
     return 0
 
@@ -850,10 +852,9 @@ def _check_sweep_batches(args) -> None:
     """A sweep's largest batch: every system keeps at least each request's index-K rows on the GPU (its latent rows,
     for a model without sparse attention)."""
     from ess.analysis.sim.specs import GIB, get_hardware, get_model
-    from ess.core.layout import INDEX_ROW_BYTES, LATENT_ROW_BYTES
 
     spec, hw = get_model(args.model), get_hardware(args.hardware)
-    row, what = (INDEX_ROW_BYTES, "index-K") if spec.index_topk else (LATENT_ROW_BYTES, "latent")
+    row, what = (spec.index_row_bytes, "index-K") if spec.index_topk else (spec.latent_row_bytes, "latent")
     most = int(hw.memory_gib * GIB // (args.context * spec.layers * row))
     if args.batch_max is None:
         args.batch_max = min(SWEEP_BATCH_MAX, most)

@@ -98,7 +98,7 @@ def replay_counts(
         raise ValueError(f"--lookahead: {lookahead} ranks past the top-k; the trace holds {trace.lookahead} (topk_ext)")
     max_pos = int(trace.context_len.max()) + steps
     if buffer_tokens > max_pos + 1:  # more slots than positions: the rest stay empty, and cost memory
-        raise ValueError(f"--buffer: {buffer_tokens} slots, more than the trace's {max_pos + 1} positions")
+        raise ValueError(f"--buffer-tokens {buffer_tokens}: more slots than the trace's {max_pos + 1} positions")
     offline = policy != "lru"
     row_bytes = (max_pos + 1) * (8 if offline else 4)  # the position -> slot table of one row
     group = max(1, min(layers, table_bytes // (R * row_bytes)))

@@ -251,7 +251,7 @@ BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refu
     (["sim", "calibrate", "--hardware", "H20"], "measured on H200"),
     (["sim", "run", "--batch-size", "8", "--ep", "1000"], "--ep 1000: dsv32 has 256 routed experts"),
     (["trace", "synth", "--out", "NEW", "--layers", "1", "--churn-min", "1"], "with --layers 1 the one layer takes"),
-    (["cache", "replay", "T", "--buffer", "1000000000000"], "more than the trace's"),
+    (["cache", "replay", "T", "--buffer", "1000000000000"], "--buffer-tokens 1000000000000: more slots than the trace"),
     (["demo", "--batch", "1000000000000", "--device", "cpu"], "of caches beside"),
     (["demo", "--ess", "--buffer-tokens", "100000"], "more slots than the --context \\+ --steps"),
     (["demo", "--device-mem-gib", "inf"], "must be a positive, finite number"),

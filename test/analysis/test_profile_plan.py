@@ -63,7 +63,7 @@ def test_plan_moves_from_da_to_dba_as_misses_and_context_grow():
         prof = dict(base, mean_misses=(np.asarray(base["mean_misses"]) * scale).tolist())
         return [order[m] for m in make_plan(prof, "H200", context, 96, sparse_ratio=ratio)["modes"]]
 
-    by_misses = [modes(s, 32768) for s in (0.01, 0.3, 1.0, 3.0, 10.0)]
+    by_misses = [modes(s, 32768) for s in (0.01, 0.3, 1.0, 3.0, 4.5)]  # (4.5: up to 6,126 of 6,144 a step selects)
     for a, b in zip(by_misses, by_misses[1:]):
         assert all(x <= y for x, y in zip(a, b))
     assert sum(by_misses[0]) < sum(by_misses[-1]) and 2 in by_misses[-1]

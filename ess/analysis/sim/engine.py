@@ -9,7 +9,7 @@ from importlib import resources
 from ess.analysis.sim import cost
 from ess.analysis.sim.cost import Calibration, Deployment, EssSetting
 from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
-from ess.analysis.sim.profile import misses_at, moved_rows_at, synthetic_profile
+from ess.analysis.sim.profile import moved_rows_at, synthetic_profile
 from ess.analysis.sim.specs import GIB, ModelSpec, get_hardware, get_model
 
 OVERLAP_CHOICES = ("none", "da", "dba", "plan")
@@ -32,10 +32,11 @@ def layer_misses(spec: ModelSpec, mtp: int, profile: dict | None, ratio: float) 
     n = n_dsa_layers(spec, mtp)
     profile = profile or synthetic_profile(n)
     most = spec.index_topk * (mtp + 1)  # the positions one step of a request selects
-    worst = max(misses_at(profile, ratio))
+    worst = max(max(row) for row in profile["mean_misses"])  # at every ratio, not only the one used
     if worst > most:
-        raise ValueError(f"miss profile: {worst:g} mean misses per request-step on a layer at ratio {ratio}, more than "
-                         f"the {most} positions a step selects (top-k {spec.index_topk} x {mtp + 1} query rows)")
+        raise ValueError(f"miss profile {profile.get('source', '')!r}: 'mean_misses' holds {worst:g} misses per "
+                         f"request-step on a layer, more than the {most} positions a step selects (top-k "
+                         f"{spec.index_topk} x {mtp + 1} query rows)")
     misses = moved_rows_at(profile, ratio)
     if len(misses) == spec.layers and n == spec.layers + 1:
         misses = misses + [sum(misses) / len(misses)]
