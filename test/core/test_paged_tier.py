@@ -87,6 +87,7 @@ def test_gpu_steps_through_the_tier_equal_the_cpu_steps(tmp_path):
 
 
 def test_a_failed_read_ahead_leaves_the_page_on_disk(tmp_path, monkeypatch):
+    import concurrent.futures
     import os
 
     t = PagedHostTier(1, 4 * 64, 2 * PAGE_BYTES, str(tmp_path))
@@ -102,6 +103,7 @@ def test_a_failed_read_ahead_leaves_the_page_on_disk(tmp_path, monkeypatch):
     with pytest.raises(Exception, match="--disk-dir: short read of page"):
         t.ensure([0])
     assert t.frame_of[0] < 0 and t.written[0]  # still on disk, and only there
+    concurrent.futures.wait(list(t.pending.values()))  # the other read ahead ran with the failing read too
     monkeypatch.setattr(os, "preadv", real)
     for f in list(t.pending):  # the other read ahead failed too: its page stays on disk
         with pytest.raises(Exception, match="short read"):
