@@ -767,6 +767,10 @@ def check_args(args) -> None:
     if command[0] == "sim" or command[0] == "plan":
         if getattr(args, "nvme_gbps", None) is not None and not getattr(args, "disk_tier", False):
             raise ValueError("--nvme-gbps is the disk tier's drive bandwidth: give --disk-tier too")
+        if getattr(args, "mtp", None) is not None and getattr(args, "context", None) is not None \
+                and args.mtp >= args.context:
+            raise ValueError(f"--mtp {args.mtp}: a verify step's {args.mtp} draft tokens go past the --context "
+                             f"{args.context} positions they extend")
         if getattr(args, "ep", None) is not None and "model" in args:
             from ess.analysis.sim.specs import get_model
 

@@ -250,6 +250,7 @@ BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refu
     (["sim", "run", "--batch-size", "64", "--sparse-ratio", "1e-9"], "below top-k \\+ 1 = 2049"),
     (["sim", "calibrate", "--hardware", "H20"], "measured on H200"),
     (["sim", "run", "--batch-size", "8", "--ep", "1000"], "--ep 1000: dsv32 has 256 routed experts"),
+    (["sim", "run", "--batch-size", "8", "--mtp", "1000000000000"], "draft tokens go past the --context 32768"),
     (["trace", "synth", "--out", "NEW", "--layers", "1", "--churn-min", "1"], "with --layers 1 the one layer takes"),
     (["cache", "replay", "T", "--buffer", "1000000000000"], "--buffer-tokens 1000000000000: more slots than the trace"),
     (["demo", "--batch", "1000000000000", "--device", "cpu"], "of caches beside"),
