@@ -58,7 +58,13 @@ from ess.reference.ess_cache import EssLatentCache
 from ess.reference.flashmla import sparse_decode, split_decode
 from ess.reference.overlap import ess_layer_attention
 
-MODES = ("baseline", "none", "da", "dba", "plan")
+MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
+# The HiSparse arm: SGLang 0.5.23's --enable-hisparse at its defaults, as its source sets them (docs/gpu.md, "The
+# HiSparse arm"): a device buffer of 2 x top-k LRU slots per request and layer plus a page it reserves, the step's
+# misses copied before attention on the forward stream (no overlap), the first buffer-full of prompt tokens resident
+# when decode starts, and a logical token space twice its device latent pool (host_to_device_ratio 2).
+HISPARSE_BUFFER_PER_TOPK = 2
+HISPARSE_HOST_RATIO = 2
 MODEL_LAYERS = 61  # DeepSeek-V3.2's decoder layers, for the per-model figures
 
 
@@ -227,8 +233,16 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
     """The attention path of one decode (rows 1) or MTP verify step of the L layers, per mode, on one stack (the
     baseline's, or ESS's at `ratio`): {mode: {"attention_ms", "exposed_ms", "misses" (ESS: per request and layer),
     "modes" (plan)}}. plan(per_layer_misses, batch, context) -> modes, for mode "plan"."""
-    buffer = None if ratio is None else slots(s, ratio, context)
+    hisparse = ratio == "hisparse"
+    if hisparse:  # its LRU slots, plus one for the step's own row (HiSparse keeps that in its reserved page)
+        buffer = hisparse_slots(s) + 1
+    else:
+        buffer = None if ratio is None else slots(s, ratio, context)
     decode, warm = trace_topk(s, batch, context, rows) if source == "synth" else (None, None)
+    if hisparse:  # decode starts with the prompt's first buffer-full resident, not LRU-Warmup's sets
+        first = torch.arange(min(hisparse_slots(s), context), device=s.device, dtype=torch.int32)
+        warm = first.expand(s.layers, batch, 1, first.numel())
+        modes = ["none"]
     stack = Stack(s, batch, context, buffer, rows, decode, warm)
     t = s.warm_steps
     for i in range(t):  # the cache's state before the timed step: the same requests' earlier steps
@@ -275,7 +289,7 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
     parts = part_times(stack, t, timer, restore)
     for m in out.values():
         m["parts_ms"] = parts
-    return out
+    return {"hisparse": out["none"]} if hisparse else out
 
 
 def part_times(stack: Stack, t: int, timer, restore=lambda: None) -> dict | None:
@@ -317,6 +331,19 @@ def part_times(stack: Stack, t: int, timer, restore=lambda: None) -> dict | None
     return out
 
 
+def hisparse_slots(s: Setup) -> int:
+    return HISPARSE_BUFFER_PER_TOPK * s.cfg.index_topk
+
+
+def hisparse_largest_batch(budget: float, layers: int, context: int, buffer: int, cap: int | None) -> int:
+    """HiSparse's most requests in the budget: index-K of every token, and device latent rows for half the tokens
+    (its logical space is host_to_device_ratio x the device pool) but at least its buffer and reserved page each."""
+    device_tokens = max(-(-context // HISPARSE_HOST_RATIO), buffer + PAGE_TOKENS)
+    per_request = layers * (device_tokens * layout.LATENT_ROW_BYTES + context * layout.INDEX_ROW_BYTES)
+    b = int(budget // per_request)
+    return min(b, cap) if cap else b
+
+
 def slots(s: Setup, ratio: float, context: int) -> int:
     return max(s.cfg.index_topk + 1, math.ceil(ratio * context))
 
@@ -347,8 +374,11 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
     rows = []
     for context in s.contexts:
         wall = largest_batch(budget, s.layers, context, None, s.max_batch)
-        ess_modes = [m for m in modes if m != "baseline"]
+        ess_modes = [m for m in modes if m not in ("baseline", "hisparse")]
         stacks = []
+        if "hisparse" in modes:  # decode only: HiSparse's verify path swaps differently
+            top = hisparse_largest_batch(budget, s.layers, context, hisparse_slots(s), s.max_batch)
+            stacks += [("hisparse", b, 1) for b in sorted({*s.small_batches, top}) if b >= 1]
         for S in s.query_rows:
             if "baseline" in modes:
                 stacks += [(None, b, S) for b in sorted({*s.small_batches, wall}) if b >= 1]
@@ -362,6 +392,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
         for ratio, batch, S in stacks:
             t0 = time.perf_counter()
             results = measure(s, ["baseline"] if ratio is None else ess_modes, batch, context, ratio, S, source, plan)
+            hisparse, ratio = ratio == "hisparse", None if ratio == "hisparse" else ratio
             lc = sim_layer(batch * S, context)
             rest_ms = (lc.post + lc.comm) * 1e3  # the modelled rest of a layer (w_vc, o_proj, MoE, all-to-all)
             # MTP: the draft passes that make the S - 1 draft tokens, modelled (the simulator's), and the tokens a
@@ -370,10 +401,10 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
             tokens = accept if S > 1 else 1.0
             for mode, m in results.items():
                 sim_attn = lc.pre_indexer + lc.indexer + lc.pre_attn + lc.attention  # seconds per layer
-                if ratio is not None:
+                if ratio is not None or hisparse:
                     h2d = cost.h2d_seconds(batch, m["misses"], spec, cal)
                     sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, cal))
-                                    for md in (m["modes"] or [mode] * s.layers)) / s.layers
+                                    for md in (m["modes"] or ["none" if hisparse else mode] * s.layers)) / s.layers
                 step_ms = m["attention_ms"] + s.layers * rest_ms
                 row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S,
                        "attention_step_ms": round(m["attention_ms"], 4), "step_ms": round(step_ms, 4),
@@ -381,6 +412,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                        "exposed_transfer_ms": round(m["exposed_ms"], 4),
                        "misses_per_request_layer": None if m["misses"] is None else round(m["misses"], 2),
                        "simulator_step_ms": round(sim_attn * s.layers * 1e3, 4), "memory_wall_batch": wall}
+                if hisparse:
+                    row["buffer_tokens"] = hisparse_slots(s)
                 if m.get("parts_ms") is not None:  # layer 0, part by part, beside the modelled rest of a layer
                     row["parts_ms"] = m["parts_ms"] | {"modelled_rest": round(rest_ms, 4)}
                 if m.get("diff") is not None:
@@ -403,7 +436,8 @@ def summary(rows: list[dict], s: Setup) -> dict:
     for S in sorted({r["query_rows"] for r in rows}):
         at = [r for r in rows if r["context"] == ctx and r["query_rows"] == S]
         base = [r for r in at if r["mode"] == "baseline"]
-        ess = [r for r in at if r["mode"] != "baseline"]
+        hisparse = [r for r in at if r["mode"] == "hisparse"]
+        ess = [r for r in at if r["mode"] not in ("baseline", "hisparse")]
         if not base or not ess:
             continue
         base_top = max(base, key=lambda r: r["batch"])
@@ -419,6 +453,11 @@ def summary(rows: list[dict], s: Setup) -> dict:
         out |= {f"gain_32k_max_batch{key}": round(best_top["tokens_per_s"] / base_top["tokens_per_s"], 4),
                 f"best_ess{key}": {k: best_top[k] for k in ("mode", "ratio", "batch")},
                 f"ratio_small_batch{key}": round(min(small), 4) if small else None}
+        if hisparse:  # each at its largest batch
+            h_top = max(hisparse, key=lambda r: r["batch"])
+            out |= {"gain_vs_hisparse_max_batch": round(best_top["tokens_per_s"] / h_top["tokens_per_s"], 4),
+                    "hisparse_max_batch": {k: h_top[k] for k in ("batch", "tokens_per_s", "buffer_tokens")},
+                    "hisparse_gain_over_baseline": round(h_top["tokens_per_s"] / base_top["tokens_per_s"], 4)}
     return {"gain_context": ctx, **out} if out else {}
 
 
@@ -436,7 +475,8 @@ def plot(doc: dict, path: str) -> None:
         for i, (mode, ratio, S) in enumerate(keys):
             pts = sorted((r for r in rows if (r["mode"], r["ratio"], r["query_rows"]) == (mode, ratio, S)),
                          key=lambda r: r["batch"])
-            label = ("baseline" if ratio is None else f"ESS {mode}, ratio {ratio}") + ("" if S == 1 else f", verify {S}")
+            label = ("baseline" if mode == "baseline" else "HiSparse (modelled policy)" if mode == "hisparse"
+                     else f"ESS {mode}, ratio {ratio}") + ("" if S == 1 else f", verify {S}")
             ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o" if S == 1 else "^",
                     ls="-" if S == 1 else ":", color=f"C{i % 10}", label=label)
         ax.axvline(rows[0]["memory_wall_batch"], color="k", ls="--", lw=1, label="memory wall (baseline)")

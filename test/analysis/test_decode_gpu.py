@@ -16,7 +16,10 @@ def test_decode_gpu_smoke_run(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads((tmp_path / "decode.json").read_text())
     assert (tmp_path / "decode.png").exists() and doc["date"] and "smoke" in doc["machine"]
-    assert {r["mode"] for r in doc["rows"]} == {"baseline", "none", "da", "dba", "plan"}
+    assert {r["mode"] for r in doc["rows"]} == {"baseline", "none", "da", "dba", "plan", "hisparse"}
+    hisparse = [r for r in doc["rows"] if r["mode"] == "hisparse"]  # SGLang's default: 2 x top-k slots, decode only
+    assert {r["query_rows"] for r in hisparse} == {1} and all(r["buffer_tokens"] == 2 * 64 for r in hisparse)
+    assert doc["gain_vs_hisparse_max_batch"] > 0 and doc["hisparse_max_batch"]["batch"] == max(r["batch"] for r in hisparse)
     assert all(KEYS <= set(r) for r in doc["rows"])
     assert doc["gain_32k_max_batch"] > 0 and doc["ratio_small_batch"] > 0
     ess = [r for r in doc["rows"] if r["mode"] != "baseline"]
