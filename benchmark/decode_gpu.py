@@ -12,6 +12,8 @@ overlaps no transfer with the rest of a layer.
 Memory: the per-layer cache budget of the paper's deployment (the simulator's per-GPU cache budget / 61 x L). The
 baseline holds latent and index-K of every token on the GPU; ESS holds index-K and C = ratio x context slots per
 request, the latent in pinned host memory. Each runs at its largest batch (ESS per ratio), and at batch 1 and 2.
+Mode `hisparse` is the arm a user would pick instead: SGLang's HiSparse policy at its defaults, modelled on this
+stack (docs/gpu.md, "The HiSparse arm").
 
 Top-k: replayed from a SYNTHETIC trace (ess trace synth at the context; `--topk-source synth`, the default: the
 locality the ESS paper reports, not a measurement) or the computed indexer's (`indexer`: random weights, no locality,
