@@ -429,10 +429,17 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
     return {"rows": rows, **summary(rows, s)}
 
 
+def best_at_largest(ess: list[dict]) -> dict:
+    """The fastest ESS row among each ratio's largest batch."""
+    largest = {r["ratio"]: max(x["batch"] for x in ess if x["ratio"] == r["ratio"]) for r in ess}
+    return max((r for r in ess if r["batch"] == largest[r["ratio"]]), key=lambda r: r["tokens_per_s"])
+
+
 def summary(rows: list[dict], s: Setup) -> dict:
     """gain_32k_max_batch: the best ESS mode at its largest batch over the baseline at its largest batch (hybrid
     tokens/s, the smallest context, decode); ratio_small_batch: ESS's best over the baseline at batch 1 and 2, the
-    smaller; the same with MTP verify rows under the keys ending in _mtp."""
+    smaller; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch: the decode gain at each
+    longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its largest batch."""
     out = {}
     ctx = min(r["context"] for r in rows) if rows else None
     for S in sorted({r["query_rows"] for r in rows}):
@@ -443,8 +450,7 @@ def summary(rows: list[dict], s: Setup) -> dict:
         if not base or not ess:
             continue
         base_top = max(base, key=lambda r: r["batch"])
-        largest = {r["ratio"]: max(x["batch"] for x in ess if x["ratio"] == r["ratio"]) for r in ess}
-        best_top = max((r for r in ess if r["batch"] == largest[r["ratio"]]), key=lambda r: r["tokens_per_s"])
+        best_top = best_at_largest(ess)
         small = []
         for b in s.small_batches:
             bb = [r["tokens_per_s"] for r in base if r["batch"] == b]
@@ -460,6 +466,13 @@ def summary(rows: list[dict], s: Setup) -> dict:
             out |= {"gain_vs_hisparse_max_batch": round(best_top["tokens_per_s"] / h_top["tokens_per_s"], 4),
                     "hisparse_max_batch": {k: h_top[k] for k in ("batch", "tokens_per_s", "buffer_tokens")},
                     "hisparse_gain_over_baseline": round(h_top["tokens_per_s"] / base_top["tokens_per_s"], 4)}
+    for other in sorted({r["context"] for r in rows} - {ctx}):  # the longer contexts' decode gains, by name
+        at = [r for r in rows if r["context"] == other and r["query_rows"] == 1]
+        base = [r for r in at if r["mode"] == "baseline"]
+        ess = [r for r in at if r["mode"] not in ("baseline", "hisparse")]
+        if base and ess:
+            base_top = max(base, key=lambda r: r["batch"])
+            out[f"gain_{other // 1024}k_max_batch"] = round(best_at_largest(ess)["tokens_per_s"] / base_top["tokens_per_s"], 4)
     return {"gain_context": ctx, **out} if out else {}
 
 
