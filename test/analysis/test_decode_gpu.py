@@ -35,3 +35,20 @@ def test_decode_gpu_smoke_run(tmp_path):
     # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
     for r in ess:
         assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r
+
+
+def test_the_summary_names_each_longer_context_and_the_hisparse_gain():
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import decode_gpu as D
+
+    def row(context, mode, batch, tps, ratio=None):
+        return {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": 1,
+                "tokens_per_s": tps, "buffer_tokens": 4096}
+
+    rows = [row(c, "baseline", b, 10.0 * b) for c in (32768, 131072) for b in (1, 2, 4)]
+    rows += [row(c, "da", b, 9.0 * b, 0.2) for c in (32768, 131072) for b in (1, 2, 12)]
+    rows += [row(32768, "hisparse", b, 8.0 * b) for b in (1, 2, 6)]
+    out = D.summary(rows, D.smoke_setup())
+    assert out["gain_32k_max_batch"] == 108 / 40 and out["gain_128k_max_batch"] == 108 / 40
+    assert out["gain_vs_hisparse_max_batch"] == 108 / 48 and out["hisparse_gain_over_baseline"] == 48 / 40
+    assert out["ratio_small_batch"] == 0.9
