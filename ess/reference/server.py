@@ -95,7 +95,12 @@ class Server:
         self.process.wait()
 
     def __enter__(self) -> "Server":
-        return self.start().wait_ready()
+        self.start()
+        try:
+            return self.wait_ready()
+        except BaseException:  # a server that never became ready, or a SIGTERM while it starts: stopped too
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()

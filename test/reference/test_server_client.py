@@ -12,8 +12,8 @@ SCRIPT = textwrap.dedent("""
     from ess.reference import server as S
     with S.terminate_as_exit():
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-        print(child.pid, flush=True)
         try:
+            print(child.pid, flush=True)  # inside the try: the signal may come as soon as the line is read
             time.sleep(600)
         finally:  # what Server.__exit__ does with a server's process group
             child.kill()
