@@ -90,16 +90,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _at_least(minimum: int):
-    """An argparse type: an integer >= minimum."""
+def _at_least(minimum: int, maximum: int | None = None, what: str | None = None):
+    """An argparse type: an integer >= minimum (and <= maximum; `what` then says the range)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{what or f'must be at least {minimum}'}, got {value}")
         return value
 
     return parse
@@ -119,17 +119,18 @@ def _positive_float(text: str) -> float:
 
 
 SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed (numpy's take any non-negative integer)
+_seed = _at_least(0, SEED_MAX, "a seed is an integer from 0 to 2^63 - 1 (torch's generators)")
 
 
-def _seed(text: str) -> int:
-    """An argparse type: a generator seed, 0 .. SEED_MAX."""
+def _checked_path(text: str, flag: str, check) -> str:
+    """An output path through a settings check (check_output_file / check_output_dir), as argparse reports it."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2^63 - 1 (torch's generators), got {value}")
-    return value
+        check(text, flag)
+    except KnobError as e:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(e)[len(flag) + 1:])
+    return text
 
 
 def _output_file(flag: str, plot: bool = False):
@@ -138,12 +139,7 @@ def _output_file(flag: str, plot: bool = False):
     existing file is refused in check_args unless --force."""
 
     def parse(text: str) -> str:
-        if not text:
-            raise argparse.ArgumentTypeError("an empty path")
-        try:
-            check_output_file(text, flag)
-        except KnobError as e:  # argparse names the flag itself
-            raise argparse.ArgumentTypeError(str(e)[len(flag) + 1:])
+        _checked_path(text, flag, check_output_file)
         if plot:
             from matplotlib.figure import Figure
 
@@ -159,17 +155,7 @@ def _output_file(flag: str, plot: bool = False):
 
 def _output_dir(flag: str):
     """An argparse type: a directory to write files in, checked when the command line is read."""
-
-    def parse(text: str) -> str:
-        if not text:
-            raise argparse.ArgumentTypeError("an empty path")
-        try:
-            check_output_dir(text, flag)
-        except KnobError as e:  # argparse names the flag itself
-            raise argparse.ArgumentTypeError(str(e)[len(flag) + 1:])
-        return text
-
-    return parse
+    return lambda text: _checked_path(text, flag, check_output_dir)
 
 
 def _output(path: str | None) -> str | None:
@@ -480,7 +466,7 @@ PROFILE_RATIOS = [0.1, 0.2, 0.3, 0.5]
 
 
 def cmd_profile(args) -> int:
-    from ess.analysis.profiling import plot_profile, profile_traces
+    from ess.analysis.profiling import holds_topk, plot_profile, profile_traces
     from ess.core.trace import load_trace
 
     traces = [(path, load_trace(path)) for path in args.traces]
@@ -488,7 +474,7 @@ def cmd_profile(args) -> int:
     if ratios is None and not args.buffer_tokens:  # the defaults that give top-k + 1 slots at least, said
         first = traces[0][1]
         least = (first.topk.shape[3] + 1) / float(first.context_len.mean())
-        ratios = [r for r in PROFILE_RATIOS if r >= least]
+        ratios = [r for r in PROFILE_RATIOS if holds_topk(first, r)]
         if len(ratios) < len(PROFILE_RATIOS):
             say(f"ess profile: default ratios below {least:.4f} (top-k + 1 slots of {traces[0][0]}'s mean context) "
                 f"left out: profiling {','.join(map(str, ratios)) or 'none'}")
@@ -547,10 +533,6 @@ def _add_sim_args(p, profile: bool = True) -> None:
 
 
 JSON_HELP = "print one JSON document on stdout instead of a table"
-
-
-def _add_force(p) -> None:
-    p.add_argument("--force", action="store_true", help="overwrite an existing output file (refused otherwise)")
 SEED_HELP = "seed of the random weights and prompts"
 SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in ess/analysis/synth.py
     ("requests", POSITIVE, "requests in the trace"),
@@ -569,6 +551,10 @@ SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in
     ("fresh", float, "share of churn drawn from the whole context instead of the pool"),
     ("seed", _seed, "seed of the trace"),
 ]
+
+
+def _add_force(p) -> None:
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file (refused otherwise)")
 
 
 def _add_model_args(p, batch: int, steps_type) -> None:
@@ -748,10 +734,7 @@ def check_args(args) -> None:
             raise ValueError("--warmup-windows sets LRU-Warmup's windows: give --warmup too")
         if args.kernel != "torch" and args.policy != "lru":
             raise ValueError(f"--kernel chooses the LRU step's implementation; --policy {args.policy} would ignore it")
-        if args.lookahead is not None and args.policy != "prefetch":
-            raise ValueError(f"--lookahead is the prefetch policy's; --policy {args.policy} would ignore it")
-        if args.decay_shift is not None and args.policy != "score":
-            raise ValueError(f"--decay-shift is the score policy's; --policy {args.policy} would ignore it")
+        _check_policy_flags(args)
     if command[0] == "profile":
         from ess.analysis.profiling import PLOTS
 
@@ -760,86 +743,99 @@ def check_args(args) -> None:
             raise ValueError(f"--plot {args.plot}: holds {', '.join(there)} already; give --force to overwrite them")
         if args.ratios is not None and args.buffer_tokens is not None:
             raise ValueError("--ratios and --buffer-tokens both size the slots: give one")
-        if args.lookahead is not None and args.policy != "prefetch":
-            raise ValueError(f"--lookahead is the prefetch policy's; --policy {args.policy} would ignore it")
-        if args.decay_shift is not None and args.policy != "score":
-            raise ValueError(f"--decay-shift is the score policy's; --policy {args.policy} would ignore it")
+        _check_policy_flags(args)
     if command[0] == "sim" or command[0] == "plan":
-        if getattr(args, "nvme_gbps", None) is not None and not getattr(args, "disk_tier", False):
-            raise ValueError("--nvme-gbps is the disk tier's drive bandwidth: give --disk-tier too")
-        if getattr(args, "mtp", None) is not None and getattr(args, "context", None) is not None \
-                and args.mtp >= args.context:
-            raise ValueError(f"--mtp {args.mtp}: a verify step's {args.mtp} draft tokens go past the --context "
-                             f"{args.context} positions they extend")
-        if getattr(args, "ep", None) is not None and "model" in args:
-            from ess.analysis.sim.specs import get_model
-
-            experts = get_model(args.model).experts
-            if args.ep > experts:
-                raise ValueError(f"--ep {args.ep}: {args.model} has {experts} routed experts; a GPU past the "
-                                 f"{experts}th would hold none")
-        if getattr(args, "context", None) is not None and "model" in args:
-            from ess.analysis.sim.specs import get_model
-
-            limit = get_model(args.model).max_positions
-            if args.context > limit:
-                raise ValueError(f"--context {args.context}: {args.model} serves at most {limit} positions")
+        _check_sim_args(args)
     if command[:2] == ["sim", "sweep"]:
         _check_sweep_batches(args)
         if args.disk_tier and args.model == "dsv3":
             raise ValueError("--disk-tier extends ESS, which needs sparse attention: --model dsv3 has none")
         if args.batch_min > args.batch_max:
             raise ValueError(f"--batch-min {args.batch_min} is above --batch-max {args.batch_max}: no batch to sweep")
-    if command[:2] == ["sim", "run"] and args.sparse_ratio is None:
+    if command[:2] == ["sim", "run"]:
         given = [flag for flag, on in (("--disk-tier", args.disk_tier), (f"--overlap {args.overlap}", args.overlap != "plan"),
                                        ("--profile", args.profile is not None)) if on]
-        if given:
+        if args.sparse_ratio is None and given:
             raise ValueError(f"{', '.join(given)}: ESS settings; give --sparse-ratio (without it `sim run` simulates "
                              "the baseline)")
-    if command[:2] == ["sim", "run"] and args.overlap == "dba" and not args.tbo:
-        raise ValueError("--overlap dba overlaps one micro-batch's transfer with the other's compute: it needs "
-                         "two-batch overlap (--tbo)")
-    if command[:2] == ["trace", "synth"] and args.context + args.steps > TRACE_POSITIONS:
+        if args.overlap == "dba" and not args.tbo:
+            raise ValueError("--overlap dba overlaps one micro-batch's transfer with the other's compute: it needs "
+                             "two-batch overlap (--tbo)")
+    if command[:2] == ["trace", "synth"]:
+        _check_synth_args(args)
+    if command[:2] == ["trace", "record"] or (command[0] == "demo" and not args.server):
+        _check_model_run_args(args, command[0] == "demo")
+
+
+def _check_policy_flags(args) -> None:
+    """`ess cache replay` and `ess profile`: the flags of one replacement policy only with that policy."""
+    if args.lookahead is not None and args.policy != "prefetch":
+        raise ValueError(f"--lookahead is the prefetch policy's; --policy {args.policy} would ignore it")
+    if args.decay_shift is not None and args.policy != "score":
+        raise ValueError(f"--decay-shift is the score policy's; --policy {args.policy} would ignore it")
+
+
+def _check_sim_args(args) -> None:
+    """`ess sim` and `ess plan`: the flags the simulated model and the disk tier bound."""
+    if getattr(args, "nvme_gbps", None) is not None and not getattr(args, "disk_tier", False):
+        raise ValueError("--nvme-gbps is the disk tier's drive bandwidth: give --disk-tier too")
+    if "context" not in args:  # sim paper, sim calibrate
+        return
+    if args.mtp >= args.context:
+        raise ValueError(f"--mtp {args.mtp}: a verify step's {args.mtp} draft tokens go past the --context "
+                         f"{args.context} positions they extend")
+    from ess.analysis.sim.specs import get_model
+
+    spec = get_model(args.model)
+    if args.ep > spec.experts:
+        raise ValueError(f"--ep {args.ep}: {args.model} has {spec.experts} routed experts; a GPU past the "
+                         f"{spec.experts}th would hold none")
+    if args.context > spec.max_positions:
+        raise ValueError(f"--context {args.context}: {args.model} serves at most {spec.max_positions} positions")
+
+
+def _check_synth_args(args) -> None:
+    """`ess trace synth`: the trace's positions and memory, and the spreads over layers."""
+    if args.context + args.steps > TRACE_POSITIONS:
         raise ValueError(f"--context {args.context} + --steps {args.steps}: a trace's positions are int32, at most "
                          f"{TRACE_POSITIONS}")
-    if command[:2] == ["trace", "synth"]:
-        _check_trace_memory(args)
-        from ess.analysis.synth import SynthOptions
+    _check_trace_memory(args)
+    from ess.analysis.synth import SynthOptions
 
-        d = SynthOptions()
-        spread = [f"--{k.replace('_', '-')}" for k in ("churn_min", "drift_min") if getattr(args, k) != getattr(d, k)]
-        if args.layers == 1 and spread:
-            raise ValueError(f"{', '.join(spread)}: the low end of a spread over layers; with --layers 1 the one layer "
-                             "takes --churn-max and --drift-max")
-    if command[:2] == ["trace", "record"] or command[0] == "demo":
-        if not getattr(args, "server", False):
-            from ess.reference.config import get_config
+    d = SynthOptions()
+    spread = [f"--{k.replace('_', '-')}" for k in ("churn_min", "drift_min") if getattr(args, k) != getattr(d, k)]
+    if args.layers == 1 and spread:
+        raise ValueError(f"{', '.join(spread)}: the low end of a spread over layers; with --layers 1 the one layer "
+                         "takes --churn-max and --drift-max")
 
-            limit = get_config(args.config).max_positions
-            if args.context + args.steps > limit:
-                raise ValueError(f"--context {args.context} + --steps {args.steps}: the {args.config} model serves at "
-                                 f"most {limit} positions")
-    if command[:2] == ["trace", "record"] or (command[0] == "demo" and not args.server):
-        from ess.reference.config import get_config
 
-        topk = args.topk or get_config(args.config).index_topk
-        if topk > args.context:  # the first step would select padding
-            flag = f"--topk {args.topk}" if args.topk else f"--config {args.config}'s top-k {topk}"
-            raise ValueError(f"{flag}: more than the --context {args.context} positions a step can select from")
-    if command[:2] == ["trace", "record"]:
+def _check_model_run_args(args, demo: bool) -> None:
+    """`ess trace record` and the mini-model `ess demo`: the model configuration's positions and top-k, and the
+    demo's own flags."""
+    from ess.reference.config import get_config
+
+    config = get_config(args.config)
+    if args.context + args.steps > config.max_positions:
+        raise ValueError(f"--context {args.context} + --steps {args.steps}: the {args.config} model serves at most "
+                         f"{config.max_positions} positions")
+    topk = args.topk or config.index_topk
+    if topk > args.context:  # the first step would select padding
+        flag = f"--topk {args.topk}" if args.topk else f"--config {args.config}'s top-k {topk}"
+        raise ValueError(f"{flag}: more than the --context {args.context} positions a step can select from")
+    if not demo:
         ranked = args.context + args.steps - topk  # the positions a step's indexer can rank beyond its top-k
         if args.lookahead > ranked:
             raise ValueError(f"--lookahead {args.lookahead}: the indexer ranks at most --context + --steps = "
                              f"{args.context + args.steps} positions, top-k {topk} of them selected: at most "
                              f"{max(0, ranked)} can follow")
-    if command[0] == "demo" and not args.server:
-        given = [f"--{k.replace('_', '-')}" for k, default in SERVER_ONLY.items() if getattr(args, k) != default]
-        if given:
-            raise ValueError(f"{', '.join(given)}: options of `ess demo --server`; give --server too")
-        if args.ess and args.buffer_tokens is not None and args.buffer_tokens > args.context + args.steps:
-            raise ValueError(f"--buffer-tokens {args.buffer_tokens}: more slots than the --context + --steps = "
-                             f"{args.context + args.steps} positions a request holds")
-    if command[0] == "demo" and not args.server and args.disk_dir is not None:
+        return
+    given = [f"--{k.replace('_', '-')}" for k, default in SERVER_ONLY.items() if getattr(args, k) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of `ess demo --server`; give --server too")
+    if args.ess and args.buffer_tokens is not None and args.buffer_tokens > args.context + args.steps:
+        raise ValueError(f"--buffer-tokens {args.buffer_tokens}: more slots than the --context + --steps = "
+                         f"{args.context + args.steps} positions a request holds")
+    if args.disk_dir is not None:
         try:
             check_disk_dir(args.disk_dir, "--disk-dir")
         except KnobError as e:
@@ -867,20 +863,17 @@ def _check_sweep_batches(args) -> None:
                          f"at most {most} requests of --context {args.context}, which every system keeps on the GPU")
 
 
-def _available_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 def _check_trace_memory(args) -> None:
     """A synthetic trace is built in memory: its arrays must fit what this machine has free."""
     from ess.analysis.synth import SynthOptions
 
     need = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk,
                         pool=args.pool).trace_bytes()
-    if need > _available_memory():
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > free:
         raise ValueError(f"--requests {args.requests} x --layers {args.layers} x --topk {args.topk} x --steps "
                          f"{args.steps} (and --pool {args.pool}): a trace of {need / 2**30:.1f} GiB, more than the "
-                         f"{_available_memory() / 2**30:.1f} GiB of memory free here")
+                         f"{free / 2**30:.1f} GiB of memory free here")
 
 
 def _check_outputs(args) -> None:

@@ -34,6 +34,12 @@ def similarity(trace: Trace) -> np.ndarray:
     return (inter / size).mean(axis=(0, 1))
 
 
+def holds_topk(trace: Trace, ratio: float) -> bool:
+    """A ratio of the trace's mean context gives at least top-k + 1 slots (below, buffer_for_ratio would give top-k + 1
+    slots under the ratio's name)."""
+    return math.ceil(ratio * float(trace.context_len.mean())) >= trace.topk.shape[3] + 1
+
+
 def buffer_for_ratio(trace: Trace, ratio: float) -> int:
     """Slots for a ratio: the ratio of the mean context, never below top-k + 1."""
     K = trace.topk.shape[3]
@@ -75,8 +81,8 @@ def profile_traces(
     else:
         if not ratios or any(not 0 < r <= 1 for r in ratios):
             raise ValueError(f"--ratios: one or more ratios in (0, 1], got {ratios}")
-        low = [r for r in ratios if math.ceil(r * ctx0) < K + 1]
-        if low:  # the profile would label top-k + 1 slots with the ratio asked
+        low = [r for r in ratios if not holds_topk(first, r)]
+        if low:
             raise ValueError(f"--ratios {','.join(map(str, low))}: below top-k + 1 = {K + 1} slots of the mean context "
                              f"of {first_name} ({ctx0:.0f} tokens); the smallest ratio is {(K + 1) / ctx0:.4f}")
         pairs = sorted((r, buffer_for_ratio(first, r)) for r in ratios)
