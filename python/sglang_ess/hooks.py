@@ -16,7 +16,7 @@ from sglang_ess import cpu, pd_warmup, sizing
 from sglang_ess.args import EssArgs
 from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.validate import MIB, rank_weight_bytes, resolution_step, runtime_facts
+from sglang_ess.validate import MIB, check_device, resolution_step, runtime_facts
 
 logger = logging.getLogger("sglang_ess")
 
@@ -94,7 +94,7 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
 
 # -- runtime ---------------------------------------------------------------------------------------------------
 def before_load_model(model_runner, *a, **kw):
-    """In each scheduler, before its weights load: the launch's device check (sglang_ess.validate._check_device) again
+    """In each scheduler, before its weights load: the launch's device check (sglang_ess.validate.check_device) again
     with the free memory SGLang measured after its own start-up (`pre_model_load_memory`, what its KV budget is taken
     from), so memory other processes hold is found before the load, not after it."""
     facts = runtime_facts(model_runner.server_args)
@@ -103,12 +103,8 @@ def before_load_model(model_runner, *a, **kw):
         return
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    sa = resolving_view(model_runner.server_args)  # the record as SGLang resolved it
-    weights, source = rank_weight_bytes(sa, facts.layers, facts.query_rows > 1)
-    sizing.check_device_budget(free_gib * 1024 * MIB, f"the free memory of {model_runner.device} before the load",
-                               float(sa.mem_fraction_static), weights, source,
-                               sizing.one_request_device_bytes(facts.layers, facts.context, facts.buffer,
-                                                               facts.query_rows), facts.context, facts.buffer)
+    check_device(resolving_view(model_runner.server_args), facts, free_gib * 1024 * MIB,
+                 f"the free memory of {model_runner.device} before the load")
 
 
 def after_init_sparse_coordinator(result, model_runner, *a, **kw):

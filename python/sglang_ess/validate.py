@@ -123,7 +123,6 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     layers = int(hf_config.num_hidden_layers)
     _check_bounds(ess, cfg, topk, context)
     _check_host_and_disk(ess, cfg, layers, topk, context, buffer, rows)
-    _check_device(cfg, layers, context, buffer, rows)
     # DBA in the plugin is DA under SGLang's two-batch overlap (docs/plugin.md, "Overlap"): each micro-batch's H2D
     # starts at its own indexer and runs under the other micro-batch's work; one batch has no halves to overlap
     tbo = bool(getattr(cfg, "enable_two_batch_overlap", False))
@@ -219,22 +218,28 @@ def rank_weight_bytes(cfg: Any, layers: int, with_mtp: bool) -> tuple[int | None
     return total // tp, f"{total / GIB:.2f} GiB in {cfg.model_path} over --tp-size {tp}"
 
 
-def _check_device(cfg: Any, layers: int, context: int, buffer: int, rows: int) -> None:
-    """SGLang's static budget for the device (its capacity, as SGLang reads it, x --mem-fraction-static) less the
-    weights must hold one ESS request, checked before the weights load. The scheduler checks again with the free
-    memory it measures before its load (sglang_ess.hooks.before_load_model)."""
-    from sglang.srt.utils.common import get_device_memory_capacity
+def check_device(cfg: Any, facts: EssFacts, memory_bytes: float, source: str) -> None:
+    """SGLang's static budget (memory_bytes x --mem-fraction-static) less the checkpoint's weights on this rank must
+    hold one ESS request (sglang_ess.sizing.check_device_budget). cfg: the resolved record."""
     from sglang_ess import sizing
+
+    weights, where = rank_weight_bytes(cfg, facts.layers, facts.query_rows > 1)
+    sizing.check_device_budget(memory_bytes, source, float(cfg.mem_fraction_static), weights, where,
+                               sizing.one_request_device_bytes(facts.layers, facts.context, facts.buffer, facts.query_rows),
+                               facts.context, facts.buffer)
+
+
+def _check_device_capacity(cfg: Any, facts: EssFacts) -> None:
+    """At launch, before any weight loads: check_device on the device's capacity as SGLang reads it. Each scheduler
+    checks again with the free memory it measures before its load (sglang_ess.hooks.before_load_model)."""
+    from sglang.srt.utils.common import get_device_memory_capacity
 
     capacity_mib = get_device_memory_capacity(cfg.device)
     if capacity_mib is None or cfg.mem_fraction_static is None:
         logger.info("ESS: the device memory is checked in the scheduler, before its load: SGLang reads no capacity "
                     "for --device %s here", cfg.device)
         return
-    weights, source = rank_weight_bytes(cfg, layers, rows > 1)
-    sizing.check_device_budget(capacity_mib * MIB, f"the {cfg.device} device's capacity", float(cfg.mem_fraction_static),
-                               weights, source, sizing.one_request_device_bytes(layers, context, buffer, rows),
-                               context, buffer)
+    check_device(cfg, facts, capacity_mib * MIB, f"the {cfg.device} device's capacity")
 
 
 MIB = 1 << 20
@@ -285,6 +290,10 @@ def runtime_facts(server_args: Any) -> EssFacts | None:
 
 
 def resolution_step(server_args: Any, previous) -> None:
-    """Registered around SGLang's `handle_other_validations`."""
+    """Registered around SGLang's `handle_other_validations`: the launch's checks, once, in the launcher."""
     previous(server_args)
-    validate_server_args(server_args)
+    facts = validate_server_args(server_args)
+    if facts is not None and facts.role != "pd-prefill":
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        _check_device_capacity(resolving_view(server_args), facts)

@@ -343,8 +343,7 @@ def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
     hf = ModelConfig(model_dir(tmp_path)).hf_config
     cfg = argparse.Namespace(enable_hisparse=False, kv_cache_dtype="fp8_e4m3", dsa_decode_backend="flashmla_kv",
                              dsa_prefill_backend="flashmla_kv", disaggregation_mode="decode", context_length=32768, speculative_algorithm="EAGLE",
-                             speculative_num_draft_tokens=3, chunked_prefill_size=8192, tp_size=1, pp_size=1, nnodes=1,
-                             device="cpu", mem_fraction_static=None)  # no capacity check here
+                             speculative_num_draft_tokens=3, chunked_prefill_size=8192, tp_size=1, pp_size=1, nnodes=1)
     with pytest.raises(EssArgsError, match="3 verify rows x \\(top-k \\+ 1\\) = 6147"):
         validate_model(EssArgs(enable=True, buffer_tokens=6144), cfg, hf)
     facts = validate_model(EssArgs(enable=True, buffer_tokens=6400), cfg, hf)
