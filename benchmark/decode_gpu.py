@@ -341,9 +341,7 @@ def hisparse_largest_batch(budget: float, layers: int, context: int, buffer: int
     """HiSparse's most requests in the budget: index-K of every token, and device latent rows for half the tokens
     (its logical space is host_to_device_ratio x the device pool) but at least its buffer and reserved page each."""
     device_tokens = max(-(-context // HISPARSE_HOST_RATIO), buffer + PAGE_TOKENS)
-    per_request = layers * (device_tokens * layout.LATENT_ROW_BYTES + context * layout.INDEX_ROW_BYTES)
-    b = int(budget // per_request)
-    return min(b, cap) if cap else b
+    return requests_in(budget, layers * (device_tokens * layout.LATENT_ROW_BYTES + context * layout.INDEX_ROW_BYTES), cap)
 
 
 def slots(s: Setup, ratio: float, context: int) -> int:
@@ -352,7 +350,10 @@ def slots(s: Setup, ratio: float, context: int) -> int:
 
 def largest_batch(budget: float, layers: int, context: int, buffer: int | None, cap: int | None) -> int:
     """The most requests whose device caches (latent and index-K, or index-K and C slots) fit the budget."""
-    per_request = cache_bytes(layers, context, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, buffer)
+    return requests_in(budget, cache_bytes(layers, context, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, buffer), cap)
+
+
+def requests_in(budget: float, per_request: int, cap: int | None) -> int:
     b = int(budget // per_request)
     return min(b, cap) if cap else b
 

@@ -143,7 +143,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         own = token_table[req.long(), (seq_lens.long() - 1).clamp(min=0)].long()
         locs = top_k.long() if fused else torch.where(
             top_k >= 0, token_table[req.long().unsqueeze(1), top_k.long().clamp(min=0)].long(), -1)
-        selected = torch.unique(locs[(locs >= 0) & ~torch.isin(locs, own)])
+        mine = torch.isin(locs, own)  # the own rows: this layer writes them, nothing reads them from the host
+        selected = torch.unique(locs[(locs >= 0) & ~mine])
         need = torch.cat([selected, own])
         n = need.shape[0]
         self._stage_room(n)
@@ -152,7 +153,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self._stage_locs = None  # nothing more to stage for this layer
         rows = torch.arange(FIRST_ROW, FIRST_ROW + selected.shape[0], device=need.device)
         self._pages_in(layer, selected)
-        self._check_read(layer, torch.where(torch.isin(locs, own), -1, locs), req.unsqueeze(1))
+        if self.ess_tier is not None:
+            self.ess_tier.check_read(layer, torch.where(mine, -1, locs), req.unsqueeze(1))
         flashtrans.gather(self.ess_host[layer], self._host_rows(layer, selected), self.ess_stage[:, 0], rows, self.backend)
 
     def _stage_layer(self, layer: int) -> None:

@@ -11,6 +11,7 @@ from ess.analysis.sim.cost import Calibration, Deployment, EssSetting
 from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
 from ess.analysis.sim.profile import moved_rows_at, synthetic_profile
 from ess.analysis.sim.specs import GIB, ModelSpec, get_hardware, get_model
+from ess.core.settings import KnobError, capacity
 
 OVERLAP_CHOICES = ("none", "da", "dba", "plan")
 
@@ -232,12 +233,13 @@ def plot_sweep(result: dict, path: str, title: str) -> None:
 
 
 def check_slots(spec: ModelSpec, sparse_ratio: float, context: int) -> None:
-    """ESS's slots at a ratio hold a step's top-k set and its own token, as the plugin requires."""
-    slots = -(-int(sparse_ratio * context * 1e9) // int(1e9))  # ceil, robust to the float's last bit
-    if slots < spec.index_topk + 1:
-        raise ValueError(f"--sparse-ratio {sparse_ratio} x --context {context} = {slots} slots, below top-k + 1 = "
-                         f"{spec.index_topk + 1} (the plugin refuses it); the smallest ratio at this context is "
-                         f"{(spec.index_topk + 1) / context:.4f}")
+    """ESS's slots at a ratio hold a step's top-k set and its own token, as the plugin requires (the plugin's own
+    rule: ess.core.settings.capacity)."""
+    try:
+        capacity(None, sparse_ratio, context, spec.index_topk, {"buffer_tokens": "--buffer-tokens",
+                                                               "sparse_ratio": "--sparse-ratio"})
+    except KnobError as e:
+        raise ValueError(f"{e}; the smallest ratio at --context {context} is {(spec.index_topk + 1) / context:.4f}") from e
 
 
 def fit_calibration(hardware: str = HARDWARE) -> dict:
