@@ -140,6 +140,11 @@ def write_prompts(tokens, stock_pool, ess_pool, layers, ctx, gen):
             pool.set_mla_kv_buffer(layer, loc, nope.bfloat16(), rope.bfloat16())
 
 
+def random_topk(pos: torch.Tensor, rng) -> torch.Tensor:
+    """K distinct causal positions for each query row at positions pos, as an indexer's top-k."""
+    return torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+
+
 def decode_batch(tokens, req, pos):
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -179,7 +184,7 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
         assert ess.get_indexer_metadata(0, batch).force_unfused_topk
         rt.start_forward()
         for layer in layers:
-            topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+            topk = random_topk(pos, rng)
             q = torch.randn(len(REQ), HEADS, 512, generator=gen).bfloat16()
             q_rope = torch.randn(len(REQ), HEADS, 64, generator=gen).bfloat16()
             k = torch.randn(len(REQ), 1, 512, generator=gen).bfloat16()
@@ -290,7 +295,7 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
         stock.init_forward_metadata(batch)
         rt.start_forward()
         for layer in layers:
-            topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+            topk = random_topk(pos, rng)
             q = torch.randn(len(pos), HEADS, 576, generator=gen).bfloat16()
             k = torch.randn(len(pos), 1, 576, generator=gen).bfloat16()
             with forward_context(ForwardContext(attn_backend=ess)):
@@ -470,7 +475,7 @@ def test_a_decode_step_relabelled_by_dp_attention_reads_its_rows_without_losing_
         stock.init_forward_metadata(stock_batch)
         rt.start_forward()
         for layer in layers:
-            topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
+            topk = random_topk(pos, rng)
             q = torch.randn(len(REQ), HEADS, 576, generator=gen).bfloat16()
             k = torch.randn(len(REQ), 1, 576, generator=gen).bfloat16()
             call = "forward_extend" if relabel else "forward_decode"
