@@ -405,8 +405,9 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
             for mode, m in results.items():
                 sim_attn = lc.pre_indexer + lc.indexer + lc.pre_attn + lc.attention  # seconds per layer
                 if ratio is not None or hisparse:
-                    h2d = cost.h2d_seconds(batch, m["misses"], spec, cal)
-                    sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, cal))
+                    costs = cost.modelled(cal, spec)
+                    h2d = cost.h2d_seconds(batch, m["misses"], costs)
+                    sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, costs, batch))
                                     for md in (m["modes"] or ["none" if hisparse else mode] * s.layers)) / s.layers
                 step_ms = m["attention_ms"] + s.layers * rest_ms
                 row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S,

@@ -320,6 +320,34 @@ def cmd_cache_replay(args) -> int:
     return 0
 
 
+def _measured_table(rows: list[dict], measured) -> Table:
+    """The paper's ESS points predicted twice: ESS's own terms modelled and measured, with the term that differs most."""
+    table = Table(title=f"ESS rows, modelled against measured ESS terms ({measured.source})")
+    for c in ("context", "mtp / accept", "batch", "ratio", "modelled tok/s", "measured tok/s", "change",
+              "plan (measured)", "differs most: modelled -> measured ms per step"):
+        table.add_column(c, justify="right")
+    for r in rows:
+        m, d = r["measured"], r["differs_most"]
+        table.add_row(str(r["context"]), f"{r['mtp']} / {r['accept_ratio']}", str(r["batch_size"]), str(r["sparse_ratio"]),
+                      str(r["throughput"]), str(m["throughput"]), f"{m['throughput'] / r['throughput'] - 1:+.1%}",
+                      " ".join(f"{k} {v}" for k, v in m["plan"].items() if v),
+                      f"{d['term']}: {d['modelled']} -> {d['measured']}")
+    return table
+
+
+def _headline_table(heads: list[dict]) -> Table:
+    table = Table(title="the paper's headline gains: the throughput they imply against each prediction")
+    for c in ("context", "mtp / accept", "batch", "paper gain", "paper tok/s", "modelled (batch): error",
+              "measured (batch): error"):
+        table.add_column(c, justify="right")
+    for h in heads:
+        cells = [f"{h[k]['throughput']} ({h[k]['batch_size']}): {h[k]['error_vs_paper']:+.1%}" if k in h else ""
+                 for k in ("modelled", "measured")]
+        table.add_row(str(h["context"]), f"{h['mtp']} / {h['accept_ratio']}", str(h["batch_size"] or "best"),
+                      f"{h['paper_gain']:+.1%}", str(h["paper_throughput"]), *cells)
+    return table
+
+
 def _sim_cell(row: dict, col: str) -> str:
     v = row.get(col)
     if col == "fits_memory":  # why not: the largest batch that fits at this ratio
@@ -353,12 +381,34 @@ def _profile_arg(args):
     return load_profile(args.profile) if getattr(args, "profile", None) else None
 
 
+def _measured_arg(args):
+    """`--measured KIT [BOOKKEEPING]`: ESS's own terms from a GPU run (ess.analysis.sim.measured), read before any
+    work; the simulated part and the measured device are named when they differ."""
+    from ess.analysis.sim.measured import load_measured
+
+    if not getattr(args, "measured", None):
+        return None
+    m = load_measured(args.measured)
+    part = getattr(args, "hardware", "H200")
+    if part.lower() not in m.device.lower():
+        say(f"--measured: ESS's terms were measured on {m.device}; the rest of the step is modelled for {part}")
+    return m
+
+
+def _measured_notes(measured) -> None:
+    """What the measurements lacked and the simulator assumed (known once the rows are computed)."""
+    for note in measured.assumed if measured is not None else ():
+        say(f"--measured: assumed: {note}")
+
+
 def cmd_sim_run(args) -> int:
     from ess.analysis.sim.engine import simulate
 
+    measured = _measured_arg(args)
     row = simulate(model=args.model, hardware=args.hardware, context=args.context, mtp=args.mtp, accept=args.accept,
                    batch=args.batch_size, sparse_ratio=args.sparse_ratio, tbo=args.tbo, overlap=args.overlap, ep=args.ep,
-                   profile=_profile_arg(args), disk_tier=args.disk_tier, nvme_gbps=args.nvme_gbps)
+                   profile=_profile_arg(args), disk_tier=args.disk_tier, nvme_gbps=args.nvme_gbps, measured=measured)
+    _measured_notes(measured)
     if args.disk_tier and not row.get("disk_share"):
         say(f"--disk-tier: batch {args.batch_size}'s host pool fits the host budget, so nothing of this step is on disk")
     _emit(args, row, _sim_table([row], f"ess sim run ({args.model} on {args.hardware})"))
@@ -366,13 +416,24 @@ def cmd_sim_run(args) -> int:
 
 
 def cmd_sim_paper(args) -> int:
-    from ess.analysis.sim.engine import dsv3_check, paper_table
+    from ess.analysis.sim.engine import dsv3_check, paper_headlines, paper_table
+    from ess.analysis.sim.profile import load_profile
 
-    rows, check = paper_table(), dsv3_check()
+    measured = _measured_arg(args)
+    profiles = [load_profile(p) for p in args.profile or []]
+    rows, check = paper_table(profiles=profiles, measured=measured), dsv3_check()
+    heads = paper_headlines(rows)
+    _measured_notes(measured)
     if args.json:
-        print(json.dumps({"rows": rows, "dsv3_check": check}))
+        doc = {"rows": rows, "headlines": heads, "dsv3_check": check}
+        if measured is not None:
+            doc["measured"] = measured.describe()
+        print(json.dumps(doc))
         return 0
     out.print(_sim_table(rows, "ESS paper evaluation, simulated (H200, EP 32; ESS rows: per-layer plan)"))
+    if measured is not None:
+        out.print(_measured_table([r for r in rows if "measured" in r], measured))
+    out.print(_headline_table(heads))
     out.print("ESS rows are the paper's (batch, ratio) pairs as given: they exceed the cache budget that reproduces its "
               "baseline batch by a few requests (fits_memory: the largest batch at that ratio; README, simulator).")
     out.print(f"DeepSeek-V3 check (H800, EP 144, KV 4989, batch {check['batch_size']}): {check['throughput']} "
@@ -384,8 +445,10 @@ def cmd_sim_sweep(args) -> int:
     from ess.analysis.sim.engine import plot_sweep, sweep
 
     batches = list(range(args.batch_min, args.batch_max + 1, args.batch_step))
+    measured = _measured_arg(args)
     result = sweep(batches, args.context, args.mtp, args.accept, args.model, args.hardware, args.tbo, args.ep, _profile_arg(args),
-                   args.disk_tier, args.nvme_gbps)
+                   args.disk_tier, args.nvme_gbps, measured)
+    _measured_notes(measured)
     if args.plot:
         plot_sweep(result, _output(args.plot), f"{args.model} on {args.hardware}, context {args.context}, MTP {args.mtp} "
                    f"(accept {args.accept}), EP {args.ep}, TBO {'on' if args.tbo else 'off'}")
@@ -505,8 +568,10 @@ def cmd_plan(args) -> int:
     from ess.analysis.planning import make_plan
     from ess.analysis.sim.profile import load_profile
 
+    measured = _measured_arg(args)
     plan = make_plan(load_profile(args.profile), args.hardware, args.context, args.batch_size, args.mtp, args.accept,
-                     args.sparse_ratio, args.model, args.ep, args.tbo)
+                     args.sparse_ratio, args.model, args.ep, args.tbo, measured)
+    _measured_notes(measured)
     if args.out:
         with open(_output(args.out), "w") as f:
             json.dump(plan, f)
@@ -529,7 +594,14 @@ def _add_sim_args(p, profile: bool = True) -> None:
     p.add_argument("--tbo", action=argparse.BooleanOptionalAction, default=True, help="Two-Batch Overlap")
     if profile:
         p.add_argument("--profile", help="miss profile JSON from `ess profile` (default: the synthetic one)")
+    _add_measured(p)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def _add_measured(p) -> None:
+    p.add_argument("--measured", nargs="+", metavar="FILE",
+                   help="ESS's own terms (FlashTrans by rows, LRU step, DA/DBA overhead) from a GPU run: the kit's "
+                        "kit.json, then optionally bookkeeping.json (docs/simulator.md); default: modelled")
 
 
 JSON_HELP = "print one JSON document on stdout instead of a table"
@@ -643,6 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --disk-tier: a node's NVMe read bandwidth in GB/s (default: the profile's, assumed 48)")
     run.set_defaults(func=cmd_sim_run)
     paper = ssub.add_parser("paper", help="the ESS paper's evaluation table, predicted")
+    paper.add_argument("--profile", nargs="+", metavar="FILE",
+                       help="miss profiles from `ess profile`: each ESS row uses the one recorded nearest its context "
+                            "(default: the synthetic one)")
+    _add_measured(paper)
     paper.add_argument("--json", action="store_true", help=JSON_HELP)
     paper.set_defaults(func=cmd_sim_paper)
     sw = ssub.add_parser("sweep", help="throughput and OTPS against batch size, with a plot")

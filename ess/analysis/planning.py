@@ -9,7 +9,9 @@ from ess.core.plan import FORMAT, MODES, PlanError
 
 
 def make_plan(profile: dict, hardware: str, context: int, batch: int, mtp: int = 2, accept: float = 1.7,
-              sparse_ratio: float | None = None, model: str = "dsv32", ep: int = 32, tbo: bool = True) -> dict:
+              sparse_ratio: float | None = None, model: str = "dsv32", ep: int = 32, tbo: bool = True,
+              measured=None) -> dict:
+    """measured: ESS's own terms from a GPU run (ess.analysis.sim.measured); default: modelled."""
     spec, hw = get_model(model), get_hardware(hardware)
     if spec.index_topk is None:
         raise ValueError(f"--model {model}: no sparse attention, nothing to plan")
@@ -28,11 +30,11 @@ def make_plan(profile: dict, hardware: str, context: int, batch: int, mtp: int =
     check_slots(spec, sparse_ratio, context)
     misses = layer_misses(spec, mtp, profile, sparse_ratio)
     n = len(misses)
-    layers = plan_layers(spec, hw, cal, dep, batch, context, mtp, misses)
+    layers = plan_layers(spec, hw, cal, dep, batch, context, mtp, misses, measured)
     modes = [mode for mode, _ in layers]
     exposed = [round(e * 1e6, 3) for _, e in layers]
     common = dict(model=model, hardware=hardware, context=context, mtp=mtp, accept=accept, batch=batch,
-                  sparse_ratio=sparse_ratio, tbo=tbo, ep=ep, profile=profile)
+                  sparse_ratio=sparse_ratio, tbo=tbo, ep=ep, profile=profile, measured=measured)
     planned, serial = simulate(overlap="plan", **common), simulate(overlap="none", **common)
     return {
         "format": FORMAT,
@@ -43,6 +45,7 @@ def make_plan(profile: dict, hardware: str, context: int, batch: int, mtp: int =
         "mtp": mtp,
         "sparse_ratio": round(sparse_ratio, 6),
         "profile_source": profile.get("source"),
+        "ess_costs": measured.source if measured is not None else "modelled",
         "num_layers": n,
         "modes": modes,
         "counts": {m: modes.count(m) for m in MODES},

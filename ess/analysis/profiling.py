@@ -14,7 +14,7 @@ import numpy as np
 
 from ess.analysis.replay import replay_counts, replay_misses
 from ess.analysis.sim.profile import FORMAT
-from ess.core.settings import DEFAULT_DECAY_SHIFT
+from ess.core.settings import DEFAULT_DECAY_SHIFT, PAGE_TOKENS
 from ess.core.trace import Trace
 
 
@@ -32,6 +32,32 @@ def similarity(trace: Trace) -> np.ndarray:
     inter = (np.isin(key_cur, key_prev) & (cur >= 0)).sum(-1)
     size = np.maximum((cur >= 0).sum(-1), 1)
     return (inter / size).mean(axis=(0, 1))
+
+
+DISK_SHARES = [round(0.05 * i, 2) for i in range(21)]  # the page shares `page_access` reports
+
+
+def page_access(trace: Trace, shares: list[float] = DISK_SHARES) -> dict:
+    """How the decode steps' top-k accesses spread over latent pages (PAGE_TOKENS rows of one layer): per share x of a
+    request-layer's pages, ranked coldest first by their access count over the trace, the share of accesses they
+    receive, averaged over requests and layers. A disk tier that keeps the hottest pages in host frames (KVDrive's
+    placement by access frequency) reads from disk the accesses of its coldest `disk_share` pages; the ranking uses
+    the whole trace's counts (hindsight), where a running tier ranks by the counts so far (docs/simulator.md)."""
+    t = trace.topk  # [R, steps, layers, K]
+    R, _, L, _ = t.shape
+    pages = -(-(int(trace.context_len.max()) + t.shape[1]) // PAGE_TOKENS)
+    sel = t >= 0
+    group = np.broadcast_to(np.arange(R)[:, None, None, None] * L + np.arange(L)[None, None, :, None], t.shape)
+    counts = np.bincount((group * pages + t // PAGE_TOKENS)[sel], minlength=R * L * pages).reshape(R * L, pages)
+    # each request-layer over the pages its context spans
+    span = -(-(trace.context_len + t.shape[1]) // PAGE_TOKENS)  # [R]
+    out = np.zeros(len(shares))
+    for r in range(R):  # a request's pages: its own context (requests differ in length)
+        c = np.sort(counts[r * L:(r + 1) * L, : span[r]], axis=1)  # coldest first
+        cum = np.concatenate([np.zeros((L, 1)), np.cumsum(c, axis=1)], axis=1) / np.maximum(c.sum(1, keepdims=True), 1)
+        x = np.linspace(0, 1, span[r] + 1)
+        out += np.mean([np.interp(shares, x, row) for row in cum], axis=0)
+    return {"disk_share": list(shares), "access_share": [round(float(v), 5) for v in out / R]}
 
 
 def holds_topk(trace: Trace, ratio: float) -> bool:
@@ -141,6 +167,7 @@ def profile_traces(
             "warmup": None if warm_curve is None else [round(float(x), 3) for x in warm_curve],
         },
         "by_context": sorted(by_context, key=lambda d: d["context"]),
+        "page_access": page_access(first),
     }
     if policy == "prefetch":
         doc["mean_prefetched"] = [[round(float(x), 4) for x in m] for m in mean_prefetched]

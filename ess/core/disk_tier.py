@@ -11,13 +11,17 @@ FlashTrans gathers and scatters work unchanged on `data[layer]`.
 
 Frames are shared by all layers, recycled least recently used first; a page one call uses is pinned for the call.
 A page enters a frame from disk (a read, waited for: exposed) or empty (never written); a frame leaves with a write
-of its page if the page changed since its last write. `clean` writes changed pages in the background and `prefetch`
+of its page if the page changed since its last write. The decode path's reads (`ensure_rows`: a step's misses, the
+warm-up's rows) read only the 4 KiB sectors that hold the rows they need: the page enters its frame with those rows
+valid, and its other rows are read when a later call needs them, or all of them when a caller writes the page
+(`ensure`); `report()` counts the bytes read against the bytes of the rows needed (read amplification). `clean` writes changed pages in the background and `prefetch`
 starts reading pages a coming step is likely to need. Reads and writes are direct I/O (O_DIRECT, buffered where the
 file system refuses it) from a thread pool. Frames are host memory the device reads and writes asynchronously: before
 a frame changes page or is written out, the device is synchronised (a tier therefore runs outside CUDA graphs).
-Every page on disk carries, in its alignment padding, the CRC-32 of its rows and its own page number: a page read back
-changed, or from another page's place, is refused naming the file and the page (it stays on disk; nothing is read
-into the frame). A serving tier (quarantine=True) goes on instead: the page enters its frame with its rows zeroed
+Every page on disk carries, in its alignment padding, the CRC-32 of its rows and its own page number, and the tier
+keeps each row's CRC-32 (seeded with the row's place) in host memory for the reads of single rows: a page or row read
+back changed, or from another place, is refused naming the file and the page (it stays on disk; nothing is read
+into the frame). A serving tier (quarantine=True) goes on instead: the page (or the rows) enters its frame zeroed
 and *lost* (`lost`, per row), each read of a lost row is charged to its reader (`check_read` -> `lost_reads`: the
 serving path aborts that request), and a row stops being lost when it is written again (`rewritten`: a new token at
 that location).
@@ -42,6 +46,7 @@ from ess.core.settings import DISK_PAGE_BYTES, PAGE_TOKENS, KnobError, check_dis
 PAGE_BYTES = PAGE_TOKENS * layout.LATENT_ROW_BYTES
 DISK_PAGE = DISK_PAGE_BYTES  # PAGE_BYTES, 4 KiB-aligned for direct I/O
 IO_THREADS = 8
+SECTOR = 4096  # the unit of a direct-I/O read
 SEAL = np.dtype([("crc", "<u4"), ("page", "<u4")])  # after a page's rows, in its alignment padding
 assert DISK_PAGE - PAGE_BYTES >= SEAL.itemsize, "a disk page's padding holds its seal"
 # the flags each message names, by role (the reference's demo flags here; the plugin passes its own)
@@ -91,6 +96,7 @@ class DiskFile:
             self.direct = False  # the file system refuses direct I/O (tmpfs): buffered I/O
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         os.unlink(path)  # the open descriptor keeps the pages: the file goes with the process, however it ends
+        self.row_crc = np.zeros((pages, PAGE_TOKENS), dtype=np.uint32)  # each written row's CRC, for read_rows
         try:
             os.posix_fallocate(self.fd, 0, need)
         except OSError as e:
@@ -102,15 +108,23 @@ class DiskFile:
     def _buffer(self) -> mmap.mmap:
         return mmap.mmap(-1, DISK_PAGE)  # page-aligned, as direct I/O needs
 
+    @staticmethod
+    def _row_crc(page: int, row: int, data) -> int:
+        """A row's CRC-32 seeded with its place: the same bytes read from another row or page do not match."""
+        return zlib.crc32(data, (page * PAGE_TOKENS + row) & 0xFFFFFFFF)
+
     def write(self, page: int, data: np.ndarray) -> None:
         buf = self._buffer()
         rows = data.tobytes()
+        row_bytes = layout.LATENT_ROW_BYTES
+        crcs = [self._row_crc(page, r, rows[r * row_bytes:(r + 1) * row_bytes]) for r in range(PAGE_TOKENS)]
         buf[:PAGE_BYTES] = rows
         buf[PAGE_BYTES:PAGE_BYTES + SEAL.itemsize] = np.array([(zlib.crc32(rows), page)], dtype=SEAL).tobytes()
         n = os.pwrite(self.fd, buf, page * DISK_PAGE)
         if n != DISK_PAGE:
             raise DiskTierError(f"{self.flags['disk_dir']}: short write of page {page} ({n} of {DISK_PAGE} bytes); "
                                 "the page stays in host memory")
+        self.row_crc[page] = crcs
 
     def read(self, page: int, out: np.ndarray) -> None:
         buf = self._buffer()
@@ -124,6 +138,33 @@ class DiskFile:
             raise PageChecksumError(f"{self.flags['disk_dir']}: page {page} of {self.path} fails its checksum (the "
                                     "file was changed under the tier)", page)
         out[:] = np.frombuffer(rows, dtype=np.uint8).reshape(out.shape)
+
+    def read_rows(self, page: int, rows: np.ndarray, out: np.ndarray) -> tuple[int, np.ndarray]:
+        """Rows `rows` (indices within the page) of a written page into out[rows] (out: the page's [64, 656] frame
+        view), reading only the 4 KiB sectors that hold them, each run of adjacent sectors in one read. Returns
+        (bytes read, the rows whose CRC fails: they are not copied). A short read raises, nothing copied."""
+        row_bytes = layout.LATENT_ROW_BYTES
+        start = rows.astype(np.int64) * row_bytes
+        need = np.zeros(DISK_PAGE // SECTOR, dtype=bool)
+        for first, last in zip((start // SECTOR).tolist(), ((start + row_bytes - 1) // SECTOR).tolist()):
+            need[first:last + 1] = True
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], need.astype(np.int8), [0]])))  # run starts and ends
+        data = np.zeros(DISK_PAGE, dtype=np.uint8)
+        read = 0
+        for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            buf = mmap.mmap(-1, (b - a) * SECTOR)  # page-aligned, as direct I/O needs
+            n = os.preadv(self.fd, [buf], page * DISK_PAGE + a * SECTOR)
+            if n != len(buf):
+                raise DiskTierError(f"{self.flags['disk_dir']}: short read of page {page} ({n} of {len(buf)} bytes "
+                                    f"at sector {a}); the page stays on disk")
+            data[a * SECTOR:b * SECTOR] = np.frombuffer(buf, dtype=np.uint8)
+            read += n
+        got = data[:PAGE_BYTES].reshape(PAGE_TOKENS, row_bytes)
+        bad = np.array([self._row_crc(page, r, got[r].tobytes()) != self.row_crc[page, r] for r in rows.tolist()],
+                       dtype=bool).reshape(-1)
+        good = rows[~bad]
+        out[good] = got[good]
+        return read, rows[bad]
 
     def close(self) -> None:
         if getattr(self, "pool", None) is not None:
@@ -158,6 +199,7 @@ class PagedHostTier:
         self.frame_of = np.full(n, -1, dtype=np.int64)  # the same map on the host
         self.page_in = np.full(self.frames, -1, dtype=np.int64)  # frame -> page
         self.last_use = np.zeros(self.frames, dtype=np.int64)
+        self.valid = np.zeros((self.frames, PAGE_TOKENS), dtype=bool)  # the frame's rows that hold its page's rows
         self.written = np.zeros(n, dtype=bool)  # the file holds the page's rows
         self.dirty = np.zeros(n, dtype=bool)  # the frame's rows are newer than the file's
         self.pending: dict[int, concurrent.futures.Future] = {}  # frame -> its read or write in flight
@@ -169,8 +211,11 @@ class PagedHostTier:
         self.lost_reads: dict[int, str] = {}  # reader -> the message of a lost row it read (check_read)
         # host_hits / disk_faults: pages a call needed that were in a frame / that it read from disk and waited for
         # (pages never written are neither); disk_reads: those reads and the prefetches
+        # (whole pages); row_reads: pages read in part by ensure_rows, sector_bytes_read what those reads moved and
+        # row_bytes_used the bytes of the rows they were for
         self.stats = {"disk_reads": 0, "disk_writes": 0, "prefetch_hits": 0, "host_hits": 0, "disk_faults": 0,
-                      "exposed_disk_ms": 0.0, "checksum_failures": 0}
+                      "exposed_disk_ms": 0.0, "checksum_failures": 0, "row_reads": 0, "sector_bytes_read": 0,
+                      "row_bytes_used": 0}
 
     # -- addressing (device ops) ----------------------------------------------------------------------------------
     def rows(self, layer: int, v: torch.Tensor) -> torch.Tensor:
@@ -306,7 +351,7 @@ class PagedHostTier:
                 self._quarantine(p, stage[5:])
             self.stats["disk_reads"] += int(self.written[p])
             self.stats["disk_faults"] += int(self.written[p])
-            self.page_in[f], self.last_use[f] = p, self.clock
+            self.page_in[f], self.last_use[f], self.valid[f] = p, self.clock, True
             self._map(p, f)
         if failed is not None:
             raise DiskTierError(failed)
@@ -325,6 +370,11 @@ class PagedHostTier:
             frames = self.frame_of[need]
             held = frames >= 0
             self._settle_frames(frames[held])
+            part = held & ~self.valid[np.maximum(frames, 0)].all(1)
+            for f, p in zip(frames[part].tolist(), need[part].tolist()):  # read in part (never changed): whole now
+                self.page_in[f] = -1
+                self._map(p, -1)
+            held &= ~part
             self.stats["host_hits"] += int(held.sum())
             self.stats["prefetch_hits"] += int(self.prefetched[need[held]].sum())
             self.prefetched[need[held]] = False
@@ -340,6 +390,89 @@ class PagedHostTier:
         finally:
             self._publish()
             self.stats["exposed_disk_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def ensure_rows(self, layer: int, v: torch.Tensor) -> None:
+        """Virtual rows v on `layer` (negative ones ignored) in frames before the caller reads them (a read-only use:
+        a caller that writes rows takes whole pages with `ensure`). A page in a frame serves the rows it holds; a page
+        out of the frames takes one (free, then least recently used; pages of this call pinned) and, like the rows a
+        held page lacks, reads only the sectors that hold the rows (DiskFile.read_rows), in parallel from the thread
+        pool, waited for (exposed). A page never written enters whole (zeros), without I/O."""
+        t0 = time.perf_counter()
+        self.clock += 1
+        v = v.long().flatten()
+        v = torch.unique(v[(v >= 0) & (v < self.V)]).cpu().numpy()  # host values: syncs, as pages() does
+        page_of, row_of = layer * self.P + v // PAGE_TOKENS, v % PAGE_TOKENS
+        need = np.unique(page_of)
+        if need.size > self.frames:
+            raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
+                                "one layer's step needs; raise it")
+        try:
+            frames = self.frame_of[need]
+            held = frames >= 0
+            self._settle_frames(frames[held])
+            self.stats["host_hits"] += int(held.sum())
+            self.stats["prefetch_hits"] += int(self.prefetched[need[held]].sum())
+            self.prefetched[need[held]] = False
+            self.last_use[frames[held]] = self.clock
+            missing = need[~held]
+            if missing.size:
+                self._quiesce()
+                keep = np.zeros(self.frames, dtype=bool)
+                keep[frames[held]] = True
+                for f, p in zip(self._victims(missing.size, keep).tolist(), missing.tolist()):
+                    self._evict(f)  # usually clean: `clean` wrote changed pages in the background
+                    self.frame_view(f)[:] = 0
+                    self.page_in[f], self.last_use[f] = p, self.clock
+                    self.valid[f] = not self.written[p]  # a page never written is whole: zeros
+                    self._map(p, f)
+                frames = self.frame_of[need]
+            jobs = []
+            for f, p in zip(frames.tolist(), need.tolist()):
+                rows = np.unique(row_of[page_of == p])
+                rows = rows[~self.valid[f, rows]]
+                if rows.size:
+                    jobs.append((f, p, rows, self.file.pool.submit(self.file.read_rows, p, rows, self.frame_view(f))))
+            self._finish_row_reads(jobs)
+        finally:
+            self._publish()
+            self.stats["exposed_disk_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _finish_row_reads(self, jobs: list) -> None:
+        """Wait for ensure_rows' reads. A row whose CRC fails is refused (its page leaves the frame, as a failed page
+        read leaves its page on disk), or, quarantining, enters zeroed and lost; the first failure raises after every
+        other read is in place."""
+        failed = None
+        for f, p, rows, fut in jobs:
+            try:
+                nbytes, bad = fut.result()
+            except DiskTierError as e:  # a short read: nothing of it copied
+                failed = failed or e
+                if not self.valid[f].any():  # the page leaves the frame it just took; rows read before stay
+                    self.page_in[f] = -1
+                    self._map(p, -1)
+                continue
+            self.stats["row_reads"] += 1
+            self.stats["disk_faults"] += 1
+            self.stats["sector_bytes_read"] += nbytes
+            self.stats["row_bytes_used"] += rows.size * layout.LATENT_ROW_BYTES
+            if bad.size:
+                message = (f"{self.flags['disk_dir']}: page {p} of {self.file.path} fails its checksum (the file was "
+                           f"changed under the tier; rows {bad.tolist()[:8]})")
+                if not self.quarantine:
+                    failed = failed or PageChecksumError(message, p)
+                    self.valid[f, rows] = False
+                    if not self.valid[f].any():
+                        self.page_in[f] = -1
+                        self._map(p, -1)
+                    continue
+                self.frame_view(f)[bad] = 0
+                mark = self.lost.setdefault(p, np.zeros(PAGE_TOKENS, dtype=bool))
+                mark[bad] = True
+                self.lost_note[p] = message
+                self.stats["checksum_failures"] += 1
+            self.valid[f, rows] = True
+        if failed is not None:
+            raise failed
 
     def prefetch(self, pages) -> None:
         """Start reading disk pages into frames no call of this clock used (free ones, then the least recently used),
@@ -359,6 +492,7 @@ class PagedHostTier:
                 self.pending[f] = self.file.pool.submit(self.file.read, p, view)
                 self.stats["disk_reads"] += 1
                 self.page_in[f], self.last_use[f], self.prefetched[p] = p, self.clock, True
+                self.valid[f] = True
                 self._map(p, f)
         finally:
             self._publish()
@@ -388,7 +522,8 @@ class PagedHostTier:
 
     # -- lost rows (quarantine) -----------------------------------------------------------------------------------
     def _quarantine(self, p: int, message: str) -> None:
-        self.lost.setdefault(p, np.ones(PAGE_TOKENS, dtype=bool))  # rows written since stay found
+        """A whole page read back changed entered its frame zeroed: every row of it is lost."""
+        self.lost[p] = np.ones(PAGE_TOKENS, dtype=bool)
         self.lost_note[p] = message
         self.stats["checksum_failures"] += 1
 
@@ -472,9 +607,11 @@ class PagedHostTier:
                 self._settle(f)
         finally:
             self._publish()
+        used = self.stats["row_bytes_used"]
         return {"host_pages": self.host_pages(), "disk_pages": self.disk_pages(), "frames": self.frames,
                 "page_bytes": PAGE_BYTES, "direct_io": self.file.direct, "lost_pages": len(self.lost), **self.stats,
-                "exposed_disk_ms": round(self.stats["exposed_disk_ms"], 3)}
+                "exposed_disk_ms": round(self.stats["exposed_disk_ms"], 3),
+                "read_amplification": round(self.stats["sector_bytes_read"] / used, 3) if used else None}
 
     def close(self) -> None:
         for f in list(self.pending):

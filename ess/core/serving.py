@@ -103,12 +103,12 @@ class ServingLatentCache:
 
     def page_in(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, sets: torch.Tensor,
                 own: torch.Tensor, more: bool = False) -> None:
-        """Before a layer's LRU step: the pages of its misses into host frames (waited for). The pages of every
+        """Before a layer's LRU step: its misses' rows into host frames (their sectors read, waited for). The pages of every
         selected position are kept for the next step's read-ahead (more: this call is a further part of the same
         step, as DBA's second half, whose pages join the first part's)."""
         tier = self.tier
         fetched = self.locations(token_table, req, self.missing(layer, req, sets, own))
-        tier.ensure(tier.pages(layer, fetched))
+        tier.ensure_rows(layer, fetched)
         tier.check_read(layer, fetched, req.long().unsqueeze(1))  # a lost row (a failed checksum) charges its request
         pages = tier.pages(layer, self.locations(token_table, req, sets))
         kept = self.selected_pages[layer]
@@ -134,7 +134,7 @@ class ServingLatentCache:
         slots = torch.where(took, slots, torch.full_like(slots, -1))
         loc = self.locations(token_table, req, torch.where(took, pos, -1))
         if self.tier is not None:
-            self.tier.ensure(self.tier.pages(layer, loc))
+            self.tier.ensure_rows(layer, loc)
             self.tier.check_read(layer, loc, req.long().view(-1, *[1] * (loc.dim() - 1)))
         flashtrans.gather(self.host[layer], self.host_of(layer, loc).flatten(), self.gpu[layer], slots.flatten(), self.backend)
 

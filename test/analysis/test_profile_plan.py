@@ -6,7 +6,7 @@ import pytest
 from ess.cli import main
 from ess.analysis.planning import make_plan
 from ess.core.plan import PlanError, load_plan
-from ess.analysis.profiling import profile_traces, similarity
+from ess.analysis.profiling import page_access, profile_traces, similarity
 from ess.analysis.sim.profile import synthetic_profile
 from ess.analysis.synth import SynthOptions, synth_trace
 from ess.core.trace import Trace, load_trace
@@ -36,6 +36,16 @@ def test_profile_equals_direct_computation_on_a_hand_made_trace():
     assert prof["similarity"] == [pytest.approx((1 / 3 + 0) / 2, abs=1e-5)]
     assert prof["misses_by_step"]["cold"][0] == 2.0  # 0 and 1: an empty buffer; 6 is the own token
     assert prof["misses_by_step"]["warmup"][0] == 0.0
+
+
+def test_page_access_ranks_pages_coldest_first():
+    """Two requests, one layer, pages of 64 positions: request 0 reads page 0 only, request 1 pages 0 and 1 alike."""
+    ctx = np.array([256, 256], dtype=np.int64)  # 256 + 2 steps: 5 pages each
+    topk = np.array([[[[0, 1, 2, -1]], [[3, 4, 5, 6]]],
+                     [[[0, 64, 1, 65]], [[2, 66, 3, 67]]]], dtype=np.int32)
+    curve = page_access(Trace(topk, ctx), shares=[0.0, 0.6, 0.8, 1.0])
+    # request 0: 4 of 5 pages unread; request 1: 3 of 5 unread, then page 0 or 1 with half the accesses
+    assert curve["access_share"] == [0.0, pytest.approx(0.0), pytest.approx((0 + 0.5) / 2), 1.0]
 
 
 def test_similarity_ignores_padding():

@@ -4,8 +4,8 @@ import pytest
 
 from ess.cli import main
 from ess.analysis.sim import cost
-from ess.analysis.sim.engine import load_calibration, paper_table, simulate, sweep
-from ess.analysis.sim.profile import ProfileError, load_profile, misses_at, synthetic_profile
+from ess.analysis.sim.engine import load_calibration, paper_headlines, paper_table, simulate, sweep
+from ess.analysis.sim.profile import ProfileError, load_profile, misses_at, synthetic_profile, validate_profile
 from ess.analysis.sim.specs import DSV32
 from ess.analysis.sim.cost import Deployment
 from ess.analysis.sim.specs import get_hardware
@@ -127,8 +127,9 @@ def test_the_host_memory_wall_is_counted_in_every_row():
 
 
 def test_a_disk_tier_takes_the_pages_past_the_host_wall_and_its_reads_enter_the_step():
-    """Past the host wall a disk tier holds the share of pages the host budget cannot; each miss on a disk page reads
-    the page (45,056 bytes) before its layer's H2D, at the node's NVMe bandwidth shared by its 8 GPUs."""
+    """Past the host wall a disk tier holds the share of pages the host budget cannot; a miss on a disk page reads the
+    4 KiB sectors that hold its row before its layer's H2D, bounded by the node's NVMe bandwidth and IOPS shared by
+    its 8 GPUs."""
     kw = dict(context=131072, sparse_ratio=0.2, overlap="da")
     fits = simulate(batch=40, disk_tier=True, **kw)
     assert fits["disk_share"] == 0 and fits["exposed_disk_ms"] == 0 and fits["step_ms"] == simulate(batch=40, **kw)["step_ms"]
@@ -136,10 +137,98 @@ def test_a_disk_tier_takes_the_pages_past_the_host_wall_and_its_reads_enter_the_
     plain = simulate(batch=54, **kw)
     share = 1 - get_hardware("H200").host_budget_bytes() / (54 * 61 * 656 * 131072)
     assert past["disk_share"] == round(share, 4) and past["fits_host_memory"] and not plain["fits_host_memory"]
-    read = plain["h2d_mb_per_step"] * 1e6 / 656 * share * 45056
+    rows = plain["h2d_mb_per_step"] * 1e6 / 656 * share  # no page_access in the synthetic profile: uniform
+    assert past["disk_rows_per_step"] == pytest.approx(rows, rel=1e-3)
+    # a 656-byte row spans one 4 KiB sector, or two where it straddles a boundary: 10 of a page's 64 rows do
+    assert cost.sectors_per_row(656) == 74 / 64 and past["read_amplification"] == pytest.approx(74 / 64 * 4096 / 656, abs=1e-3)
+    read = rows * 74 / 64 * 4096
     assert past["disk_read_mb_per_step"] == pytest.approx(read / 1e6, rel=1e-3)
-    assert past["exposed_disk_ms"] == pytest.approx(read / (48e9 / 8) * 1e3, rel=1e-3)
+    assert past["exposed_disk_ms"] == pytest.approx(max(read / 6e9, rows / 1e6) * 1e3, rel=1e-3)  # 48 GB/s, 8M IOPS
     assert past["step_ms"] == pytest.approx(plain["step_ms"] + past["exposed_disk_ms"], abs=2e-3)
-    assert simulate(batch=54, disk_tier=True, nvme_gbps=96, **kw)["exposed_disk_ms"] < past["exposed_disk_ms"]
+    assert simulate(batch=54, disk_tier=True, nvme_gbps=96, **kw)["exposed_disk_ms"] <= past["exposed_disk_ms"]
     swept = sweep([32, 48], 131072, 2, 1.7, disk_tier=True)
     assert [r["batch_size"] for r in swept["ess_disk"]] == [48] and swept["ess_disk"][0]["exposed_disk_ms"] > 0
+
+
+def test_with_page_access_the_disk_reads_the_cold_pages_accesses_only():
+    """A profile's page_access curve: the host keeps the hot pages; a step reads at most the accesses of the coldest
+    disk_share of pages (and never more than its misses)."""
+    prof = synthetic_profile(62) | {"page_access": {"disk_share": [0.0, 0.5, 1.0], "access_share": [0.0, 0.01, 1.0]}}
+    kw = dict(context=131072, sparse_ratio=0.2, overlap="da", batch=54, disk_tier=True)
+    uniform, placed = simulate(**kw), simulate(profile=prof, **kw)
+    share = placed["disk_share"]
+    cold = (0.01 * share / 0.5) * 2048  # accesses per request-layer-step on disk pages
+    misses = misses_at(prof, 0.2) + [sum(misses_at(prof, 0.2)) / 61]
+    expect = sum(54 * min(m, cold) * (1 if i < 61 else 2) for i, m in enumerate(misses[:62]))
+    assert placed["disk_rows_per_step"] == pytest.approx(expect, rel=1e-3)
+    assert placed["exposed_disk_ms"] < uniform["exposed_disk_ms"] and "access frequency" in placed["disk_placement"]
+    bad = prof | {"page_access": {"disk_share": [0.0, 1.0], "access_share": [0.5, 0.2]}}
+    with pytest.raises(ProfileError, match="page_access"):
+        validate_profile(bad, "p.json")
+
+
+KIT = "benchmark/results/gpu/h100/kit.json"
+BOOK = "benchmark/results/gpu/h100/bookkeeping.json"
+
+
+def test_measured_costs_read_the_kit_and_interpolate():
+    from ess.analysis.sim.measured import load_measured
+
+    m = load_measured([KIT, BOOK])
+    kit, book = json.load(open(KIT)), json.load(open(BOOK))
+    # FlashTrans: at a measured row count, exactly its GB/s; between two, between them
+    r = kit["flashtrans"]["rows"][2]
+    assert m.h2d(r["rows"]) == pytest.approx(r["rows"] * 656 / (r["triton_h2d_gbps"] * 1e9))
+    mid = (kit["flashtrans"]["rows"][1]["rows"] * r["rows"]) ** 0.5
+    assert kit["flashtrans"]["rows"][1]["triton_h2d_gbps"] < mid * 656 / m.h2d(mid) / 1e9 < r["triton_h2d_gbps"]
+    # the LRU step by batch and query rows, from bookkeeping.json's largest buffer
+    case = next(c for c in book["cases"] if c["batch"] == 160 and c["rows_per_step"] == 3 and c["buffer_tokens"] == 6554)
+    assert m.lru(160, 3) == pytest.approx(case["fused_us"] * 1e-6)
+    assert m.lru(48, 1) == pytest.approx((42.9 + (45.7 - 42.9) * 16 / 32) * 1e-6)
+    assert m.lru(160, 5) == pytest.approx(m.lru(160, 3) * 5 / 3) and "scaled" in m.assumed[0]
+    # DA's cost from one layer at 0 misses, scaled with the attention by batch; DBA adds its constant
+    rows = {x["mode"]: x["median_ms"] for x in kit["overlap"]["rows"] if x["misses_per_request"] == 0}
+    assert m.split("da", 32) == pytest.approx((rows["da"] - rows["none"]) * 1e-3)
+    assert m.split("da", 128) == pytest.approx(m.split("da", 32) * 315.0 / 117.9)
+    assert m.split("dba", 32) == pytest.approx((rows["dba"] - rows["none"]) * 1e-3)
+    assert m.split("none", 64) == 0
+    # without bookkeeping.json, the kit's own LRU figures (one query row)
+    assert load_measured([KIT]).lru(32, 1) == pytest.approx(34.9e-6)
+
+
+def test_measured_costs_enter_the_step_and_the_paper_table():
+    from ess.analysis.sim.measured import load_measured
+
+    m = load_measured([KIT, BOOK])
+    kw = dict(context=32768, batch=160, sparse_ratio=0.21)
+    mod, mea = simulate(**kw), simulate(measured=m, **kw)
+    assert mod["lru_ms"] == 0 and mea["lru_ms"] == pytest.approx(61 * 2 * m.lru(80, 3) * 1e3 + 2 * m.lru(160, 1) * 1e3, abs=2e-3)
+    assert mea["ess_costs"].startswith("measured") and "H100" in mea["ess_costs"] and mod["ess_costs"] == "modelled"
+    assert simulate(measured=m, context=32768, batch=52)["step_ms"] == simulate(context=32768, batch=52)["step_ms"]
+    rows = paper_table(measured=m)
+    ess = [r for r in rows if r["sparse_ratio"]]
+    assert all("measured" in r and r["differs_most"]["term"] in ("exposed_transfer_ms", "lru_ms", "split_ms") for r in ess)
+    heads = paper_headlines(rows)
+    assert [h["paper_gain"] for h in heads] == [0.694, 0.458, 1.23]
+    assert all("modelled" in h and "measured" in h for h in heads)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda k: k.pop("flashtrans"), "'flashtrans'"),
+    (lambda k: k["flashmla"].update(attn_us={"one": 1.0}), "batch sizes"),
+    (lambda k: k["overlap"]["rows"].clear(), "mode none"),
+    (lambda k: k["flashtrans"]["rows"][0].update(triton_h2d_gbps=-1), "triton_h2d_gbps"),
+])
+def test_a_bad_measurement_file_is_named_with_its_field(tmp_path, edit, message):
+    from ess.analysis.sim.measured import MeasuredError, load_measured
+
+    kit = json.load(open(KIT))
+    edit(kit)
+    path = tmp_path / "kit.json"
+    path.write_text(json.dumps(kit))
+    with pytest.raises(MeasuredError, match=message) as e:
+        load_measured([str(path)])
+    assert str(path) in str(e.value)
+    with pytest.raises(MeasuredError, match="bookkeeping.json"):
+        load_measured([BOOK])
+    assert main(["sim", "paper", "--measured", str(path)]) == 2

@@ -1,11 +1,13 @@
 """ess.core.disk_tier under ess.core.serving: virtual rows through the page map, every step's rows equal to the rows
 written, with about half the pages in host frames; on a GPU the same steps give the same rows as on the CPU."""
 
+import os
+
 import pytest
 import torch
 
 from ess.core import layout
-from ess.core.disk_tier import PAGE_BYTES, PagedHostTier
+from ess.core.disk_tier import DISK_PAGE, PAGE_BYTES, PageChecksumError, PagedHostTier
 from ess.core.serving import ServingLatentCache
 
 L, B, CTX, K, C, STEPS = 2, 3, 256, 16, 24, 6
@@ -72,7 +74,71 @@ def run(device, tmp_path):
 
 def test_every_step_reads_the_rows_written(tmp_path):
     _, report = run("cpu", tmp_path)
-    assert report["frames"] == FRAMES and report["disk_reads"] > 0 and report["disk_writes"] > 0
+    assert report["frames"] == FRAMES and report["row_reads"] > 0 and report["disk_writes"] > 0
+    # the misses' rows were read by their sectors: at most two 4 KiB sectors for a 656-byte row
+    assert 1 < report["read_amplification"] <= 2 * 4096 / 656
+
+
+def written_tier(tmp_path, quarantine=False):
+    """One layer of 4 pages through 2 frames: pages 0 and 1 end on disk only."""
+    t = PagedHostTier(1, 4 * 64, 2 * PAGE_BYTES, str(tmp_path), quarantine=quarantine)
+    rows = truth()[0, : 4 * 64]
+    for j in range(4):
+        v = torch.arange(64 * j, 64 * (j + 1))
+        t.ensure(t.pages(0, v), dirty=True)
+        t.frame_rows[t.rows(0, v)] = rows[v]
+    t.ensure([2, 3])  # pages 0 and 1 written out
+    return t, rows
+
+
+def test_rows_read_by_their_sectors_are_exact_and_counted(tmp_path):
+    """ensure_rows reads the 4 KiB sectors that hold the rows it needs (a run of adjacent sectors in one read); the
+    page's other rows follow when a later call needs them, and a writer gets the whole page."""
+    t, rows = written_tier(tmp_path)
+    reads = []
+    real = os.preadv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "preadv", lambda fd, bufs, off: reads.append((off, len(bufs[0]))) or real(fd, bufs, off))
+        v = torch.tensor([0, 1, 7, 70])  # rows 0, 1, 7 of page 0 (sectors 0 and 1: row 6 ends in sector 1), row 6 of page 1
+        t.ensure_rows(0, v)
+    assert torch.equal(t.frame_rows[t.rows(0, v)], rows[v])
+    # page 0: rows 0-1 in sector 0 and row 7 (bytes 4592..5247) in sector 1: one run of 2 sectors; page 1: row 6 spans
+    # bytes 3936..4591, sectors 0 and 1
+    assert sorted(reads) == [(0, 2 * 4096), (DISK_PAGE, 2 * 4096)]
+    r = t.report()
+    assert r["row_reads"] == 2 and r["sector_bytes_read"] == 4 * 4096 and r["row_bytes_used"] == 4 * 656
+    assert r["read_amplification"] == round(4 * 4096 / (4 * 656), 3) and r["disk_reads"] == 0
+    t.ensure_rows(0, torch.tensor([0, 63]))  # row 0 is there; row 63 (bytes 41328..41983) is sector 10
+    assert t.report()["sector_bytes_read"] == 5 * 4096
+    t.ensure([0], dirty=True)  # a writer: the whole page
+    every = torch.arange(64)
+    assert torch.equal(t.frame_rows[t.rows(0, every)], rows[every]) and t.report()["disk_reads"] == 1
+    t.check()
+    t.close()
+
+
+def test_a_row_changed_on_disk_is_refused_or_lost(tmp_path):
+    """Each row's CRC, seeded with its place, is kept for single-row reads: a changed row is refused (its page leaves
+    the frame); a serving tier zeroes it, marks it lost and charges its reader, the page's other rows stay good."""
+    (tmp_path / "a").mkdir()
+    t, rows = written_tier(tmp_path / "a")
+    corrupt(t, 0, row=3)
+    t.ensure_rows(0, torch.tensor([2]))  # row 2: intact
+    with pytest.raises(PageChecksumError, match="page 0 of .* fails its checksum"):
+        t.ensure_rows(0, torch.tensor([3]))
+    assert torch.equal(t.frame_rows[t.rows(0, torch.tensor([2]))], rows[2:3])
+    t.close()
+    (tmp_path / "b").mkdir()
+    q, rows = written_tier(tmp_path / "b", quarantine=True)
+    corrupt(q, 0, row=3)
+    v = torch.tensor([2, 3, 4])
+    q.ensure_rows(0, v)
+    got = q.frame_rows[q.rows(0, v)]
+    assert torch.equal(got[0], rows[2]) and not got[1].any() and torch.equal(got[2], rows[4])
+    assert q.lost_rows(0, v).tolist() == [False, True, False]
+    q.check_read(0, v, torch.tensor([7, 8, 9]))
+    assert list(q.lost_reads) == [8] and "page 0" in q.lost_reads[8]
+    q.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -83,7 +149,8 @@ def test_gpu_steps_through_the_tier_equal_the_cpu_steps(tmp_path):
     cpu, cpu_report = run("cpu", tmp_path / "cpu")
     gpu, gpu_report = run("cuda", tmp_path / "gpu")
     assert all(torch.equal(a, b) for a, b in zip(cpu, gpu))
-    assert {k: cpu_report[k] for k in ("disk_reads", "disk_writes")} == {k: gpu_report[k] for k in ("disk_reads", "disk_writes")}
+    keys = ("disk_reads", "disk_writes", "row_reads", "sector_bytes_read")
+    assert {k: cpu_report[k] for k in keys} == {k: gpu_report[k] for k in keys}
 
 
 def test_a_failed_read_ahead_leaves_the_page_on_disk(tmp_path, monkeypatch):
@@ -146,15 +213,12 @@ def test_a_page_changed_on_disk_is_refused(tmp_path):
     t.close()
 
 
-def corrupt(tier, page):
-    """Flip one bit of `page`'s first row in the tier's file (buffered: the tier's own descriptor may be direct)."""
-    import os
-
-    from ess.core.disk_tier import DISK_PAGE
-
+def corrupt(tier, page, row=0):
+    """Flip one bit of `page`'s row `row` in the tier's file (buffered: the tier's own descriptor may be direct)."""
     fd = os.open(f"/proc/self/fd/{tier.file.fd}", os.O_RDWR)
-    byte = os.pread(fd, 1, page * DISK_PAGE)
-    os.pwrite(fd, bytes([byte[0] ^ 1]), page * DISK_PAGE)
+    at = page * DISK_PAGE + row * layout.LATENT_ROW_BYTES
+    byte = os.pread(fd, 1, at)
+    os.pwrite(fd, bytes([byte[0] ^ 1]), at)
     os.fsync(fd)
     os.close(fd)
 

@@ -144,8 +144,9 @@ ESS_TIER_FLAGS = ["--ess-host-pool-gib", "0.0026"]
 
 
 def corrupt_page_files(disk_dir: str) -> int:
-    """Change one byte's worth of every page of every ESS page file under disk_dir, through the scheduler's own open
-    descriptor (the file is unlinked once open), as a failing disk or a stray writer would. Returns the pages changed."""
+    """Change the first byte of every row of every page of every ESS page file under disk_dir (whole pages and single
+    rows are both read, and checked, by the tier), through the scheduler's own open descriptor (the file is unlinked
+    once open), as a failing disk or a stray writer would. Returns the pages changed."""
     changed = 0
     for link in glob.glob("/proc/[0-9]*/fd/*"):
         try:
@@ -157,7 +158,10 @@ def corrupt_page_files(disk_dir: str) -> int:
         fd = os.open(link, os.O_RDWR)  # buffered: flushed below, so the tier's direct reads see it
         try:
             for page in range(os.fstat(fd).st_size // DISK_PAGE):
-                os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 8, page * DISK_PAGE)), page * DISK_PAGE)
+                data = bytearray(os.pread(fd, DISK_PAGE, page * DISK_PAGE))
+                for row in range(64):
+                    data[row * 656] ^= 0xFF
+                os.pwrite(fd, bytes(data), page * DISK_PAGE)
                 changed += 1
             os.fsync(fd)
         finally:

@@ -15,7 +15,8 @@ launch latency) and places it per overlap mode on a copy stream beside the compu
   dba   the indexer runs in two batch halves; half A's H2D hides under half B's indexer, half B's under
         PreAttn + Attn0; costs as da plus one more indexer launch.
 The step's own rows go back to the host (D2H) on the copy stream after the layer's H2D; they are off the critical
-path in every mode and reported, not charged.
+path in every mode and reported, not charged. ESS's own terms (the H2D of a number of rows, the LRU step, what DA and
+DBA add) come from an `EssCosts`: `modelled(cal)` (assumed constants) or ess.analysis.sim.measured (a GPU run's).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from ess.core.memory import cache_bytes
-from ess.core.settings import DISK_PAGE_BYTES, OVERLAP_MODES
+from ess.core.settings import OVERLAP_MODES, PAGE_TOKENS
 from ess.analysis.sim.specs import GIB, Hardware, ModelSpec
 
 MODES = OVERLAP_MODES + ("plan",)
@@ -149,27 +152,62 @@ class EssSetting:
     modes: list[str]  # per layer: none | da | dba
 
 
-def exposed_transfer(c: LayerCost, h2d: float, mode: str, cal: Calibration) -> tuple[float, float]:
-    """(exposed H2D seconds, added compute seconds) of one layer's misses under an overlap mode."""
-    if h2d <= 0:
-        return 0.0, 0.0
-    if mode == "none":
-        return h2d, 0.0
+class EssCosts:
+    """ESS's own terms, in seconds. This class holds the modelled ones (assumed constants of a Calibration);
+    ess.analysis.sim.measured.MeasuredCosts reads them from a GPU run. `source` names where they come from."""
+
+    def __init__(self, cal: Calibration, row_bytes: int):
+        self.cal, self.row_bytes = cal, row_bytes
+        self.source = "modelled"
+
+    def h2d(self, rows: float) -> float:
+        """FlashTrans H2D of `rows` latent rows in one launch."""
+        if rows <= 0:
+            return 0.0
+        return rows * self.row_bytes / (self.cal.h2d_gbps * 1e9) + self.cal.copy_latency_us * 1e-6
+
+    def d2h(self, rows: float) -> float:
+        return 0.0 if rows <= 0 else rows * self.row_bytes / (self.cal.d2h_gbps * 1e9) + self.cal.copy_latency_us * 1e-6
+
+    def lru(self, batch: float, rows_per_step: int) -> float:
+        """One layer's LRU step for `batch` requests of `rows_per_step` query rows: not modelled (0)."""
+        return 0.0
+
+    def describe(self) -> dict:
+        return {"source": self.source}
+
+    def split(self, mode: str, batch: float) -> float:
+        """What an overlap mode adds to a layer's compute: DA a second attention launch and the merge, DBA also a
+        second top-k, LRU update and FlashTrans launch."""
+        us = {"none": 0.0, "da": self.cal.split_attention_us,
+              "dba": self.cal.split_attention_us + self.cal.split_indexer_us}
+        if mode not in us:
+            raise ValueError(f"overlap mode must be one of none, da, dba; got {mode!r}")
+        return us[mode] * 1e-6
+
+
+def modelled(cal: Calibration, spec: ModelSpec) -> EssCosts:
+    return EssCosts(cal, spec.latent_row_bytes)
+
+
+def exposed_transfer(c: LayerCost, h2d: float, mode: str, costs: EssCosts, batch: float) -> tuple[float, float]:
+    """(exposed H2D seconds, added compute seconds) of one layer's misses under an overlap mode. A split mode costs
+    its extra launches even when no row misses: a captured step cannot skip them."""
+    added = costs.split(mode, batch)
+    if mode == "none" or h2d <= 0:
+        return h2d, added
     hide = c.pre_attn + c.attention  # Attn0 covers nearly all rows: misses are a small share of top-k
     if mode == "da":
-        return max(0.0, h2d - hide), cal.split_attention_us * 1e-6
-    if mode == "dba":
-        i = c.indexer
-        a_end = i / 2 + h2d / 2
-        b_end = max(i, a_end) + h2d / 2
-        return max(0.0, b_end - (i + hide)), (cal.split_attention_us + cal.split_indexer_us) * 1e-6
-    raise ValueError(f"overlap mode must be one of none, da, dba; got {mode!r}")
+        return max(0.0, h2d - hide), added
+    i = c.indexer  # dba
+    a_end = i / 2 + h2d / 2
+    b_end = max(i, a_end) + h2d / 2
+    return max(0.0, b_end - (i + hide)), added
 
 
-def h2d_seconds(B: float, misses: float, spec: ModelSpec, cal: Calibration) -> float:
-    if misses <= 0:
-        return 0.0
-    return B * misses * spec.latent_row_bytes / (cal.h2d_gbps * 1e9) + cal.copy_latency_us * 1e-6
+def h2d_seconds(B: float, misses: float, costs: EssCosts) -> float:
+    """One layer's H2D: B requests' misses in one FlashTrans launch."""
+    return costs.h2d(B * misses)
 
 
 @dataclasses.dataclass
@@ -181,6 +219,8 @@ class StepResult:
     h2d_bytes: float
     d2h_bytes: float
     per_layer_exposed_s: list[float]
+    lru_s: float = 0.0  # ESS's LRU steps of the step (verify and draft layers)
+    split_s: float = 0.0  # what DA / DBA added to the step's compute
 
 
 def step_time(
@@ -192,8 +232,9 @@ def step_time(
     context: float,
     mtp: int,
     ess: EssSetting | None = None,
+    costs: EssCosts | None = None,
 ) -> StepResult:
-    """One decode step (draft + verify) on one GPU."""
+    """One decode step (draft + verify) on one GPU; `costs`: ESS's own terms (default: modelled)."""
     B = float(batch)
     T = B * (mtp + 1)
     n_layers = spec.layers + (1 if mtp else 0)
@@ -203,24 +244,36 @@ def step_time(
     def layers_at(tokens: float) -> list[LayerCost]:
         return [layer_cost(spec, hw, cal, dep, tokens, B, context, moe=i >= spec.dense_layers) for i in range(spec.layers)]
 
-    costs = layers_at(T)
+    layers = layers_at(T)
     half = layers_at(T / 2) if dep.tbo else None
     extra = [0.0] * spec.layers
     exposed = [0.0] * n_layers
     h2d_bytes = 0.0
     draft_cost = layer_cost(spec, hw, cal, dep, B, B, context, moe=True) if mtp else None
+    ess_costs = costs or modelled(cal, spec)
+    lru_s = split_s = 0.0
     if ess is not None:
+        # The LRU step runs on the compute stream before the H2D, per micro-batch under TBO; verify layers track
+        # mtp + 1 query rows per request, the MTP layer one.
+        micro = 2 if dep.tbo else 1
+        lru_verify = micro * ess_costs.lru(B / micro, mtp + 1)
+        lru_draft = ess_costs.lru(B, 1)
         for i in range(n_layers):
-            c = costs[i] if i < spec.layers else draft_cost
-            h = h2d_seconds(B, ess.misses[i], spec, cal)
-            h2d_bytes += B * ess.misses[i] * spec.latent_row_bytes * (1 if i < spec.layers else mtp)
-            e, added = exposed_transfer(c, h, ess.modes[i], cal)
-            exposed[i] = e * (1 if i < spec.layers else mtp)
-            if i < spec.layers:
-                extra[i] = e + added
+            verify_layer = i < spec.layers
+            c = layers[i] if verify_layer else draft_cost
+            h = h2d_seconds(B, ess.misses[i], ess_costs)
+            times = 1 if verify_layer else mtp
+            h2d_bytes += B * ess.misses[i] * spec.latent_row_bytes * times
+            e, added = exposed_transfer(c, h, ess.modes[i], ess_costs, B)
+            lru = lru_verify if verify_layer else lru_draft
+            exposed[i] = e * times
+            lru_s += lru * times
+            split_s += added * times
+            if verify_layer:
+                extra[i] = e + added + lru
             else:
-                draft_extra = e + added
-    verify = _pass_time(costs, half, cal, extra) + lm_head_time(spec, hw, cal, T)
+                draft_extra = e + added + lru
+    verify = _pass_time(layers, half, cal, extra) + lm_head_time(spec, hw, cal, T)
     draft = 0.0
     if mtp:
         per_draft = draft_cost.compute + draft_cost.comm + cal.layer_overhead_us * 1e-6 + lm_head_time(spec, hw, cal, B)
@@ -228,7 +281,7 @@ def step_time(
             per_draft += draft_extra
         draft = mtp * per_draft
     d2h_bytes = T * n_layers * spec.latent_row_bytes if ess is not None else 0.0
-    return StepResult(verify + draft, verify, draft, sum(exposed), h2d_bytes, d2h_bytes, exposed)
+    return StepResult(verify + draft, verify, draft, sum(exposed), h2d_bytes, d2h_bytes, exposed, lru_s, split_s)
 
 
 # ---- memory --------------------------------------------------------------------------------------------------
@@ -254,16 +307,31 @@ def max_batch_host(spec: ModelSpec, hw: Hardware, context: float) -> int:
     return max(0, int(hw.host_budget_bytes() // host_request_bytes(spec, context)))
 
 
-def disk_read_seconds(spec: ModelSpec, hw: Hardware, batch: float, context: float, h2d_bytes: float,
-                      host_budget_bytes: float, nvme_gbps_per_node: float) -> tuple[float, float, float]:
-    """A disk tier under the Total Memory Pool (docs/design.md, "Disk tier"): (share of the batch's latent pages on
-    disk, bytes read per step, seconds). The share that does not fit the host budget is on disk; a miss whose page is
-    there reads the whole page before its layer's H2D (exposed: the reference's tier waits for it), one page per miss
-    (an upper bound: misses that share a page share the read)."""
+SECTOR_BYTES = 4096  # the drive's read granularity (direct I/O)
+
+
+def sectors_per_row(row_bytes: int) -> float:
+    """Mean 4 KiB sectors one latent row spans in a disk page (rows packed from the 4 KiB-aligned page's start)."""
+    start = np.arange(PAGE_TOKENS) * row_bytes
+    return float(np.mean((start + row_bytes - 1) // SECTOR_BYTES - start // SECTOR_BYTES + 1))
+
+
+def disk_share(spec: ModelSpec, batch: float, context: float, host_budget_bytes: float) -> float:
+    """The share of the batch's latent pages past the host budget: on disk."""
     need = batch * host_request_bytes(spec, context)
-    share = max(0.0, 1.0 - host_budget_bytes / need) if need > 0 else 0.0
-    read = h2d_bytes / spec.latent_row_bytes * share * DISK_PAGE_BYTES
-    return share, read, read / (nvme_gbps_per_node * 1e9 / hw.gpus_per_node)
+    return max(0.0, 1.0 - host_budget_bytes / need) if need > 0 else 0.0
+
+
+def disk_read_seconds(spec: ModelSpec, hw: Hardware, rows: float, nvme_gbps_per_node: float,
+                      nvme_kiops_per_node: float) -> tuple[float, float]:
+    """A disk tier under the Total Memory Pool (docs/design.md, "Disk tier") reading `rows` missing rows of one step at
+    the drive's granularity: each row one read of the 4 KiB sectors that hold it (adjacent missing rows read as
+    one would cost less: an upper bound), bounded by the node's drives' bandwidth and IOPS, shared by its GPUs, and
+    exposed (the layer's H2D waits for it). (bytes read, seconds)."""
+    read = rows * sectors_per_row(spec.latent_row_bytes) * SECTOR_BYTES
+    per_gpu = hw.gpus_per_node
+    seconds = max(read / (nvme_gbps_per_node * 1e9 / per_gpu), rows / (nvme_kiops_per_node * 1e3 / per_gpu))
+    return read, seconds
 
 
 def max_batch(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment, context: float, sparse_ratio: float | None = None) -> int:

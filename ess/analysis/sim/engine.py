@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+
+import numpy as np
 from importlib import resources
 
 from ess.analysis.sim import cost
 from ess.analysis.sim.cost import Calibration, Deployment, EssSetting
-from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, PaperRow
+from ess.analysis.sim.measured import MeasuredCosts
+from ess.analysis.sim.paper import BASELINE_ROWS, EP, ESS_ROWS, HARDWARE, HEADLINES, PaperRow
 from ess.analysis.sim.profile import moved_rows_at, synthetic_profile
 from ess.analysis.sim.specs import GIB, ModelSpec, get_hardware, get_model
 from ess.core.settings import KnobError, capacity
@@ -46,23 +50,41 @@ def layer_misses(spec: ModelSpec, mtp: int, profile: dict | None, ratio: float) 
     return misses
 
 
-def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float]) -> list[tuple[str, float]]:
+def disk_rows(spec: ModelSpec, mtp: int, batch: float, misses: list[float], share: float, profile: dict | None) -> float:
+    """Rows one step reads from a disk tier holding `share` of the batch's pages. The host frames keep the most
+    accessed pages (KVDrive's placement); with the profile's `page_access` curve a request-layer-step reads at most the
+    accesses its coldest `share` of pages receive (every such access taken to miss the GPU buffer: an upper bound)
+    and at most its misses; without it, misses fall on disk pages in proportion to their share."""
+    if share <= 0:
+        return 0.0
+    curve = (profile or {}).get("page_access")
+    cold = float(np.interp(share, curve["disk_share"], curve["access_share"])) * spec.index_topk if curve else None
+    total = 0.0
+    for i, m in enumerate(misses):
+        per = min(m, cold) if cold is not None else m * share
+        total += batch * per * (1 if i < spec.layers else mtp)
+    return total
+
+
+def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float],
+                costs: cost.EssCosts | None = None) -> list[tuple[str, float]]:
     """Per layer (mode, exposed H2D seconds): the overlap mode with the least exposed transfer plus added compute
     under the cost model (ties go to the simpler mode: none, then da, then dba)."""
     T = batch * (mtp + 1)
     order = ("none", "da", "dba")
+    costs = costs or cost.modelled(cal, spec)
     chosen = []
     for i, m in enumerate(misses):
         c = cost.layer_cost(spec, hw, cal, dep, T if i < spec.layers else batch, batch, context, moe=i >= spec.dense_layers)
-        h = cost.h2d_seconds(batch, m, spec, cal)
-        outcome = {mode: cost.exposed_transfer(c, h, mode, cal) for mode in order}
+        h = cost.h2d_seconds(batch, m, costs)
+        outcome = {mode: cost.exposed_transfer(c, h, mode, costs, batch) for mode in order}
         best = min(order, key=lambda k: (round(sum(outcome[k]), 12), order.index(k)))
         chosen.append((best, outcome[best][0]))
     return chosen
 
 
-def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float]) -> list[str]:
-    return [mode for mode, _ in plan_layers(spec, hw, cal, dep, batch, context, mtp, misses)]
+def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float], costs=None) -> list[str]:
+    return [mode for mode, _ in plan_layers(spec, hw, cal, dep, batch, context, mtp, misses, costs)]
 
 
 def ratio_for_batch(spec, hw, cal, dep, batch: int, context: int) -> float:
@@ -93,9 +115,11 @@ def simulate(
     cal: Calibration | None = None,
     disk_tier: bool = False,
     nvme_gbps: float | None = None,
+    measured: MeasuredCosts | None = None,
 ) -> dict:
     """One row. sparse_ratio None means the baseline (the whole cache on the GPU). disk_tier: ESS's host pool takes
-    what the host budget holds and a disk tier the rest (nvme_gbps: the node's read bandwidth, default the profile's)."""
+    what the host budget holds and a disk tier the rest (nvme_gbps: the node's read bandwidth, default the profile's).
+    measured: ESS's own terms from a GPU run (ess.analysis.sim.measured) instead of the modelled ones."""
     if overlap not in OVERLAP_CHOICES:
         raise ValueError(f"--overlap must be one of {OVERLAP_CHOICES}, got {overlap!r}")
     if mtp < 0 or batch < 1 or context < 1 or not (1.0 <= accept <= mtp + 1):
@@ -103,6 +127,7 @@ def simulate(
     spec, hw = get_model(model), get_hardware(hardware)
     cal = cal or load_calibration()
     dep = Deployment(ep=ep, tbo=tbo)
+    costs = measured or cost.modelled(cal, spec)
     ess = None
     modes = None
     if sparse_ratio is not None:
@@ -112,16 +137,19 @@ def simulate(
             raise ValueError(f"--model {model}: ESS needs DeepSeek Sparse Attention (top-k), which this model lacks")
         check_slots(spec, sparse_ratio, context)
         misses = layer_misses(spec, mtp, profile, sparse_ratio)
-        modes = plan_modes(spec, hw, cal, dep, batch, context, mtp, misses) if overlap == "plan" else [overlap] * len(misses)
+        modes = plan_modes(spec, hw, cal, dep, batch, context, mtp, misses, costs) if overlap == "plan" else [overlap] * len(misses)
         ess = EssSetting(sparse_ratio, misses, modes)
-    r = cost.step_time(spec, hw, cal, dep, batch, context, mtp, ess)
+    r = cost.step_time(spec, hw, cal, dep, batch, context, mtp, ess, costs)
     disk = None
     if disk_tier and ess is not None:
         nvme = hw.nvme_read_gbps_per_node if nvme_gbps is None else nvme_gbps
         if not nvme > 0:
             raise ValueError(f"--nvme-gbps must be positive, got {nvme}")
-        disk = cost.disk_read_seconds(spec, hw, batch, context, r.h2d_bytes, hw.host_budget_bytes(), nvme)
-        r = dataclasses.replace(r, step_s=r.step_s + disk[2])
+        share = cost.disk_share(spec, batch, context, hw.host_budget_bytes())
+        rows = disk_rows(spec, mtp, batch, ess.misses, share, profile)
+        read, seconds = cost.disk_read_seconds(spec, hw, rows, nvme, hw.nvme_read_kiops_per_node)
+        disk = (share, rows, read, seconds)
+        r = dataclasses.replace(r, step_s=r.step_s + seconds)
     nodes_gpus = 8
     row = {
         "model": model,
@@ -148,37 +176,90 @@ def simulate(
     row["host_budget_gib_per_gpu"] = round(hw.host_budget_bytes() / GIB, 1)
     row["fits_host_memory"] = (batch <= cost.max_batch_host(spec, hw, context)) if ess else True
     if disk is not None:  # the host holds what fits, the disk tier the rest
-        row |= {"disk_share": round(disk[0], 4), "disk_read_mb_per_step": round(disk[1] / 1e6, 3),
-                "exposed_disk_ms": round(disk[2] * 1e3, 3), "fits_host_memory": True}
+        share, rows, read, seconds = disk
+        row |= {"disk_share": round(share, 4), "disk_rows_per_step": round(rows, 1),
+                "disk_read_mb_per_step": round(read / 1e6, 3),
+                "read_amplification": round(read / (rows * spec.latent_row_bytes), 3) if rows else None,
+                "exposed_disk_ms": round(seconds * 1e3, 3), "fits_host_memory": True,
+                "disk_placement": "by access frequency (profile's page_access)" if profile and "page_access" in profile
+                else "uniform (no page_access in the profile): an upper bound"}
     if modes is not None:
         row["plan"] = {m: modes.count(m) for m in ("none", "da", "dba")}
+        row |= {"lru_ms": round(r.lru_s * 1e3, 3), "split_ms": round(r.split_s * 1e3, 3),
+                "ess_costs": costs.source}
     return row
 
 
-def _paper_row(p: PaperRow, cal: Calibration) -> dict:
-    row = simulate(context=p.context, mtp=p.mtp, accept=p.accept, batch=p.batch, sparse_ratio=p.sparse_ratio, tbo=p.tbo, cal=cal)
+def _paper_row(p: PaperRow, cal: Calibration, profile: dict | None, measured: MeasuredCosts | None) -> dict:
+    row = simulate(context=p.context, mtp=p.mtp, accept=p.accept, batch=p.batch, sparse_ratio=p.sparse_ratio, tbo=p.tbo,
+                   cal=cal, profile=profile, measured=measured)
     if p.throughput is not None:
         row["paper_throughput"] = p.throughput
         row["error_vs_paper"] = round(row["throughput"] / p.throughput - 1, 4)
     return row
 
 
-def paper_table(cal: Calibration | None = None) -> list[dict]:
+def profile_for(profiles: list[dict] | None, context: int) -> dict | None:
+    """The profile recorded nearest `context` (by ratio of contexts; `context_len` of `ess profile`'s output); None:
+    the synthetic default."""
+    if not profiles:
+        return None
+    return min(profiles, key=lambda p: abs(math.log(float(p.get("context_len") or context) / context)))
+
+
+ESS_TERMS = ("exposed_transfer_ms", "lru_ms", "split_ms")  # ESS's own per-step terms, modelled or measured
+
+
+def paper_table(cal: Calibration | None = None, profiles: list[dict] | None = None,
+                measured: MeasuredCosts | None = None) -> list[dict]:
     """The paper's 4 baseline rows and 14 ESS rows (ESS with the per-layer plan, TBO on), each with its gain over the
-    baseline row of the same context and MTP setting."""
+    baseline row of the same context and MTP setting; with `measured`, each ESS row also holds the prediction on
+    measured ESS terms (`measured`: throughput, gain, the terms) and the term that differs most between the two."""
     cal = cal or load_calibration()
-    base = {(p.context, p.mtp, p.accept): _paper_row(p, cal) for p in BASELINE_ROWS}
+    base = {(p.context, p.mtp, p.accept): _paper_row(p, cal, None, None) for p in BASELINE_ROWS}
     rows = list(base.values())
     for p in ESS_ROWS:
-        row = _paper_row(p, cal)
-        row["gain_vs_baseline"] = round(row["throughput"] / base[(p.context, p.mtp, p.accept)]["throughput"] - 1, 4)
+        profile = profile_for(profiles, p.context)
+        row = _paper_row(p, cal, profile, None)
+        baseline = base[(p.context, p.mtp, p.accept)]["throughput"]
+        row["gain_vs_baseline"] = round(row["throughput"] / baseline - 1, 4)
+        row["profile"] = (profile or {}).get("source", "synthetic default")
+        if measured is not None:
+            m = _paper_row(p, cal, profile, measured)
+            row["measured"] = {"throughput": m["throughput"], "gain_vs_baseline": round(m["throughput"] / baseline - 1, 4),
+                               "step_ms": m["step_ms"], "plan": m["plan"], **{t: m[t] for t in ESS_TERMS}}
+            term = max(ESS_TERMS, key=lambda t: abs(m[t] - row[t]))
+            row["differs_most"] = {"term": term, "modelled": row[term], "measured": m[term]}
         rows.append(row)
     return rows
 
 
+def paper_headlines(rows: list[dict]) -> list[dict]:
+    """The paper's headline gains against the table's predictions: the throughput the paper implies (its baseline row
+    x (1 + gain)) and each prediction's error; for a best-batch headline, each prediction's best row."""
+    out = []
+    for h in HEADLINES:
+        mine = [r for r in rows if r.get("sparse_ratio") is not None and r["context"] == h["context"]
+                and r["mtp"] == h["mtp"] and r["accept_ratio"] == h["accept_ratio"]
+                and h["batch_size"] in (None, r["batch_size"])]
+        base = next(r for r in rows if r.get("sparse_ratio") is None and r["context"] == h["context"]
+                    and r["mtp"] == h["mtp"] and r["accept_ratio"] == h["accept_ratio"])
+        target = base["paper_throughput"] * (1 + h["gain"])
+        entry = {**{k: h[k] for k in ("context", "mtp", "accept_ratio", "batch_size")}, "paper_gain": h["gain"],
+                 "paper_throughput": round(target, 2)}
+        for kind, get in (("modelled", lambda r: r["throughput"]), ("measured", lambda r: r.get("measured", {}).get("throughput"))):
+            if get(mine[0]) is None:
+                continue
+            best = max(mine, key=get)
+            entry[kind] = {"batch_size": best["batch_size"], "throughput": get(best),
+                           "error_vs_paper": round(get(best) / target - 1, 4)}
+        out.append(entry)
+    return out
+
+
 def sweep(batches: list[int], context: int, mtp: int, accept: float, model: str = "dsv32", hardware: str = HARDWARE,
           tbo: bool = True, ep: int = EP, profile: dict | None = None, disk_tier: bool = False,
-          nvme_gbps: float | None = None) -> dict:
+          nvme_gbps: float | None = None, measured: MeasuredCosts | None = None) -> dict:
     """Throughput and OTPS against batch for the baseline (up to its memory wall), HiSparse-style offload (serial
     swap-in: overlap none) and ESS (per-layer plan), both at the largest ratio that fits each batch; with disk_tier,
     ESS past the host memory wall too, its extra pages on disk (`ess_disk`)."""
@@ -188,7 +269,8 @@ def sweep(batches: list[int], context: int, mtp: int, accept: float, model: str 
     wall = cost.max_batch(spec, hw, cal, dep, context)
     out = {"memory_wall_batch": wall, "host_wall_batch": cost.max_batch_host(spec, hw, context),
            "baseline": [], "hisparse": [], "ess": [], "ess_disk": []}
-    common = dict(model=model, hardware=hardware, context=context, mtp=mtp, accept=accept, tbo=tbo, ep=ep, profile=profile, cal=cal)
+    common = dict(model=model, hardware=hardware, context=context, mtp=mtp, accept=accept, tbo=tbo, ep=ep, profile=profile,
+                  cal=cal, measured=measured)
     for b in batches:
         if b <= wall:
             out["baseline"].append({"system": "baseline", **simulate(batch=b, **common)})

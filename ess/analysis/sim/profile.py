@@ -3,7 +3,10 @@ Ratios. `ess profile` writes them from traces (format below); until one is given
 
 Profile JSON (the part the simulator reads):
     {"format": "ess-miss-profile/1", "num_layers": N, "ratios": [r, ...], "mean_misses": [[m_layer, ...] per ratio],
-     "mean_prefetched": [[...] per ratio] (optional: rows a prefetching policy fetched ahead, docs/policies.md)}
+     "mean_prefetched": [[...] per ratio] (optional: rows a prefetching policy fetched ahead, docs/policies.md),
+     "context_len": L (optional: the traces' mean context; `ess sim paper --profile` picks by it),
+     "page_access": {"disk_share": [0 .. 1], "access_share": [...]} (optional: the accesses the coldest pages
+                    receive, ess.analysis.profiling.page_access; the disk tier's model reads it)}
 The simulator charges every row a layer moves, misses and prefetched rows alike, on that layer's copy: for prefetched
 rows, which could move anywhere in the step, an upper bound on their cost.
 """
@@ -62,6 +65,16 @@ def validate_profile(p: dict, where: str = "profile") -> dict:
         raise ProfileError(f"{where}: 'ratios' must be increasing, within (0, 1]")
     if (rows < 0).any() or not np.isfinite(rows).all():
         raise ProfileError(f"{where}: 'mean_misses' must be finite and non-negative")
+    if "page_access" in p:
+        pa = p["page_access"]
+        if not isinstance(pa, dict) or "disk_share" not in pa or "access_share" not in pa:
+            raise ProfileError(f"{where}: 'page_access' must hold 'disk_share' and 'access_share' lists")
+        x, y = _numbers(pa["disk_share"], "page_access.disk_share", where, 1), \
+            _numbers(pa["access_share"], "page_access.access_share", where, 1)
+        if x.shape != y.shape or len(x) < 2 or (np.diff(x) <= 0).any() or (np.diff(y) < 0).any() or \
+                x[0] != 0 or x[-1] != 1 or not ((0 <= y) & (y <= 1)).all():
+            raise ProfileError(f"{where}: 'page_access' must map page shares 0 .. 1 (increasing) to access shares "
+                               "in [0, 1] (non-decreasing), one each")
     if "mean_prefetched" in p:
         pre = np.asarray(p["mean_prefetched"], dtype=float)
         if pre.shape != rows.shape or (pre < 0).any() or not np.isfinite(pre).all():

@@ -98,6 +98,7 @@ class Hardware:
     host_pinnable_fraction: float = 0.8
     gpus_per_node: int = 8
     nvme_read_gbps_per_node: float = 48.0  # the disk tier's read bandwidth (assumed; hardware.json's _doc)
+    nvme_read_kiops_per_node: float = 8000.0  # its 4 KiB random reads per second, thousands (assumed; _doc)
 
     def host_budget_bytes(self) -> float:
         """Pinned host memory one GPU's ESS Total Memory Pool may take."""

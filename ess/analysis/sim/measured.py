@@ -1,0 +1,195 @@
+"""ESS's own simulator terms measured on a GPU (docs/simulator.md, "Measured costs"), read from the GPU kit's kit.json
+(`bash benchmark/gpu/run.sh OUT kit`) and, optionally, benchmark/bookkeeping.py's bookkeeping.json:
+
+    h2d(rows)          FlashTrans H2D of `rows` latent rows in one launch: kit.json flashtrans.rows, the serving
+                       backend's GB/s by row count (launch included), linear in log(rows) between the measured counts
+    lru(batch, S)      one layer's fused LRU step: bookkeeping.json's cases (by S query rows, at its largest buffer),
+                       else kit.json bookkeeping_us_per_layer (S = 1); linear in batch
+    split(mode, batch) what DA / DBA add to one layer: kit.json overlap rows at 0 misses (one full layer, CUDA graphs):
+                       DA - NONE, and DBA - DA, at the kit's batch; DA's part, a second FlashMLA call, scales with the
+                       attention time by batch (kit.json flashmla.attn_us), DBA's extra launches do not
+    attention(batch)   one FlashMLA V3.2 sparse decode call, reported beside the modelled one
+
+Linear interpolation between measured points and linear extrapolation past them (the two nearest points); what a
+file lacks, and had to be assumed, is listed in `assumed`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from ess.core import layout
+
+
+class MeasuredError(ValueError):
+    """A measurement file that is unreadable or lacks a field the simulator needs; the message names both."""
+
+
+def _field(doc: dict, path: str, where: str):
+    cur = doc
+    for key in path.split("."):
+        if not isinstance(cur, dict) or key not in cur:
+            raise MeasuredError(f"{where}: no {path!r} field (a kit.json from `bash benchmark/gpu/run.sh OUT kit` has it)")
+        cur = cur[key]
+    return cur
+
+
+def _number(value, path: str, where: str, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            (positive and value <= 0):
+        raise MeasuredError(f"{where}: {path!r} must be a finite {'positive ' if positive else ''}number, got {value!r}")
+    return float(value)
+
+
+def _points(xs, ys, path: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    if len(xs) == 0:
+        raise MeasuredError(f"{where}: {path!r} holds no measurement")
+    order = np.argsort(xs)
+    x, y = np.asarray(xs, float)[order], np.asarray(ys, float)[order]
+    if len(np.unique(x)) != len(x):
+        raise MeasuredError(f"{where}: {path!r} measures the same point twice")
+    return x, y
+
+
+def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
+    """Linear between points, linear past them (the two nearest), a constant with one point."""
+    if len(xs) == 1:
+        return float(ys[0])
+    if x < xs[0] or x > xs[-1]:
+        i = 0 if x < xs[0] else len(xs) - 2
+        return float(ys[i] + (ys[i + 1] - ys[i]) * (x - xs[i]) / (xs[i + 1] - xs[i]))
+    return float(np.interp(x, xs, ys))
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MeasuredError(f"--measured {path}: not a readable JSON file ({type(e).__name__}: {e})") from e
+    if not isinstance(doc, dict):
+        raise MeasuredError(f"--measured {path}: a JSON object expected (kit.json or bookkeeping.json)")
+    return doc
+
+
+class MeasuredCosts:
+    """ess.analysis.sim.cost.EssCosts' terms from GPU measurements (seconds)."""
+
+    def __init__(self, kit_path: str, bookkeeping_path: str | None = None):
+        where = f"--measured {kit_path}"
+        kit = _read(kit_path)
+        if "cases" in kit and "flashtrans" not in kit:
+            raise MeasuredError(f"{where}: a bookkeeping.json; give the kit's kit.json first (it holds FlashTrans, "
+                                "FlashMLA and the overlap modes), then bookkeeping.json")
+        self.device = str(_field(kit, "device", where))
+        self.date = str(kit.get("date", "undated"))
+        self.assumed: list[str] = []
+        # FlashTrans by row count, the backend the serving path runs
+        ft = _field(kit, "flashtrans", where)
+        backend = _field(ft, "backend", where + " flashtrans")
+        rows = _field(ft, "rows", where + " flashtrans")
+        if not isinstance(rows, list):
+            raise MeasuredError(f"{where}: 'flashtrans.rows' must be a list")
+        h2d_key, d2h_key = f"{backend}_h2d_gbps", f"{backend}_d2h_gbps"
+        for i, r in enumerate(rows):
+            for key in ("rows", h2d_key, d2h_key):
+                _number(_field(r, key, f"{where} flashtrans.rows[{i}]"), f"flashtrans.rows[{i}].{key}", where)
+        self.flashtrans_backend = backend
+        self._h2d = _points([math.log(r["rows"]) for r in rows], [r[h2d_key] for r in rows], "flashtrans.rows", where)
+        self._d2h = _points([math.log(r["rows"]) for r in rows], [r[d2h_key] for r in rows], "flashtrans.rows", where)
+        # FlashMLA by batch
+        attn = _field(kit, "flashmla.attn_us", where)
+        if not isinstance(attn, dict):
+            raise MeasuredError(f"{where}: 'flashmla.attn_us' must map batch to microseconds")
+        try:
+            batches = [int(b) for b in attn]
+        except ValueError as e:
+            raise MeasuredError(f"{where}: 'flashmla.attn_us' keys must be batch sizes ({e})") from e
+        self._attn = _points(batches, [_number(v, f"flashmla.attn_us.{b}", where) for b, v in attn.items()],
+                             "flashmla.attn_us", where)
+        # DA / DBA: one layer at 0 misses, by mode
+        ov = _field(kit, "overlap", where)
+        self.split_batch = _number(_field(ov, "batch", where + " overlap"), "overlap.batch", where)
+        at0 = {r.get("mode"): r.get("median_ms") for r in _field(ov, "rows", where + " overlap")
+               if isinstance(r, dict) and r.get("misses_per_request") == 0}
+        for mode in ("none", "da", "dba"):
+            _number(at0.get(mode), f"overlap.rows (mode {mode}, misses_per_request 0).median_ms", where)
+        self.da_us_at = max(0.0, (at0["da"] - at0["none"]) * 1e3)
+        self.dba_extra_us = max(0.0, (at0["dba"] - at0["da"]) * 1e3)
+        # The LRU step by batch and query rows
+        self._lru: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.sources = [kit_path]
+        if bookkeeping_path is not None:
+            self._lru_from_bookkeeping(bookkeeping_path)
+        else:
+            bk = _field(kit, "bookkeeping_us_per_layer.batches", where)
+            pts = [(int(b), _number(_field(v, "lru_step_us", f"{where} bookkeeping_us_per_layer.batches.{b}"),
+                                    f"bookkeeping_us_per_layer.batches.{b}.lru_step_us", where)) for b, v in bk.items()]
+            self._lru[1] = _points([b for b, _ in pts], [u for _, u in pts], "bookkeeping_us_per_layer", where)
+        self.source = f"measured: {', '.join(self.sources)} ({self.device}, {self.date})"
+
+    def _lru_from_bookkeeping(self, path: str) -> None:
+        where = f"--measured {path}"
+        doc = _read(path)
+        cases = _field(doc, "cases", where)
+        if not isinstance(cases, list) or not cases:
+            raise MeasuredError(f"{where}: 'cases' must be a non-empty list (benchmark/bookkeeping.py writes it)")
+        for i, c in enumerate(cases):
+            for key in ("batch", "rows_per_step", "buffer_tokens", "fused_us"):
+                _number(_field(c, key, f"{where} cases[{i}]"), f"cases[{i}].{key}", where)
+        for S in sorted({int(c["rows_per_step"]) for c in cases}):
+            mine = [c for c in cases if c["rows_per_step"] == S]
+            C = max(c["buffer_tokens"] for c in mine)  # the larger buffer: the kernel's cost grows with slots
+            mine = [c for c in mine if c["buffer_tokens"] == C]
+            self._lru[S] = _points([c["batch"] for c in mine], [c["fused_us"] for c in mine], f"cases (S = {S})", where)
+        if doc.get("device") not in (None, self.device):
+            self.assumed.append(f"the LRU step measured on {doc['device']}, the rest on {self.device}")
+        self.sources.append(path)
+
+    def h2d(self, rows: float) -> float:
+        if rows <= 0:
+            return 0.0
+        gbps = max(1e-3, _interp(math.log(rows), *self._h2d))
+        return rows * layout.LATENT_ROW_BYTES / (gbps * 1e9)
+
+    def d2h(self, rows: float) -> float:
+        if rows <= 0:
+            return 0.0
+        return rows * layout.LATENT_ROW_BYTES / (max(1e-3, _interp(math.log(rows), *self._d2h)) * 1e9)
+
+    def lru(self, batch: float, rows_per_step: int) -> float:
+        have = sorted(self._lru)
+        S = min(have, key=lambda s: (abs(s - rows_per_step), s))
+        us = max(0.0, _interp(batch, *self._lru[S]))
+        if S != rows_per_step:  # scaled by query rows: assumed
+            note = f"LRU step for {rows_per_step} query rows scaled from the {S}-row measurement (x {rows_per_step / S:g})"
+            if note not in self.assumed:
+                self.assumed.append(note)
+            us *= rows_per_step / S
+        return us * 1e-6
+
+    def attention(self, batch: float) -> float:
+        return max(0.0, _interp(batch, *self._attn)) * 1e-6
+
+    def split(self, mode: str, batch: float) -> float:
+        if mode == "none":
+            return 0.0
+        da = self.da_us_at * 1e-6 * self.attention(batch) / self.attention(self.split_batch)
+        if mode == "da":
+            return da
+        if mode == "dba":
+            return da + self.dba_extra_us * 1e-6
+        raise ValueError(f"overlap mode must be one of none, da, dba; got {mode!r}")
+
+    def describe(self) -> dict:
+        return {"source": self.source, "device": self.device, "date": self.date, "assumed": list(self.assumed)}
+
+
+def load_measured(paths: list[str]) -> MeasuredCosts:
+    """`--measured KIT [BOOKKEEPING]`."""
+    if not 1 <= len(paths) <= 2:
+        raise MeasuredError(f"--measured takes a kit.json and optionally a bookkeeping.json, got {len(paths)} files")
+    return MeasuredCosts(paths[0], paths[1] if len(paths) == 2 else None)
