@@ -25,6 +25,7 @@ from ess.core.settings import (
     DEFAULT_SPARSE_RATIO,
     KERNELS,
     REPLAY_POLICIES,
+    TIER_PLACEMENTS,
     WARMUP_WINDOWS,
     KnobError,
     check_disk_dir,
@@ -175,7 +176,8 @@ def _emit(args, doc: dict, table: Table | None) -> None:
 # flags of the mini-model demo that mean nothing to `ess demo --server` (name: default)
 MINI_ONLY = {"ess": False, "buffer_tokens": None, "sparse_ratio": None, "no_warmup": False, "device_mem_gib": None,
              "overlap": "none", "layer_plan": None, "host_budget_mib": None, "disk_dir": None, "disk_gib": None,
-             "config": "mini", "layers": None, "topk": None, "batch": 4, "context": 2048, "steps": 32, "device": "auto"}
+             "tier_placement": TIER_PLACEMENTS[0], "config": "mini", "layers": None, "topk": None, "batch": 4,
+             "context": 2048, "steps": 32, "device": "auto"}
 # and the flags of `ess demo --server` that mean nothing to the mini-model demo
 SERVER_ONLY = {"server_model": None, "server_modes": "none,da", "server_logs": None}
 
@@ -243,6 +245,7 @@ def cmd_demo(args) -> int:
         host_budget_mib=args.host_budget_mib,
         disk_dir=args.disk_dir,
         disk_gib=args.disk_gib,
+        tier_placement=args.tier_placement,
     )
     with _Progress(not args.quiet) as progress:
         report = run_demo(opt, progress)
@@ -661,6 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --disk-dir: host memory for latent pages (a disk tier holds the rest; with --ess)")
     d.add_argument("--disk-dir", help="directory for the disk tier's page file (with --host-budget-mib and --ess)")
     d.add_argument("--disk-gib", type=_positive_float, help="refuse a batch whose pages need more disk than this")
+    d.add_argument("--tier-placement", default=TIER_PLACEMENTS[0], choices=TIER_PLACEMENTS,
+                   help="which page the disk tier's full host frames give up: the lowest decayed access count "
+                        "(frequency) or the least recently used (with --disk-dir)")
     d.add_argument("--server", action="store_true",
                    help="instead: real SGLang servers on this machine, stock and --enable-ess (one per overlap mode), "
                         "on a tiny DeepSeek-V3.2 checkpoint, the same concurrent requests and SGLang's serving "

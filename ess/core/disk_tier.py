@@ -9,7 +9,12 @@ layers' rows for one layer's miss. `rows(layer, v)` translates virtual rows into
 device, through a page -> frame map: the sink row for a page out of the frames or a negative v, so ess.core's
 FlashTrans gathers and scatters work unchanged on `data[layer]`.
 
-Frames are shared by all layers, recycled least recently used first; a page one call uses is pinned for the call.
+Frames are shared by all layers; a page one call uses is pinned for the call. Which page a full tier gives up is its
+placement: "frequency" (the default; KVDrive keeps hot pages in host memory by access frequency) gives up the page with
+the lowest decayed count of the calls that used it (halved every TIER_HEAT_HALF_LIFE_STEPS steps; ties: the least
+recently used), "lru" the least recently used. A step's top-k keeps returning to a few hot pages between long gaps
+while its other reads scatter over cold pages once, so a count survives where recency alone lets a cold read push a
+hot page out.
 A page enters a frame from disk (a read, waited for: exposed) or empty (never written); a frame leaves with a write
 of its page if the page changed since its last write. The decode path's reads (`ensure_rows`: a step's misses, the
 warm-up's rows) read only the 4 KiB sectors that hold the rows they need: the page enters its frame with those rows
@@ -41,7 +46,8 @@ import torch
 
 from ess.core import layout
 from ess.core.pinned import pinned_zeros
-from ess.core.settings import DISK_PAGE_BYTES, PAGE_TOKENS, KnobError, check_disk_dir
+from ess.core.settings import (DISK_PAGE_BYTES, PAGE_TOKENS, TIER_HEAT_HALF_LIFE_STEPS, TIER_PLACEMENTS, KnobError,
+                               check_disk_dir)
 
 PAGE_BYTES = PAGE_TOKENS * layout.LATENT_ROW_BYTES
 DISK_PAGE = DISK_PAGE_BYTES  # PAGE_BYTES, 4 KiB-aligned for direct I/O
@@ -180,8 +186,11 @@ class PagedHostTier:
 
     def __init__(self, num_layers: int, virtual_rows: int, host_budget_bytes: int, disk_dir: str,
                  disk_bytes: int | None = None, device: torch.device | str = "cpu", flags: dict = FLAGS,
-                 quarantine: bool = False):
+                 quarantine: bool = False, placement: str = TIER_PLACEMENTS[0]):
+        if placement not in TIER_PLACEMENTS:
+            raise DiskTierError(f"placement {placement!r}: one of {', '.join(TIER_PLACEMENTS)}")
         self.L, self.V, self.flags, self.quarantine = num_layers, virtual_rows, flags, quarantine
+        self.placement = placement
         self.P = -(-virtual_rows // PAGE_TOKENS)  # pages per layer
         self.frames = int(host_budget_bytes // PAGE_BYTES)
         if self.frames < 1:
@@ -200,6 +209,11 @@ class PagedHostTier:
         self.page_in = np.full(self.frames, -1, dtype=np.int64)  # frame -> page
         self.last_use = np.zeros(self.frames, dtype=np.int64)
         self.valid = np.zeros((self.frames, PAGE_TOKENS), dtype=bool)  # the frame's rows that hold its page's rows
+        # placement "frequency": each page's count of the calls that used it, decayed to `heat_at` (a clock);
+        # a layer's call comes once a step, so the half-life in calls is the layers times the half-life in steps
+        self.heat = np.zeros(n, dtype=np.float64)
+        self.heat_at = np.zeros(n, dtype=np.int64)
+        self.half_life = num_layers * TIER_HEAT_HALF_LIFE_STEPS
         self.written = np.zeros(n, dtype=bool)  # the file holds the page's rows
         self.dirty = np.zeros(n, dtype=bool)  # the frame's rows are newer than the file's
         self.pending: dict[int, concurrent.futures.Future] = {}  # frame -> its read or write in flight
@@ -276,11 +290,24 @@ class PagedHostTier:
             for f in np.intersect1d(frames, np.fromiter(self.pending, dtype=np.int64, count=len(self.pending))):
                 self._settle(int(f))
 
+    def _heat_now(self, pages: np.ndarray) -> np.ndarray:
+        return self.heat[pages] * np.exp2((self.heat_at[pages] - self.clock) / self.half_life)
+
+    def _touch(self, pages: np.ndarray) -> None:
+        """The pages one call uses: their counts decayed to now, plus one."""
+        self.heat[pages] = self._heat_now(pages) + 1.0
+        self.heat_at[pages] = self.clock
+
     def _victims(self, n: int, keep: np.ndarray) -> np.ndarray:
-        """Up to n frames for new pages, none of `keep` (a frame mask): free ones first, then the least recently used."""
+        """Up to n frames for new pages, none of `keep` (a frame mask): free ones first, then by the placement (the
+        lowest decayed count, ties the least recently used; or the least recently used)."""
         cand = np.flatnonzero(~keep)
-        rank = np.where(self.page_in[cand] < 0, -1, self.last_use[cand])
-        return cand[np.argsort(rank, kind="stable")[:n]]
+        pages = self.page_in[cand]
+        recency = np.where(pages < 0, -1, self.last_use[cand])
+        if self.placement == "lru":
+            return cand[np.argsort(recency, kind="stable")[:n]]
+        heat = np.where(pages < 0, -1.0, self._heat_now(np.maximum(pages, 0)))
+        return cand[np.lexsort((recency, heat))[:n]]
 
     def _evict(self, f: int) -> None:
         """Frame f's page out, written first if it changed (main thread: a failed write raises, the page stays)."""
@@ -363,6 +390,7 @@ class PagedHostTier:
         t0 = time.perf_counter()
         self.clock += 1
         need = np.unique(np.asarray(pages, dtype=np.int64))
+        self._touch(need)
         if need.size > self.frames:
             raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
                                 "one layer's step needs; raise it")
@@ -394,7 +422,7 @@ class PagedHostTier:
     def ensure_rows(self, layer: int, v: torch.Tensor) -> None:
         """Virtual rows v on `layer` (negative ones ignored) in frames before the caller reads them (a read-only use:
         a caller that writes rows takes whole pages with `ensure`). A page in a frame serves the rows it holds; a page
-        out of the frames takes one (free, then least recently used; pages of this call pinned) and, like the rows a
+        out of the frames takes one (free, then by the placement; pages of this call pinned) and, like the rows a
         held page lacks, reads only the sectors that hold the rows (DiskFile.read_rows), in parallel from the thread
         pool, waited for (exposed). A page never written enters whole (zeros), without I/O."""
         t0 = time.perf_counter()
@@ -403,6 +431,7 @@ class PagedHostTier:
         v = torch.unique(v[(v >= 0) & (v < self.V)]).cpu().numpy()  # host values: syncs, as pages() does
         page_of, row_of = layer * self.P + v // PAGE_TOKENS, v % PAGE_TOKENS
         need = np.unique(page_of)
+        self._touch(need)
         if need.size > self.frames:
             raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
                                 "one layer's step needs; raise it")
@@ -475,7 +504,7 @@ class PagedHostTier:
             raise failed
 
     def prefetch(self, pages) -> None:
-        """Start reading disk pages into frames no call of this clock used (free ones, then the least recently used),
+        """Start reading disk pages into frames no call of this clock used (free ones, then by the placement),
         without waiting; as many as there are such frames."""
         pages = np.unique(np.asarray(pages, dtype=np.int64))
         todo = pages[(self.frame_of[pages] < 0) & self.written[pages]]

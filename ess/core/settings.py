@@ -18,6 +18,8 @@ OVERLAP_CHOICES = ("auto",) + OVERLAP_MODES  # auto: per layer from a plan, else
 PAGE_TOKENS = 64  # FlashMLA's page; host-pool allocation unit of the reference
 DISK_PAGE_BYTES = 45056  # a disk tier's page: one layer's PAGE_TOKENS latent rows (41,984 B), 4 KiB-aligned for direct
 # I/O (ess.reference.disk_tier; the simulator's disk term)
+TIER_PLACEMENTS = ("frequency", "lru")  # which page a full disk tier's host frames give up (docs/design.md, "Disk tier")
+TIER_HEAT_HALF_LIFE_STEPS = 8  # placement "frequency": a page's access count halves every 8 decode steps
 HOST_PINNABLE_FRACTION = 0.8  # of a machine's memory, ESS's host pools may pin at most this share (the OS, the
 # serving processes and the page cache keep the rest)
 KERNELS = ("auto", "fused", "torch")  # the LRU step: ess.core.lru_kernel's fused kernel, or ess.core.policy's torch ops

@@ -11,7 +11,8 @@ import torch
 from ess.analysis import memory
 from ess.reference.ess_cache import EssLatentCache
 from ess.core import settings
-from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB, PAGE_TOKENS, WARMUP_WINDOWS, EssConfig, KnobError
+from ess.core.settings import (DEFAULT_SPARSE_RATIO, GIB, PAGE_TOKENS, TIER_PLACEMENTS, WARMUP_WINDOWS, EssConfig,
+                               KnobError)
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.model import GenerateResult, MiniModel, random_prompts
@@ -37,6 +38,7 @@ class DemoOptions:
     host_budget_mib: float | None = None  # with disk_dir: the host frames of a disk tier (ess.reference.disk_tier)
     disk_dir: str | None = None
     disk_gib: float | None = None
+    tier_placement: str = TIER_PLACEMENTS[0]  # which page full host frames give up (ess.core.disk_tier)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -129,6 +131,11 @@ def check_options(opt: DemoOptions) -> None:
         raise ValueError(f"--device-mem-gib must be positive, got {opt.device_mem_gib}")
     if (opt.host_budget_mib is None) != (opt.disk_dir is None):
         raise ValueError("--host-budget-mib and --disk-dir go together: the host frames and the disk under them")
+    if opt.tier_placement != TIER_PLACEMENTS[0] and opt.disk_dir is None:
+        raise ValueError(f"--tier-placement {opt.tier_placement}: the disk tier's placement; give --disk-dir (and "
+                         "--host-budget-mib) too")
+    if opt.tier_placement not in TIER_PLACEMENTS:
+        raise ValueError(f"--tier-placement {opt.tier_placement!r}: one of {', '.join(TIER_PLACEMENTS)}")
     if opt.disk_gib is not None and opt.disk_dir is None:
         raise ValueError("--disk-gib bounds the disk tier: give --disk-dir (and --host-budget-mib) too")
     for flag, v in (("--host-budget-mib", opt.host_budget_mib), ("--disk-gib", opt.disk_gib)):
@@ -197,7 +204,7 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
 
             disk = None if opt.disk_gib is None else int(opt.disk_gib * GIB)
             tier = TieredHostPool(cfg.num_layers, len(ctx), max_len, int(opt.host_budget_mib * 2**20), opt.disk_dir,
-                                  disk, device)
+                                  disk, device, placement=opt.tier_placement)
         return EssLatentCache(ess_cfg, cfg.num_layers, ctx, max_len, device, tier=tier)
 
     res, cache = _run(model, prompts, opt.steps, ess_cache, progress, "ess", modes)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ess.core.disk_tier import DISK_PAGE, FLAGS, PAGE_BYTES, DiskTierError, PagedHostTier
-from ess.core.settings import PAGE_TOKENS
+from ess.core.settings import PAGE_TOKENS, TIER_PLACEMENTS
 
 __all__ = ["DISK_PAGE", "PAGE_BYTES", "DiskTierError", "TieredHostPool"]
 
@@ -19,10 +19,12 @@ class TieredHostPool(PagedHostTier):
     `host_budget_bytes` and a disk file for the rest."""
 
     def __init__(self, num_layers: int, batch: int, max_len: int, host_budget_bytes: int, disk_dir: str,
-                 disk_bytes: int | None = None, device: torch.device | str = "cpu", flags: dict = FLAGS):
+                 disk_bytes: int | None = None, device: torch.device | str = "cpu", flags: dict = FLAGS,
+                 placement: str = TIER_PLACEMENTS[0]):
         self.B = batch
         self.J = -(-max_len // PAGE_TOKENS)  # pages per request and layer
-        super().__init__(num_layers, batch * self.J * PAGE_TOKENS, host_budget_bytes, disk_dir, disk_bytes, device, flags)
+        super().__init__(num_layers, batch * self.J * PAGE_TOKENS, host_budget_bytes, disk_dir, disk_bytes, device, flags,
+                         placement=placement)
 
     def page(self, layer: int, b, j):
         return (layer * self.B + b) * self.J + j

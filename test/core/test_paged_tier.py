@@ -38,6 +38,19 @@ def test_rows_follow_the_page_map(tmp_path):
     t.close()
 
 
+@pytest.mark.parametrize("placement,kept", [("frequency", True), ("lru", False)])
+def test_a_hot_page_outlives_a_newer_cold_one_by_frequency_only(tmp_path, placement, kept):
+    """Two frames; page 0 used twice, then pages 1 and 2 once each: "frequency" gives up page 1 (count 1 against
+    about 2), "lru" gives up page 0 (used least recently)."""
+    t = PagedHostTier(1, 3 * 64, 2 * PAGE_BYTES, str(tmp_path), placement=placement)
+    for page in (0, 0, 1, 2):
+        t.ensure([page], dirty=True)
+    assert (t.frame_of[0] >= 0) == kept and (t.frame_of[1] >= 0) != kept and t.frame_of[2] >= 0
+    with pytest.raises(Exception, match="placement 'mru': one of frequency, lru"):
+        PagedHostTier(1, 64, PAGE_BYTES, str(tmp_path), placement="mru")
+    t.close()
+
+
 def run(device, tmp_path):
     """STEPS decode steps of B requests through a serving cache over a tier of FRAMES pages; returns each step's
     selected rows (host) and the tier's report."""

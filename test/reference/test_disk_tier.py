@@ -99,6 +99,8 @@ def test_bad_settings_name_their_flag(tmp_path):
     t.close()
     with pytest.raises(ValueError, match="--host-budget-mib and --disk-dir go together"):
         run_demo(DemoOptions(layers=L, ess=True, disk_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="--tier-placement lru: the disk tier's placement; give --disk-dir"):
+        run_demo(DemoOptions(layers=L, ess=True, tier_placement="lru"))
     assert not list(tmp_path.iterdir())
 
 
