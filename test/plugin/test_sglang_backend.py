@@ -483,6 +483,7 @@ def test_a_decode_step_relabelled_by_dp_attention_reads_its_rows_without_losing_
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
+    rt.attn1 = "calls"  # DA's decode steps in one attention call: every output compares bit for bit
     layers = attention_layers()
     gen, rng = torch.Generator().manual_seed(6), random.Random(6)
     req, ctx = torch.tensor(REQ), [40, 33]

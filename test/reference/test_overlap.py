@@ -130,5 +130,9 @@ def test_overlap_benchmark_smoke_mode(capsys):
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [(r["misses_per_request"], r["mode"]) for r in doc["rows"]][:3] == [(0, "none"), (0, "da"), (0, "dba")]
+    kinds = [None, *[(mode, k) for mode in ("da", "dba") for k in DA_ATTN1_KINDS]]
+    assert [(r["misses_per_request"], r["attn1"] and (r["mode"], r["attn1"])) for r in doc["rows"]][:7] == \
+        [(0, k) for k in kinds]
+    assert doc["attn1"] == DA_ATTN1 and set(doc["exposed_ms_by_attn1"]) == set(DA_ATTN1_KINDS)
+    assert doc["exposed_ms"] == doc["exposed_ms_by_attn1"][DA_ATTN1]
     assert "not a measurement" in doc["device"]
