@@ -19,6 +19,8 @@ Overlap (docs/design.md, Overlap), per layer from the plan or --ess-overlap:
               itself is the miss kernel's (the H2D and Attn1 in one kernel on the copy stream beside Attn0; it needs
               the query, so it starts at the attention call, not at the indexer). With "calls", and in MTP verify,
               one FlashMLA call reads every entry after the copy (the plugin never makes a second full-width call).
+              --ess-da-attn1 chooses (default "calls": the split has not been timed on a GPU yet, and its bf16 parts
+              round differently from one call).
 LRU-Warmup: a prefill forward's last W query rows per request give its warm-up sets (`plan_prefill`,
 `warm_from_prefill`), so decode starts with the rows prefill attended to last. On a PD decode node the prefill node
 sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).
@@ -34,7 +36,6 @@ import torch
 from ess.core import miss_attention
 from ess.core.disk_tier import DISK_PAGE
 from ess.core.policy import PolicyResult
-from ess.core.settings import DA_ATTN1
 from ess.core.serving import ServingLatentCache
 from ess.core.streams import Streams
 from sglang_ess import pd_warmup
@@ -104,8 +105,8 @@ class EssRuntime:
         # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the
         # attention call of the same (micro-)batch; the address tells TBO's two micro-batches apart
         self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object]] = {}
-        # DA's Attn1 (ess.core.settings.DA_ATTN1_KINDS): "miss" / "fused" split the attention, "calls" keeps one call
-        self.attn1 = DA_ATTN1
+        # DA's Attn1 (--ess-da-attn1): "miss" / "fused" split the attention, "calls" keeps one call
+        self.attn1 = ess.da_attn1
         self.split_ok = False  # set by the plugin around a decode call of a backend that attends through FlashMLA
         self._split = None  # (layer, request indices, the LRU step, its H2D's event) from swap_in to the FlashMLA call
         self._warm: WarmupPlan | None = None  # the prefill forward's warm-up windows

@@ -169,8 +169,9 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
     output is the stock one's within bf16 rounding (each part leaves FlashMLA in bf16); in one call, the same bits."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch(*(tier_flags(tmp_path) if tier else [])))
-    rt.attn1 = attn1
+    flags = [*(tier_flags(tmp_path) if tier else []), *([] if attn1 == "calls" else ["--ess-da-attn1", attn1])]
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch(*flags))
+    assert rt.attn1 == attn1  # the flag's, or its default ("calls": one call)
     events, misses = [], []
     fetch, attend, fetch_attend = rt.cache.fetch, rt.cache.attend_misses, rt.cache.fetch_attend
 
