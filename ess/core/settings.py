@@ -23,8 +23,8 @@ DA_ATTN1_KINDS = ("miss", "fused", "calls")
 DA_ATTN1 = "miss"
 # The plugin's (--ess-da-attn1): "calls" there is one FlashMLA call over every entry after the copy, bit for bit the
 # stock backend's output. Its default until a GPU shows the split pays: each split part leaves FlashMLA in bf16, so
-# the merged output differs from one call's by bf16 rounding, which can flip a greedy token at a near-tie (seen once
-# in 8 requests of the CPU real-server test's tiny random model; docs/plugin.md).
+# the merged output differs from one call's by bf16 rounding, which can flip a greedy token at a near-tie (seen in
+# the CPU real-server test's tiny random model; docs/plugin.md).
 PLUGIN_DA_ATTN1 = "calls"
 PAGE_TOKENS = 64  # FlashMLA's page; host-pool allocation unit of the reference
 DISK_PAGE_BYTES = 45056  # a disk tier's page: one layer's PAGE_TOKENS latent rows (41,984 B), 4 KiB-aligned for direct
