@@ -102,9 +102,10 @@ class EssRuntime:
         self.next_ranked: list[torch.Tensor] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
-        # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the
-        # attention call of the same (micro-)batch; the address tells TBO's two micro-batches apart
-        self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object]] = {}
+        # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event or None when the fused
+        # miss kernel is to copy, the request indices), from `begin` to the attention call of the same (micro-)batch;
+        # the address tells TBO's two micro-batches apart
+        self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object, torch.Tensor]] = {}
         # DA's Attn1 (--ess-da-attn1): "miss" / "fused" split the attention, "calls" keeps one call
         self.attn1 = ess.da_attn1
         self.split_ok = False  # set by the plugin around a decode call of a backend that attends through FlashMLA
@@ -131,7 +132,13 @@ class EssRuntime:
         ring starts empty."""
         if self._pending:
             logger.warning("ESS: %d overlap step(s) started at the indexer were never consumed; dropped", len(self._pending))
+            for (layer, _, _), (r, fetched, req) in self._pending.items():
+                if fetched is None:  # a fused step's misses are resident in the tables: their rows must land
+                    self.cache.fetch(layer, req, self.token_table, r)
             self._pending.clear()
+        if self._split is not None and self._split[3] is None:  # a fused split never taken: its rows too
+            layer, req, r, _ = self._split
+            self.cache.fetch(layer, req, self.token_table, r)
         self._split = None
         self.apply_admissions()
         if self.ring is not None:
@@ -225,7 +232,7 @@ class EssRuntime:
                 lambda: self.cache.fetch(layer, req_pool_indices, self.token_table, r, overlapped=True),
                 r.miss_pos, r.miss_slot, req_pool_indices,
             )
-        self._pending[(layer, req_pool_indices.data_ptr(), B)] = (r, fetched)
+        self._pending[(layer, req_pool_indices.data_ptr(), B)] = (r, fetched, req_pool_indices)
         return True
 
     # -- the backend's call --------------------------------------------------------------------------------------
@@ -246,7 +253,7 @@ class EssRuntime:
             own = _per_request(seq_lens, B, S) - 1
             r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own, serial=True, own_rows=own_rows)
         else:  # the step and its H2D started at the indexer
-            r, fetched = pending
+            r, fetched, _ = pending
             if own_rows is not None:
                 self.cache.store_own(layer, r, own_rows)
             if S == 1 and self.split_ok and self.attn1 in ("miss", "fused"):
