@@ -407,7 +407,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                 if ratio is not None or hisparse:
                     costs = cost.modelled(cal, spec)
                     h2d = cost.h2d_seconds(batch, m["misses"], costs)
-                    sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, costs, batch))
+                    sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, costs, batch, m["misses"]))
                                     for md in (m["modes"] or ["none" if hisparse else mode] * s.layers)) / s.layers
                 step_ms = m["attention_ms"] + s.layers * rest_ms
                 row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S,

@@ -13,6 +13,11 @@ cache tables before every replay (`--eager`: eager runs instead).
 The attention is FlashMLA's sparse FP8 decode (`--attention flashmla`, the sgl-flash-mla wheel) or the plain-PyTorch
 reference; the indexer is the reference, not DeepGEMM. `exposed_ms` is each mode's layer time at m misses minus
 its time at 0 misses: the transfer the mode leaves exposed.
+
+DA and DBA run once per Attn1 kind of `--attn1` (ess.core.settings.DA_ATTN1_KINDS, docs/design.md "Overlap"): "miss"
+the compact kernel over the compacted miss lists (ess.core.miss_attention), "fused" the misses' H2D and Attn1 in one
+kernel beside Attn0, "calls" a second full-width call. Each row names its `attn1` (none for mode none);
+`exposed_ms` is the default kind's (DA_ATTN1), `exposed_ms_by_attn1` every kind's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 from ess.core import flashtrans
 from ess.reference.layer_setup import build_layer, preload, restore
+from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS
 from ess.reference.overlap import MODES, ess_layer_attention
 from ess.reference.config import get_config
 from ess.analysis.timing import graph_us, median_us
@@ -53,25 +59,33 @@ def run(args) -> dict:
             restore(L, snap)
             cache.set_step(0)
 
-        for mode in MODES:
+        for mode, attn1 in [(m, k) for m in MODES for k in (["-"] if m == "none" else args.attn1)]:
             cache.misses[0].clear()
             timer = median_us if args.eager else graph_us
-            times_ms = timer(lambda: ess_layer_attention(mode, w, cfg, h, q_lora, pos, index_k, cache, 0, args.attention),
-                             iters, start) / 1e3
+            kind = DA_ATTN1 if attn1 == "-" else attn1
+            times_ms = timer(lambda: ess_layer_attention(mode, w, cfg, h, q_lora, pos, index_k, cache, 0, args.attention,
+                                                         attn1=kind), iters, start) / 1e3
             got = cache.misses[0][-1].float()  # the last run's (a graph's captured output is updated by its replays)
             # dba runs the indexer per batch half; on a GPU a half-batch matmul can order near-ties of the top-k
             # differently from the whole batch's, so a request may select a row the preload did not make resident
             if (got - m).abs().max() > max(2, m // 100):
                 raise SystemExit(f"overlap_layer.py: preload gave {got.tolist()} misses per request, wanted {m}")
-            rows.append({"misses_per_request": m, "mode": mode, "median_ms": round(times_ms, 4),
-                         "measured_misses_mean": round(float(got.mean()), 2)})
-            print(f"misses {m:5d}  {mode:4s}  median {rows[-1]['median_ms']:.3f} ms", file=sys.stderr)
-    at0 = {r["mode"]: r["median_ms"] for r in rows if r["misses_per_request"] == miss_counts[0]}
+            rows.append({"misses_per_request": m, "mode": mode, "attn1": None if mode == "none" else attn1,
+                         "median_ms": round(times_ms, 4), "measured_misses_mean": round(float(got.mean()), 2)})
+            print(f"misses {m:5d}  {mode:4s} {attn1:5s}  median {rows[-1]['median_ms']:.3f} ms", file=sys.stderr)
+
+    def exposed(kind):
+        mine = [r for r in rows if r["attn1"] in (None, kind)]
+        at0 = {r["mode"]: r["median_ms"] for r in mine if r["misses_per_request"] == miss_counts[0]}
+        return {mode: {str(r["misses_per_request"]): round(r["median_ms"] - at0[mode], 4) for r in mine
+                       if r["mode"] == mode} for mode in MODES}
+
     return {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke: not a measurement)",
         "attention": args.attention if device.type == "cuda" else "reference",
-        "exposed_ms": {mode: {str(r["misses_per_request"]): round(r["median_ms"] - at0[mode], 4) for r in rows
-                              if r["mode"] == mode} for mode in MODES},
+        "exposed_ms": exposed(args.attn1[0]),
+        "exposed_ms_by_attn1": {kind: exposed(kind) for kind in args.attn1},
+        "attn1": args.attn1[0],
         "config": dataclasses.asdict(cfg),
         "batch": batch,
         "context": context,
@@ -91,8 +105,10 @@ def plot(result: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for mode in MODES:
-        pts = [r for r in result["rows"] if r["mode"] == mode]
-        ax.plot([r["misses_per_request"] for r in pts], [r["median_ms"] for r in pts], marker="o", label=mode.upper())
+        for kind in ([None] if mode == "none" else result.get("exposed_ms_by_attn1", {None: 0})):
+            pts = [r for r in result["rows"] if r["mode"] == mode and r.get("attn1") == kind]
+            ax.plot([r["misses_per_request"] for r in pts], [r["median_ms"] for r in pts], marker="o",
+                    label=mode.upper() + (f", Attn1 {kind}" if kind else ""))
     ax.set_xlabel("misses per request")
     ax.set_ylabel("layer time (ms, median)")
     ax.set_title(f"{result['device']}, {result['attention']}: batch {result['batch']}, context {result['context']}, top-k "
@@ -102,6 +118,14 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def attn1_kinds(text: str) -> list[str]:
+    kinds = text.split(",")
+    bad = [k for k in kinds if k not in DA_ATTN1_KINDS]
+    if bad or not kinds or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"--attn1: distinct kinds among {','.join(DA_ATTN1_KINDS)}, got {text!r}")
+    return kinds
 
 
 def parser() -> argparse.ArgumentParser:
@@ -115,6 +139,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-grid", type=lambda v: tuple(int(x) for x in v.split(",")), metavar="ROWS,PROGRAMS",
                    help="FlashTrans' grid for copies beside compute (ess.core.flashtrans.OVERLAP_ROWS, OVERLAP_PROGRAMS; "
                         "programs 0: one per ROWS pairs)")
+    p.add_argument("--attn1", type=attn1_kinds, default=list(DA_ATTN1_KINDS),
+                   help=f"DA / DBA's Attn1 kinds to time, comma-separated, the first the one `exposed_ms` reports "
+                        f"(default: {','.join(DA_ATTN1_KINDS)})")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ess.core import flashtrans, layout
+from ess.core import flashtrans, layout, miss_attention
 from ess.core.disk_tier import PagedHostTier
 from ess.core.policy import STAMP_MOD, PolicyResult
 from ess.core.settings import PAGE_TOKENS
@@ -166,14 +166,31 @@ class ServingLatentCache:
         """The LRU step (token_table: the fused kernel also reads each miss's host row from it)."""
         return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
 
+    def _miss_rows(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> torch.Tensor:
+        """Each miss's host row [B, K] (the sink row where padded)."""
+        if r.miss_row is None:
+            return self.host_rows(layer, token_table, req, r.miss_pos)
+        return r.miss_row if self.tier is None else self.tier.rows(layer, r.miss_row)  # the fused step read them
+
     def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult, overlapped: bool = False) -> None:
         """H2D of the misses into their GPU slots (FlashTrans over the compacted miss lists, current stream;
         overlapped: on the copy stream, beside compute)."""
-        if r.miss_row is None:
-            rows = self.host_rows(layer, token_table, req, r.miss_pos)
-        else:  # the fused step read each miss's location from the token table
-            rows = r.miss_row if self.tier is None else self.tier.rows(layer, r.miss_row)
+        rows = self._miss_rows(layer, req, token_table, r)
         flashtrans.gather_lists(self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss, self.backend, overlapped)
+
+    # -- DA's Attn1 over the misses only (ess.core.miss_attention; one query row per request) -------------------------
+    def attend_misses(self, layer: int, r: PolicyResult, q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float):
+        """Attn1 after `fetch`: each request's query [B, H, 512 / 64] over its fetched rows (its compacted miss list and
+        device count). Returns (o [B, H, 512], lse [B, H]) float32, to merge with Attn0 (miss_attention.merge)."""
+        return miss_attention.miss_attention(q_nope, q_pe, self.gpu[layer], r.miss_slot, r.n_miss, scale, self.backend)
+
+    def fetch_attend(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult,
+                     q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float):
+        """`fetch` and `attend_misses` in one kernel (miss_attention.copy_attend): each missing row read from the host
+        pool once, stored in its GPU slot and attended as it lands."""
+        rows = self._miss_rows(layer, req, token_table, r)
+        return miss_attention.copy_attend(q_nope, q_pe, self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss,
+                                          scale, self.backend)
 
     def rows(self, layer: int, r: PolicyResult) -> torch.Tensor:
         """The selected rows [B, K, 656] after a step (rows of -1 entries are garbage: mask them)."""

@@ -15,6 +15,17 @@ DEFAULT_SPARSE_RATIO = 0.2  # the ESS paper's operating point, when neither the 
 WARMUP_WINDOWS = 32  # LRU-Warmup windows W (docs/design.md, "LRU-Warmup")
 OVERLAP_MODES = ("none", "da", "dba")  # docs/design.md, "Overlap"
 OVERLAP_CHOICES = ("auto",) + OVERLAP_MODES  # auto: per layer from a plan, else da
+# DA's Attn1 (docs/design.md, "Overlap"): "miss" the compact kernel over the compacted miss lists after FlashTrans'
+# H2D (ess.core.miss_attention), "fused" the H2D and Attn1 in one kernel (the copy then starts after PreAttn, when the
+# query exists), "calls" a second full-width attention call (the hits set to -1). Not yet timed on a GPU: "miss" keeps
+# the H2D's start at the indexer, as DA had it.
+DA_ATTN1_KINDS = ("miss", "fused", "calls")
+DA_ATTN1 = "miss"
+# The plugin's (--ess-da-attn1): "calls" there is one FlashMLA call over every entry after the copy, bit for bit the
+# stock backend's output. Its default until a GPU shows the split pays: each split part leaves FlashMLA in bf16, so
+# the merged output differs from one call's by bf16 rounding, which can flip a greedy token at a near-tie (seen in
+# the CPU real-server test's tiny random model; docs/plugin.md).
+PLUGIN_DA_ATTN1 = "calls"
 PAGE_TOKENS = 64  # FlashMLA's page; host-pool allocation unit of the reference
 DISK_PAGE_BYTES = 45056  # a disk tier's page: one layer's PAGE_TOKENS latent rows (41,984 B), 4 KiB-aligned for direct
 # I/O (ess.reference.disk_tier; the simulator's disk term)

@@ -112,6 +112,14 @@ class EssLatentCache:
         copy stream, beside compute)."""
         self.serving.fetch(layer, self.slots[part], self.token_table, r, overlapped)
 
+    def attend_misses(self, layer: int, r: PolicyResult, q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float):
+        """DA's Attn1 over the fetched misses (ServingLatentCache.attend_misses)."""
+        return self.serving.attend_misses(layer, r, q_nope, q_pe, scale)
+
+    def fetch_attend(self, layer: int, r: PolicyResult, q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float):
+        """The misses' H2D and Attn1 in one kernel, every batch row (ServingLatentCache.fetch_attend)."""
+        return self.serving.fetch_attend(layer, self.slots, self.token_table, r, q_nope, q_pe, scale)
+
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """Write the step's own rows into their GPU slots (compute stream)."""
         self.serving.store_own(layer, r, own_rows)

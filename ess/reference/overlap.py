@@ -4,6 +4,10 @@
     da    indexer, top-k, cache update; the H2D starts on the copy stream while PreAttn and Attn0 (the rows already
           on the GPU: hits and the own row) run; then wait, Attn1 (the fetched rows) and the log-sum-exp merge
     dba   the indexer, top-k and cache update run per batch half: half A's H2D overlaps half B's indexer; then as da
+Attn1 (attn1, ess.core.settings.DA_ATTN1_KINDS): "miss" the compact kernel over each request's compacted miss list
+(ess.core.miss_attention); "fused" the misses' H2D and Attn1 as one kernel on the copy stream, beside Attn0 (it needs
+the query, so the copy starts after PreAttn); "calls" a second full-width call with the hits set to -1. Attn0 is the
+attention backend over the top-k with the misses set to -1 in all three.
 The step's own row is written to its GPU slot on the compute stream and backed up to the host (D2H) on the copy
 stream in every mode. On the CPU the streams run in program order, so the same code computes the same values.
 Every step has fixed shapes and no host synchronisation.
@@ -15,8 +19,9 @@ import torch
 
 from ess.reference.ess_cache import EssLatentCache
 from ess.reference.flashmla import sparse_decode, split_decode
+from ess.core import miss_attention
 from ess.core.policy import PolicyResult
-from ess.core.settings import OVERLAP_MODES
+from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, OVERLAP_MODES
 from ess.reference import attention as A
 from ess.reference.config import ModelConfig
 
@@ -37,12 +42,17 @@ def batch_parts(batch: int, mode: str) -> list[slice]:
 
 
 def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer,
-                        cache: EssLatentCache, layer: int, attention: str = "reference", selected=None):
+                        cache: EssLatentCache, layer: int, attention: str = "reference", selected=None,
+                        attn1: str = DA_ATTN1):
     """Returns (o_latent [B, H, 512], topk [B, K]). The cache's stamp must be set (cache.set_step).
     attention: the sparse MLA backend of ess.reference.flashmla ("reference", "flashmla" or "auto").
-    selected [B, K]: top-k to use instead of the indexer's (a replayed trace); the indexer still runs, for its cost."""
+    selected [B, K]: top-k to use instead of the indexer's (a replayed trace); the indexer still runs, for its cost.
+    attn1: DA / DBA's Attn1 (module docstring)."""
     if mode not in MODES:
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
+    if attn1 not in DA_ATTN1_KINDS:
+        raise ValueError(f"Attn1 kind must be one of {DA_ATTN1_KINDS}, got {attn1!r}")
+    fused = mode != "none" and attn1 == "fused"
     streams = cache.streams
     own_rows = A.kv_latent_rows(w, cfg, h, pos)
 
@@ -59,7 +69,8 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
             topk = indexer(part)
             r = cache.update(layer, topk, pos[part], part)
             # the copy stream runs in order: the last part's event covers every H2D of the step
-            fetched = streams.copy_after(lambda: cache.fetch(layer, r, part, overlapped=True), r.miss_pos, r.miss_slot)
+            if not fused:  # fused: the copy is Attn1's, below
+                fetched = streams.copy_after(lambda: cache.fetch(layer, r, part, overlapped=True), r.miss_pos, r.miss_slot)
             topks.append(topk)
             results.append(r)
         r = _cat(results)
@@ -71,7 +82,17 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
     pool, scale = cache.serving.gpu[layer], cfg.softmax_scale
     if mode == "none":
         o, _ = sparse_decode(q_nope_abs, q_pe, pool, r.attn_slot, scale, attention)
-    else:  # Attn0 over hits and the own row, wait for the H2D, Attn1 over the fetched rows
+    elif attn1 == "calls":  # Attn0 over hits and the own row, wait for the H2D, Attn1 a second full-width call
         o, _ = split_decode(q_nope_abs, q_pe, pool, r.attn_slot, r.hit, scale, lambda: streams.wait(fetched), attention)
+    else:
+        if fused:  # the misses land and are attended on the copy stream while Attn0 runs
+            part1 = {}
+            fetched = streams.copy_after(
+                lambda: part1.update(o=cache.fetch_attend(layer, r, q_nope_abs, q_pe, scale)),
+                q_nope_abs, q_pe, r.miss_pos, r.miss_slot, r.n_miss)
+        o0, lse0 = sparse_decode(q_nope_abs, q_pe, pool, torch.where(r.hit, r.attn_slot, -1), scale, attention)
+        streams.wait(fetched)
+        o1, lse1 = part1["o"] if fused else cache.attend_misses(layer, r, q_nope_abs, q_pe, scale)
+        o, _ = miss_attention.merge(o0, lse0, o1, lse1)
     streams.wait(backed_up)
     return o, topk

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from ess.core import settings
-from ess.core.settings import DEFAULT_SPARSE_RATIO, OVERLAP_CHOICES, WARMUP_WINDOWS
+from ess.core.settings import DA_ATTN1_KINDS, DEFAULT_SPARSE_RATIO, OVERLAP_CHOICES, PLUGIN_DA_ATTN1, WARMUP_WINDOWS
 
 ATTR = "_ess"
 
@@ -31,6 +31,7 @@ class EssArgs:
     host_pool_gib: float | None = None
     overlap: str = "auto"
     layer_plan: str | None = None
+    da_attn1: str = PLUGIN_DA_ATTN1  # DA's Attn1 (docs/plugin.md, "Overlap")
     warmup_windows: int = WARMUP_WINDOWS
     record_trace: str | None = None
     record_lookahead: int = 0  # with record_trace: ranks past the top-k recorded as topk_ext
@@ -46,6 +47,7 @@ class EssArgs:
         "host_pool_gib": "--ess-host-pool-gib",
         "overlap": "--ess-overlap",
         "layer_plan": "--ess-layer-plan",
+        "da_attn1": "--ess-da-attn1",
         "warmup_windows": "--ess-warmup-windows",
         "record_trace": "--ess-record-trace",
         "record_lookahead": "--ess-record-lookahead",
@@ -91,6 +93,8 @@ class EssArgs:
                 raise EssArgsError(str(e)) from e
         if self.overlap not in OVERLAP_CHOICES:
             raise EssArgsError(f"--ess-overlap must be one of {OVERLAP_CHOICES}, got {self.overlap!r}")
+        if self.da_attn1 not in DA_ATTN1_KINDS:
+            raise EssArgsError(f"--ess-da-attn1 must be one of {DA_ATTN1_KINDS}, got {self.da_attn1!r}")
         if self.layer_plan is not None:
             if self.overlap != "auto":
                 raise EssArgsError(f"--ess-layer-plan chooses the mode per layer; it cannot be combined with --ess-overlap {self.overlap}")
@@ -117,6 +121,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ess-disk-gib", type=float, default=None, help="With --ess-disk-dir: the most the page file may take, per GPU (default: the directory's free space).")
     g.add_argument("--ess-overlap", choices=OVERLAP_CHOICES, default="auto", help="How the H2D of misses overlaps compute: none, da (Dual-Attention), dba (DualBatch-Attention), or auto (per layer from --ess-layer-plan, else da).")
     g.add_argument("--ess-layer-plan", type=str, default=None, help="Per-layer overlap plan from `ess plan` (format ess-layer-plan/1).")
+    g.add_argument("--ess-da-attn1", choices=DA_ATTN1_KINDS, default=PLUGIN_DA_ATTN1, help=f"DA / DBA decode attention: calls (one FlashMLA call over every entry after the misses' copy; default), miss (FlashMLA over the hits, ESS's kernel over the misses, merged by log-sum-exp), fused (as miss, the misses' copy and attention in one kernel). Not yet timed on a GPU.")
     g.add_argument("--ess-warmup-windows", type=int, default=WARMUP_WINDOWS, help="LRU-Warmup: replay the top-k sets of the last W prefill positions before decode (0: off).")
     g.add_argument("--ess-record-trace", type=str, default=None, help="Directory to write top-k trace files (.npz, the `ess profile` input) of finished requests.")
     g.add_argument("--ess-record-lookahead", type=int, default=0, help="With --ess-record-trace: also record the D positions the indexer ranks after each decode top-k (topk_ext, for `ess cache replay --policy prefetch`); one extra top-k over the logits per layer.")

@@ -34,6 +34,7 @@ NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
 INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+FLASH_MLA = "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"  # imported per call by the backend
 RESOLUTION_STEP = "handle_other_validations"
 
 @dataclasses.dataclass
@@ -242,7 +243,32 @@ def around_model_forward(original, model_runner, *a, **kw):
 
 
 def around_forward_decode(original, backend, *a, **kw):
-    return _in_phase(original, backend, DECODE, *a, **kw)
+    """A decode call: DA's split attention (EssRuntime.split_attention) applies when the backend attends through
+    FlashMLA's interface (SGLang's flashmla_kv decode), whose call the hook below wraps."""
+    rt = state.runtime
+    if rt is None or _ess_pool(backend) is None:
+        return _in_phase(original, backend, DECODE, *a, **kw)
+    rt.split_ok = getattr(backend, "dsa_decode_impl", None) == "flashmla_kv"
+    try:
+        out = _in_phase(original, backend, DECODE, *a, **kw)
+    finally:
+        rt.split_ok = False
+    rt.check_split_taken()
+    return out
+
+
+FLASH_MLA_PARAMS = ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
+                    "num_splits", "softmax_scale"]
+
+
+def around_flash_mla(original, *a, **kw):
+    """FlashMLA's decode call: in a split DA step, it is Attn0 (the backend passed the top-k with the misses set to
+    -1), and the runtime adds Attn1 over the misses and the merge (EssRuntime.split_attention)."""
+    rt = state.runtime
+    if rt is None or rt._split is None:
+        return original(*a, **kw)
+    args = dict(zip(FLASH_MLA_PARAMS, a)) | kw
+    return rt.split_attention(lambda: original(*a, **kw), args["q"], args.get("softmax_scale"))
 
 
 def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, **kw):
@@ -485,6 +511,7 @@ def _hook_table():
         (f"{INDEXER}.forward_cuda", HookType.AFTER, after_indexer),
         (f"{INDEXER_METADATA}.topk_transform", HookType.AROUND, around_topk_transform),
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
+        (FLASH_MLA, HookType.AROUND, around_flash_mla),
         (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
         (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
         (f"{PREFILL_ADDER}.add_one_req", HookType.AROUND, around_add_one_req),
@@ -514,6 +541,7 @@ EXPECTED_PARAMS = {
     f"{DSA_BACKEND}.forward_extend": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope",
                                       "k_rope", "topk_indices"],
     f"{INDEXER}.forward_cuda": INDEXER_PARAMS,
+    FLASH_MLA: FLASH_MLA_PARAMS,
     f"{INDEXER_METADATA}.topk_transform": ["self", "logits", "topk", "ks", "cu_seqlens_q", "ke_offset"],
     RELEASE_KV: ["req", "tree_cache"],
     f"{PREFILL_ADDER}.add_one_req": ["self", "req", "has_chunked_req"],

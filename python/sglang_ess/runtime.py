@@ -11,6 +11,16 @@ Overlap (docs/design.md, Overlap), per layer from the plan or --ess-overlap:
               and waits for the copy. With --enable-two-batch-overlap each micro-batch's H2D also runs under the other
               micro-batch's work between op_prepare and op_core (its indexer included): that is DBA's schedule, so
               the launch checks accept dba only with TBO (a plan's dba layers run as da without it).
+              Attention in a DA / DBA decode step (one query row per request) through FlashMLA's decode (SGLang's
+              flashmla_kv backend) is split (docs/plugin.md, "Overlap"): the backend's FlashMLA call reads the
+              top-k with the misses set to -1 (Attn0: hits and own rows, without waiting for the copy), then
+              `split_attention` waits for the copy, attends to the misses with ess.core.miss_attention's kernel over
+              the LRU step's compacted miss lists, and merges the two by log-sum-exp. With attn1 "fused" the copy
+              itself is the miss kernel's (the H2D and Attn1 in one kernel on the copy stream beside Attn0; it needs
+              the query, so it starts at the attention call, not at the indexer). With "calls", and in MTP verify,
+              one FlashMLA call reads every entry after the copy (the plugin never makes a second full-width call).
+              --ess-da-attn1 chooses (default "calls": the split has not been timed on a GPU yet, and its bf16 parts
+              round differently from one call).
 LRU-Warmup: a prefill forward's last W query rows per request give its warm-up sets (`plan_prefill`,
 `warm_from_prefill`), so decode starts with the rows prefill attended to last. On a PD decode node the prefill node
 sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).
@@ -19,9 +29,11 @@ sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
+from ess.core import miss_attention
 from ess.core.disk_tier import DISK_PAGE
 from ess.core.policy import PolicyResult
 from ess.core.serving import ServingLatentCache
@@ -90,9 +102,14 @@ class EssRuntime:
         self.next_ranked: list[torch.Tensor] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
-        # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event), from `begin` to the
-        # attention call of the same (micro-)batch; the address tells TBO's two micro-batches apart
-        self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object]] = {}
+        # (layer, request-index tensor address, batch) -> (the LRU step, its H2D's done event or None when the fused
+        # miss kernel is to copy, the request indices), from `begin` to the attention call of the same (micro-)batch;
+        # the address tells TBO's two micro-batches apart
+        self._pending: dict[tuple[int, int, int], tuple[PolicyResult, object, torch.Tensor]] = {}
+        # DA's Attn1 (--ess-da-attn1): "miss" / "fused" split the attention, "calls" keeps one call
+        self.attn1 = ess.da_attn1
+        self.split_ok = False  # set by the plugin around a decode call of a backend that attends through FlashMLA
+        self._split = None  # (layer, request indices, the LRU step, its H2D's event) from swap_in to the FlashMLA call
         self._warm: WarmupPlan | None = None  # the prefill forward's warm-up windows
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
@@ -115,7 +132,14 @@ class EssRuntime:
         ring starts empty."""
         if self._pending:
             logger.warning("ESS: %d overlap step(s) started at the indexer were never consumed; dropped", len(self._pending))
+            for (layer, _, _), (r, fetched, req) in self._pending.items():
+                if fetched is None:  # a fused step's misses are resident in the tables: their rows must land
+                    self.cache.fetch(layer, req, self.token_table, r)
             self._pending.clear()
+        if self._split is not None and self._split[3] is None:  # a fused split never taken: its rows too
+            layer, req, r, _ = self._split
+            self.cache.fetch(layer, req, self.token_table, r)
+        self._split = None
         self.apply_admissions()
         if self.ring is not None:
             self.ring.reset()
@@ -201,11 +225,14 @@ class EssRuntime:
         S = top_k.shape[0] // B
         own = _per_request(positions, B, S)
         r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own)
-        fetched = self.streams.copy_after(
-            lambda: self.cache.fetch(layer, req_pool_indices, self.token_table, r, overlapped=True),
-            r.miss_pos, r.miss_slot, req_pool_indices,
-        )
-        self._pending[(layer, req_pool_indices.data_ptr(), B)] = (r, fetched)
+        if self.attn1 == "fused" and S == 1:  # the copy is the fused miss kernel's, at the attention call
+            fetched = None
+        else:
+            fetched = self.streams.copy_after(
+                lambda: self.cache.fetch(layer, req_pool_indices, self.token_table, r, overlapped=True),
+                r.miss_pos, r.miss_slot, req_pool_indices,
+            )
+        self._pending[(layer, req_pool_indices.data_ptr(), B)] = (r, fetched, req_pool_indices)
         return True
 
     # -- the backend's call --------------------------------------------------------------------------------------
@@ -226,11 +253,55 @@ class EssRuntime:
             own = _per_request(seq_lens, B, S) - 1
             r = self._step(layer, req_pool_indices, top_k.reshape(B, -1), own, serial=True, own_rows=own_rows)
         else:  # the step and its H2D started at the indexer
-            r = pending[0]
+            r, fetched, _ = pending
             if own_rows is not None:
                 self.cache.store_own(layer, r, own_rows)
-            self.streams.wait(pending[1])
+            if S == 1 and self.split_ok and self.attn1 in ("miss", "fused"):
+                # Attn0 reads the hits and own rows now; split_attention (the FlashMLA call's hook) waits for the copy
+                if self._split is not None:
+                    raise RuntimeError("ESS: a DA split attention was started and never taken by a FlashMLA call")
+                self._split = (layer, req_pool_indices, r, fetched)
+                return torch.where(r.hit, r.attn_slot, -1).reshape(top_k.shape).to(torch.int32)
+            if fetched is None:  # fused, but this call attends in one piece: the copy first, here
+                self.cache.fetch(layer, req_pool_indices, self.token_table, r)
+            else:
+                self.streams.wait(fetched)
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
+
+    def split_attention(self, attn0, q: torch.Tensor, scale: float | None):
+        """The FlashMLA call of a split DA step (sglang_ess.hooks wraps FlashMLA's interface): attn0() makes the
+        backend's own call, over the top-k with the misses set to -1, q [B, 1, H, 576] its query (heads padded as the
+        backend pads them). Returns FlashMLA's (o [B, 1, H, 512] in o's dtype, lse [B, H, 1]; +inf for a row
+        without entries) of the merged attention over every entry; None when no split is pending (the call is
+        FlashMLA's alone)."""
+        if self._split is None:
+            return None
+        layer, req, r, fetched = self._split
+        self._split = None
+        B = r.n_miss.shape[0]
+        if q.dim() != 4 or q.shape[0] != B or q.shape[1] != 1 or q.shape[3] != 576:
+            raise RuntimeError(f"ESS DA split: FlashMLA's query is {tuple(q.shape)}, expected [{B}, 1, heads, 576]")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale  # FlashMLA's default
+        q_nope, q_pe = q[:, 0, :, :512], q[:, 0, :, 512:]
+        part1 = {}
+        if fetched is None:  # fused: the misses land and are attended on the copy stream while Attn0 runs
+            fetched = self.streams.copy_after(
+                lambda: part1.update(o=self.cache.fetch_attend(layer, req, self.token_table, r, q_nope, q_pe, scale)),
+                q, r.miss_pos, r.miss_slot, r.n_miss, req,
+            )
+        o0, lse0 = attn0()
+        self.streams.wait(fetched)
+        o1, lse1 = part1["o"] if part1 else self.cache.attend_misses(layer, r, q_nope, q_pe, scale)
+        o, lse = miss_attention.merge(o0[:, 0], lse0[:, :, 0], o1, lse1)
+        return o.to(o0.dtype).unsqueeze(1), torch.where(lse == -math.inf, math.inf, lse).unsqueeze(-1)
+
+    def check_split_taken(self) -> None:
+        """After the backend's decode call: a pending split means its attention did not go through FlashMLA's
+        interface, and read the top-k without the misses. Never silent."""
+        if self._split is not None:
+            self._split = None
+            raise RuntimeError("ESS DA split: the decode call returned without a FlashMLA call (its output lacks the "
+                               "misses); run --ess-overlap none, or SGLang's flashmla_kv decode backend")
 
     def latent_buffer(self, layer_id: int) -> torch.Tensor:
         """The device latent rows that swap_in_selected_pages' indices address: [slots, 1, 656] uint8."""

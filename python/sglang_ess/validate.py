@@ -144,8 +144,8 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
 
 
 # Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd_warmup).
-DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "layer_plan", "record_trace", "disk_dir",
-               "disk_gib")
+DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "layer_plan", "da_attn1", "record_trace",
+               "disk_dir", "disk_gib")
 GRAPH_PHASES = ("decode", "prefill")  # SGLang's cuda_graph_config phases
 
 

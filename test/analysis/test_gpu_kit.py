@@ -27,10 +27,17 @@ def test_kit_smoke_run_writes_every_key(tmp_path):
     ft = kit["flashtrans"]
     assert ft["exact"] and {"h2d_gbps", "d2h_gbps", "contiguous_h2d_gbps", "contiguous_d2h_gbps", "backend"} <= set(ft)
     assert kit["flashmla"]["equal"]  # ESS's slots and indices read the same rows as the whole cache
-    assert kit["da_split"]["max_rel_err_vs_unsplit"] < 1e-5
+    da = kit["da_split"]
+    assert da["max_rel_err_vs_unsplit"] < 1e-5
+    # DA's Attn1 over the misses (ess.core.miss_attention, the Triton kernel through the interpreter in the smoke run)
+    assert da["miss_kernel_max_rel_err_vs_unsplit"] < 1e-5
+    want = {"misses_per_request", "attn0_us", "miss_us", "merge_us", "total_us"}
+    assert da["miss_kernel"] and all(want <= set(r) for r in da["miss_kernel"])
+    want = {"misses_per_request", "attn0_us", "copy_us", "copy_attend_us", "total_us", "exposed_us"}
+    assert da["fused_copy_attend"] and all(want <= set(r) and r["landed_exact"] for r in da["fused_copy_attend"])
     assert kit["cuda_graph"]["ok"] is None  # no CUDA graphs on the CPU, and the kit says so
     assert set(kit["overlap"]["exposed_ms"]) == {"none", "da", "dba"}
-    for png in ("flashtrans.png", "da_split.png", "overlap.png"):
+    for png in ("flashtrans.png", "da_split.png", "da_miss_kernel.png", "overlap.png"):
         assert (tmp_path / png).stat().st_size > 0
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -211,6 +212,31 @@ def test_measured_costs_enter_the_step_and_the_paper_table():
     heads = paper_headlines(rows)
     assert [h["paper_gain"] for h in heads] == [0.694, 0.458, 1.23]
     assert all("modelled" in h and "measured" in h for h in heads)
+
+
+def test_measured_da_cost_from_the_miss_kernel_by_misses(tmp_path):
+    """A kit.json with da_split.miss_kernel (issue 33): DA adds Attn0 + miss kernel + merge - one call, interpolated
+    by misses per request and scaled with the attention by batch; without it (the committed H100 run), DA - NONE."""
+    from ess.analysis.sim.measured import MeasuredError, load_measured
+
+    kit = json.load(open(KIT))
+    one = kit["da_split"]["unsplit_us"]
+    kit["da_split"]["miss_kernel"] = [  # made-up figures: the file format, not a measurement
+        {"misses_per_request": 0, "attn0_us": one, "miss_us": 4.0, "merge_us": 6.0, "total_us": one + 10.0},
+        {"misses_per_request": 256, "attn0_us": one, "miss_us": 24.0, "merge_us": 6.0, "total_us": one + 30.0}]
+    path = tmp_path / "kit.json"
+    path.write_text(json.dumps(kit))
+    m = load_measured([str(path)])
+    assert m.split("da", 32, 0) == pytest.approx(10e-6) and m.split("da", 32, 128) == pytest.approx(20e-6)
+    assert m.split("da", 128, 256) == pytest.approx(30e-6 * m.attention(128) / m.attention(32))
+    assert m.split("dba", 32, 0) == pytest.approx(10e-6 + m.dba_extra_us * 1e-6)
+    assert "miss_kernel" in m.describe()["da_cost"] and "DA - NONE" in load_measured([KIT]).describe()["da_cost"]
+    lc = cost.LayerCost(**{f.name: 1e-3 for f in dataclasses.fields(cost.LayerCost)})
+    assert cost.exposed_transfer(lc, 0.0, "da", m, 32, 256)[1] == pytest.approx(30e-6)
+    kit["da_split"]["miss_kernel"][1].pop("total_us")
+    path.write_text(json.dumps(kit))
+    with pytest.raises(MeasuredError, match=r"miss_kernel\[1\]"):
+        load_measured([str(path)])
 
 
 @pytest.mark.parametrize("edit,message", [

@@ -33,7 +33,7 @@ def model_dir(tmp_path, name="dsv32", **changes):
 
 
 ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess-host-pool-gib", "--ess-overlap",
-             "--ess-layer-plan", "--ess-warmup-windows", "--ess-record-trace", "--ess-record-lookahead", "--ess-disk-dir",
+             "--ess-layer-plan", "--ess-da-attn1", "--ess-warmup-windows", "--ess-record-trace", "--ess-record-lookahead", "--ess-disk-dir",
              "--ess-disk-gib"]
 NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
 DISK = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-host-pool-gib", "8",
@@ -127,13 +127,16 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     plan.write_text(json.dumps({"format": "ess-layer-plan/1", "num_layers": 61, "modes": ["da"] * 30 + ["dba"] * 31}))
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "6400",
                       "--ess-host-pool-gib", "512", "--ess-layer-plan", str(plan), "--ess-warmup-windows", "16",
-                      "--ess-record-trace", str(tmp_path / "traces")))
-    from sglang_ess.args import ess_args
+                      "--ess-record-trace", str(tmp_path / "traces"), "--ess-da-attn1", "fused"))
+    from sglang_ess.args import EssArgs, EssArgsError, ess_args
     from sglang_ess.validate import EssFacts, validate_server_args
 
     ess = ess_args(pickle.loads(pickle.dumps(sa)))  # as the scheduler processes receive it
     assert (ess.enable, ess.buffer_tokens, ess.host_pool_gib, ess.warmup_windows) == (True, 6400, 512.0, 16)
-    assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces")
+    assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces") and ess.da_attn1 == "fused"
+    assert EssArgs().da_attn1 == "calls"  # one FlashMLA call unless asked (docs/plugin.md, "Overlap")
+    with pytest.raises(EssArgsError, match="--ess-da-attn1 must be one of"):
+        EssArgs(enable=True, da_attn1="two").check()
     facts = validate_server_args(sa)
     assert facts.topk == 2048 and facts.layers == 61 and facts.buffer == 6400
     # DBA is DA over SGLang's two-batch overlap: without it the plan's dba layers run as da

@@ -131,14 +131,17 @@ def decode_steps(rng, pool, steps, run_layer):
             yield layer, got, rows_of(pool.req_to_token[req.unsqueeze(1), topk.long()], layer)
 
 
-@pytest.mark.parametrize("mode,kernel", [("da", "torch"), ("dba", "torch"),
-                                         pytest.param("da", "fused", marks=NEEDS_INTERPRETER)])
-def test_overlap_layers_start_at_the_indexer_and_equal_none(mode, kernel):
+@pytest.mark.parametrize("mode,kernel,attn1", [("da", "torch", "calls"), ("dba", "torch", "calls"),
+                                               ("da", "torch", "fused"),
+                                               pytest.param("da", "fused", "calls", marks=NEEDS_INTERPRETER)])
+def test_overlap_layers_start_at_the_indexer_and_equal_none(mode, kernel, attn1):
     """DA/DBA layers: the LRU step and the H2D start in `begin` (the indexer hook); the KV write then hands over
     the own rows and the attention call waits. Same slots and rows as mode none, step by step (with the torch ops
-    in both, or the fused kernel in the DA runtime)."""
+    in both, or the fused kernel in the DA runtime). With --ess-da-attn1 fused the copy waits for the attention's
+    fused miss kernel; a call that attends in one piece (no FlashMLA split here) copies first."""
     ref, pool = setup_runtime(overlap="none")
     rt, _ = setup_runtime(overlap=mode, pool=pool, kernel=kernel)
+    rt.attn1 = attn1
     req = torch.tensor(SLOTS)
 
     def both(layer, pos, topk, own_loc):
@@ -449,6 +452,15 @@ def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_droppe
     with caplog.at_level("WARNING", logger="sglang_ess"):  # the next forward (SGLang's ModelRunner.forward)
         plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
     assert not rt._pending and "never consumed" in caplog.text
+    rt.attn1 = "fused"  # a dropped step whose misses the fused miss kernel was to copy: they land all the same
+    step = 5
+    topk = torch.tensor([list(range(step, step + K))] * 3, dtype=torch.int32)
+    assert rt.begin(0, req, pos, topk) and rt._pending[next(iter(rt._pending))][1] is None
+    plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
+    held = rt.cache.sparse.pos_slot[0, SLOTS[0], step : step + K].long()
+    assert bool((held >= 0).all())
+    slots = held + SLOTS[0] * rt.cache.capacity
+    assert torch.equal(rt.latent_buffer(0)[slots, 0], rows_of(pool.req_to_token[SLOTS[0], step : step + K], 0))
 
 
 def test_pd_transfer_engines_see_the_host_pool_as_host_memory(plugin, monkeypatch):

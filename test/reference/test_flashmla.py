@@ -75,3 +75,38 @@ def test_flashmla_matches_the_reference_and_reads_any_pool_by_index():
     o4, lse4 = flashmla.sparse_decode(qn, qp, pool, idx, 576**-0.5)
     assert torch.equal(o4[1], torch.zeros_like(o4[1])) and bool((lse4[1] == -torch.inf).all())
     assert torch.equal(o4[0], o[0])
+
+
+@pytest.mark.skipif(not flashmla.available(), reason="needs a CUDA device and the sgl-flash-mla wheel")
+def test_attn0_on_flashmla_and_the_miss_kernel_merge_to_one_flashmla_call():
+    """DA as issue 33 builds it: Attn0 = FlashMLA over the top-k with the misses set to -1, Attn1 = ess.core's miss
+    kernel over each row's compacted misses (and the same fused with their H2D from a pinned host pool), merged by
+    log-sum-exp: within FlashMLA's own error against the float32 reference of one call over every entry."""
+    from ess.core import flashtrans
+    from ess.core import miss_attention as MA
+
+    qn, qp, pool, idx = (t.cuda() for t in _case(4, N=8, H=128, K=2048, rows=8192))
+    scale = 576**-0.5
+    o_one, _ = flashmla.sparse_decode(qn, qp, pool, idx, scale, backend="flashmla")
+    o_ref, lse_ref = flashmla.sparse_decode(qn, qp, pool, idx, scale, backend="reference")
+    own_err = float((o_one - o_ref).norm() / o_ref.norm())
+    rank = torch.cumsum((idx >= 0).int(), 1) - 1
+    for m in (0, 1, 256, 2047):
+        miss = (idx >= 0) & (rank < m)
+        order = torch.sort((~miss).int(), dim=1, stable=True).indices
+        lists = torch.where(torch.gather(miss, 1, order), torch.gather(idx, 1, order), -1).int()
+        counts = miss.sum(1).int()
+        o0, lse0 = flashmla.sparse_decode(qn, qp, pool, torch.where(miss, -1, idx), scale, backend="flashmla")
+        o, lse = MA.merge(o0, lse0, *MA.miss_attention(qn, qp, pool, lists, counts, scale))
+        err = float((o - o_ref).norm() / o_ref.norm())
+        assert err < max(2 * own_err, 5e-3), (m, err, own_err)
+        assert float((lse - lse_ref).abs().max()) < 1e-2
+        host = pool.cpu().pin_memory()
+        landed = torch.zeros_like(pool)
+        o1f = MA.copy_attend(qn, qp, host, lists, landed, lists, counts, scale)
+        want = torch.zeros_like(pool)
+        flashtrans.gather_lists(host, lists, want, lists, counts)
+        torch.cuda.synchronize()
+        assert torch.equal(landed, want)
+        of, _ = MA.merge(o0, lse0, *o1f)
+        assert float((of - o).norm() / o.norm()) < 1e-6

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ess.core import layout
+from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS
 from ess.cli import main
 from ess.reference import flashmla
 from ess.reference.layer_setup import build_layer, graph_replay_check, preload, restore
@@ -16,10 +17,10 @@ ONE_LAYER = get_config("mini", num_layers=1, index_topk=32)
 FULL_HEADS = get_config("full", num_layers=1)  # FlashMLA takes 64 or 128 heads
 
 
-def run_mode(L, snap, mode, step=3):
+def run_mode(L, snap, mode, step=3, attn1=DA_ATTN1):
     restore(L, snap)
     L.cache.set_step(step)
-    o, topk = ess_layer_attention(mode, L.w, L.cfg, L.h, L.q_lora, L.pos, L.index_k, L.cache, 0)
+    o, topk = ess_layer_attention(mode, L.w, L.cfg, L.h, L.q_lora, L.pos, L.index_k, L.cache, 0, attn1=attn1)
     return o, topk, [t.clone() for t in L.state()], L.cache.misses[0][-1]
 
 
@@ -45,6 +46,22 @@ def test_modes_agree_with_each_other_and_with_a_fully_resident_cache():
     own = A.kv_latent_rows(L.w, L.cfg, L.h, L.pos)
     for b in range(3):
         assert torch.equal(L.cache.host.read(0, int(req[b]), L.pos[b : b + 1])[0], own[b])
+
+
+@pytest.mark.parametrize("attn1", DA_ATTN1_KINDS)
+def test_every_attn1_kind_equals_one_call(attn1):
+    """DA / DBA with Attn1 over the compacted miss lists (the kernel's CPU path), fused with the H2D, or as a second
+    full-width call: the same tables and rows as mode none, the output within float32 rounding of its one call."""
+    L = build_layer(ONE_LAYER, batch=3, context=300, buffer=48, device="cpu")
+    snap = preload(L, misses=10)
+    o_none, topk, state, misses = run_mode(L, snap, "none")
+    for mode in ("da", "dba"):
+        o, t, s, n = run_mode(L, snap, mode, attn1=attn1)
+        assert torch.equal(t, topk) and torch.equal(n, misses)
+        assert all(torch.equal(a, b) for a, b in zip(s, state))  # the fused kernel lands every miss in its slot
+        torch.testing.assert_close(o, o_none, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="Attn1 kind"):
+        run_mode(L, snap, "da", attn1="two")
 
 
 def test_tokens_identical_in_every_mode_end_to_end():
@@ -113,5 +130,9 @@ def test_overlap_benchmark_smoke_mode(capsys):
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [(r["misses_per_request"], r["mode"]) for r in doc["rows"]][:3] == [(0, "none"), (0, "da"), (0, "dba")]
+    kinds = [None, *[(mode, k) for mode in ("da", "dba") for k in DA_ATTN1_KINDS]]
+    assert [(r["misses_per_request"], r["attn1"] and (r["mode"], r["attn1"])) for r in doc["rows"]][:7] == \
+        [(0, k) for k in kinds]
+    assert doc["attn1"] == DA_ATTN1 and set(doc["exposed_ms_by_attn1"]) == set(DA_ATTN1_KINDS)
+    assert doc["exposed_ms"] == doc["exposed_ms_by_attn1"][DA_ATTN1]
     assert "not a measurement" in doc["device"]

@@ -176,9 +176,9 @@ class EssCosts:
     def describe(self) -> dict:
         return {"source": self.source}
 
-    def split(self, mode: str, batch: float) -> float:
+    def split(self, mode: str, batch: float, misses: float = 0.0) -> float:
         """What an overlap mode adds to a layer's compute: DA a second attention launch and the merge, DBA also a
-        second top-k, LRU update and FlashTrans launch."""
+        second top-k, LRU update and FlashTrans launch (misses per request: unused by the modelled terms)."""
         us = {"none": 0.0, "da": self.cal.split_attention_us,
               "dba": self.cal.split_attention_us + self.cal.split_indexer_us}
         if mode not in us:
@@ -190,10 +190,11 @@ def modelled(cal: Calibration, spec: ModelSpec) -> EssCosts:
     return EssCosts(cal, spec.latent_row_bytes)
 
 
-def exposed_transfer(c: LayerCost, h2d: float, mode: str, costs: EssCosts, batch: float) -> tuple[float, float]:
-    """(exposed H2D seconds, added compute seconds) of one layer's misses under an overlap mode. A split mode costs
-    its extra launches even when no row misses: a captured step cannot skip them."""
-    added = costs.split(mode, batch)
+def exposed_transfer(c: LayerCost, h2d: float, mode: str, costs: EssCosts, batch: float,
+                     misses: float = 0.0) -> tuple[float, float]:
+    """(exposed H2D seconds, added compute seconds) of one layer's misses (`misses` per request) under an overlap mode.
+    A split mode costs its extra launches even when no row misses: a captured step cannot skip them."""
+    added = costs.split(mode, batch, misses)
     if mode == "none" or h2d <= 0:
         return h2d, added
     hide = c.pre_attn + c.attention  # Attn0 covers nearly all rows: misses are a small share of top-k
@@ -264,7 +265,7 @@ def step_time(
             h = h2d_seconds(B, ess.misses[i], ess_costs)
             times = 1 if verify_layer else mtp
             h2d_bytes += B * ess.misses[i] * spec.latent_row_bytes * times
-            e, added = exposed_transfer(c, h, ess.modes[i], ess_costs, B)
+            e, added = exposed_transfer(c, h, ess.modes[i], ess_costs, B, ess.misses[i])
             lru = lru_verify if verify_layer else lru_draft
             exposed[i] = e * times
             lru_s += lru * times

@@ -5,9 +5,14 @@
                        backend's GB/s by row count (launch included), linear in log(rows) between the measured counts
     lru(batch, S)      one layer's fused LRU step: bookkeeping.json's cases (by S query rows, at its largest buffer),
                        else kit.json bookkeeping_us_per_layer (S = 1); linear in batch
-    split(mode, batch) what DA / DBA add to one layer: kit.json overlap rows at 0 misses (one full layer, CUDA graphs):
-                       DA - NONE, and DBA - DA, at the kit's batch; DA's part, a second FlashMLA call, scales with the
-                       attention time by batch (kit.json flashmla.attn_us), DBA's extra launches do not
+    split(mode, batch, misses)
+                       what DA / DBA add to one layer. DA: with kit.json da_split.miss_kernel (DA's Attn1 over the
+                       misses, ess.core.miss_attention), Attn0 + miss kernel + merge - one FlashMLA call, by misses
+                       per request, at the split's batch; without it (an older kit.json), the overlap rows at 0
+                       misses (one full layer, CUDA graphs, Attn1 a second full call): DA - NONE, at the kit's batch.
+                       Either scales with the attention time by batch (kit.json flashmla.attn_us). DBA: DA's plus
+                       DBA - DA at 0 misses, whose extra launches do not scale. The fused copy-attend
+                       (da_split.fused_copy_attend) is reported by the kit, not charged.
     attention(batch)   one FlashMLA V3.2 sparse decode call, reported beside the modelled one
 
 Linear interpolation between measured points and linear extrapolation past them (the two nearest points); what a
@@ -113,12 +118,16 @@ class MeasuredCosts:
         # DA / DBA: one layer at 0 misses, by mode
         ov = _field(kit, "overlap", where)
         self.split_batch = _number(_field(ov, "batch", where + " overlap"), "overlap.batch", where)
+        # rows without `attn1` are from before issue 33: DA's Attn1 was a second full call ("calls")
         at0 = {r.get("mode"): r.get("median_ms") for r in _field(ov, "rows", where + " overlap")
-               if isinstance(r, dict) and r.get("misses_per_request") == 0}
+               if isinstance(r, dict) and r.get("misses_per_request") == 0 and r.get("attn1") in (None, "calls")}
         for mode in ("none", "da", "dba"):
             _number(at0.get(mode), f"overlap.rows (mode {mode}, misses_per_request 0).median_ms", where)
         self.da_us_at = max(0.0, (at0["da"] - at0["none"]) * 1e3)
         self.dba_extra_us = max(0.0, (at0["dba"] - at0["da"]) * 1e3)
+        self._da_miss = self._miss_kernel(kit, where)
+        self.da_cost = ("da_split.miss_kernel: Attn0 + miss kernel + merge - one call, by misses per request"
+                        if self._da_miss is not None else "overlap rows at 0 misses: DA - NONE (a second full call)")
         # The LRU step by batch and query rows
         self._lru: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.sources = [kit_path]
@@ -130,6 +139,24 @@ class MeasuredCosts:
                                     f"bookkeeping_us_per_layer.batches.{b}.lru_step_us", where)) for b, v in bk.items()]
             self._lru[1] = _points([b for b, _ in pts], [u for _, u in pts], "bookkeeping_us_per_layer", where)
         self.source = f"measured: {', '.join(self.sources)} ({self.device}, {self.date})"
+
+    def _miss_kernel(self, kit: dict, where: str):
+        """DA's added compute by misses per request from da_split.miss_kernel (None without it): (batch, misses,
+        microseconds over one call)."""
+        rows = kit.get("da_split", {}).get("miss_kernel") if isinstance(kit.get("da_split"), dict) else None
+        if not rows:
+            return None
+        if not isinstance(rows, list):
+            raise MeasuredError(f"{where}: 'da_split.miss_kernel' must be a list")
+        one = _number(_field(kit, "da_split.unsplit_us", where), "da_split.unsplit_us", where)
+        batch = _number(_field(kit, "da_split.batch", where), "da_split.batch", where)
+        for i, r in enumerate(rows):
+            _number(_field(r, "misses_per_request", f"{where} da_split.miss_kernel[{i}]"),
+                    f"da_split.miss_kernel[{i}].misses_per_request", where, positive=False)
+            _number(_field(r, "total_us", f"{where} da_split.miss_kernel[{i}]"), f"da_split.miss_kernel[{i}].total_us", where)
+        pts = _points([r["misses_per_request"] for r in rows], [max(0.0, r["total_us"] - one) for r in rows],
+                      "da_split.miss_kernel", where)
+        return batch, pts
 
     def _lru_from_bookkeeping(self, path: str) -> None:
         where = f"--measured {path}"
@@ -174,10 +201,14 @@ class MeasuredCosts:
     def attention(self, batch: float) -> float:
         return max(0.0, _interp(batch, *self._attn)) * 1e-6
 
-    def split(self, mode: str, batch: float) -> float:
+    def split(self, mode: str, batch: float, misses: float = 0.0) -> float:
         if mode == "none":
             return 0.0
-        da = self.da_us_at * 1e-6 * self.attention(batch) / self.attention(self.split_batch)
+        if self._da_miss is not None:
+            at, pts = self._da_miss
+            da = max(0.0, _interp(misses, *pts)) * 1e-6 * self.attention(batch) / self.attention(at)
+        else:
+            da = self.da_us_at * 1e-6 * self.attention(batch) / self.attention(self.split_batch)
         if mode == "da":
             return da
         if mode == "dba":
@@ -185,7 +216,8 @@ class MeasuredCosts:
         raise ValueError(f"overlap mode must be one of none, da, dba; got {mode!r}")
 
     def describe(self) -> dict:
-        return {"source": self.source, "device": self.device, "date": self.date, "assumed": list(self.assumed)}
+        return {"source": self.source, "device": self.device, "date": self.date, "da_cost": self.da_cost,
+                "assumed": list(self.assumed)}
 
 
 def load_measured(paths: list[str]) -> MeasuredCosts:

@@ -1,0 +1,275 @@
+"""DA's Attn1 over the misses only, and the misses' H2D fused with it (docs/design.md, "Overlap"; docs/gpu.md).
+
+FlashMLA's V3.2 sparse decode takes no `topk_length`, and a call costs nearly as much with 0 valid entries as with
+2048 (docs/gpu.md), so DA's second full-width call (Attn1 with the hits set to -1) costs a whole call. Here Attn1 is a
+compact kernel over each query row's compacted miss list instead (the LRU step's `miss_slot` and device count
+`n_miss`: a fixed width, so it captures in a CUDA graph, and a loop that stops at the count):
+
+    miss_attention(q_nope, q_pe, pool, slots, counts, scale)
+        per query row n: attention over pool[slots[n, i]] for i < counts[n] (slot -1: skipped)
+    copy_attend(q_nope, q_pe, host, host_rows, gpu, gpu_slots, counts, scale)
+        the same over the misses as they land: for i < counts[n], gpu[gpu_slots[n, i]] = host[host_rows[n, i]]
+        (FlashTrans' H2D, ess.core.flashtrans.gather_lists) and the row is attended, in one kernel that reads each
+        missing row from the pinned host pool once (UVA)
+    merge(o0, lse0, o1, lse1)
+        Attn0 (FlashMLA over the top-k with the misses set to -1) and Attn1 merged by log-sum-exp
+
+Rows are V3.2's 656-byte latent rows (ess.core.layout: 512 FP8 e4m3 values in 4 tiles with 4 float32 scales, 64 bf16
+RoPE values). Output and LSE follow FlashMLA's conventions: o [N, H, 512] (float32 here), lse [N, H] in natural log,
+the softmax scale as given (the model's); a row without an entry gives o = 0 and lse = -inf (FlashMLA's kernel
+returns +inf there: `merge` takes either as empty). Every entry of the list counts once: the indexer's top-k has
+distinct positions, and the LRU step lists each missing position once.
+
+The kernel. One program per (query row, block of BLOCK_H heads) for miss_attention; for copy_attend one program per
+query row, looping over the head blocks, so each row crosses PCIe once: the first head block copies each chunk of
+BLOCK_N rows into its GPU slots and attends from there after a block barrier, the later head blocks read the slots
+(in L2 by then). So copy_attend runs on as many programs as query rows (32 at batch 32), beside Attn0 on the copy
+stream, as FlashTrans' copies beside compute do. Within a program: flash-decoding's online softmax over chunks of
+BLOCK_N entries, the rows decoded in registers (FP8 bytes bitcast, times their tile's scale; bf16 RoPE widened),
+q . k and p . v with tl.dot in bf16 on a GPU (FlashMLA's precision: bf16 query, FP8 rows widened to bf16, float32
+accumulation), in float32 ("ieee") in Triton's CPU interpreter.
+
+Backends: "triton" (CUDA tensors; the host pool pinned, read through UVA), "interpret" (the same kernel in Triton's CPU
+interpreter from Triton 3.8: how CI checks it), "torch" (ess.core.dsa_math over the gathered rows: the CPU path, the
+same function). "auto": "triton" for CUDA tensors, else "torch".
+
+GPU timing has NOT been measured: this was written on a CPU-only machine. BLOCK_H, BLOCK_N and NUM_WARPS are
+untuned first choices; benchmark/gpu/kit.py's DA split sweeps a few (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ess.core import dsa_math, flashtrans, layout
+from ess.core.flashtrans import INTERPRETER_OK, triton
+
+BLOCK_H = 16  # heads per block (tl.dot's minimum)
+BLOCK_N = 16  # entries per chunk of the online softmax
+NUM_WARPS = 4  # per program (GPU only)
+BACKENDS = ("auto", "triton", "interpret", "torch")
+
+if triton is not None:
+    import triton.language as tl
+
+    # Reductions through tl.reduce with the standard library's combine functions: tl.sum / tl.max are jit functions,
+    # which Triton's interpreter cannot call unless TRITON_INTERPRET was set at import (as in ess.core.flashtrans).
+    _ADD, _MAX = tl.standard._sum_combine, tl.standard._elementwise_max
+
+    def _miss_kernel(qn_ptr, qp_ptr, src, src_idx, dst, dst_idx, counts, o_ptr, lse_ptr, scale, W, H,
+                     HEAD_BLOCKS: tl.constexpr, FUSED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_BF16: tl.constexpr, PRECISION: tl.constexpr, CACHE: tl.constexpr):
+        NOPE: tl.constexpr = 512
+        ROPE: tl.constexpr = 64
+        ROW: tl.constexpr = 656
+        WORDS: tl.constexpr = 164
+        n = tl.program_id(0).to(tl.int64)
+        cnt = tl.load(counts + n).to(tl.int32)
+        c = tl.arange(0, NOPE)
+        r = tl.arange(0, ROPE)
+        j = tl.arange(0, BLOCK_N)
+        words = tl.arange(0, 256)
+        hb0 = tl.program_id(1) * HEAD_BLOCKS
+        for hb in range(hb0, hb0 + HEAD_BLOCKS):
+            h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+            hm = (h < H)[:, None]
+            qrow = (n * H + h.to(tl.int64))[:, None]
+            qn = tl.load(qn_ptr + qrow * NOPE + c[None, :], mask=hm, other=0.0)
+            qp = tl.load(qp_ptr + qrow * ROPE + r[None, :], mask=hm, other=0.0)
+            if DOT_BF16:
+                qn = qn.to(tl.bfloat16)
+                qp = qp.to(tl.bfloat16)
+            else:
+                qn = qn.to(tl.float32)
+                qp = qp.to(tl.float32)
+            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l = tl.full([BLOCK_H], 0.0, tl.float32)
+            acc = tl.full([BLOCK_H, NOPE], 0.0, tl.float32)
+            for start in range(0, cnt, BLOCK_N):
+                i = start + j
+                live = i < cnt
+                d = tl.load(dst_idx + n * W + i, mask=live, other=-1).to(tl.int64)
+                ok = d >= 0
+                if FUSED:
+                    s_row = tl.load(src_idx + n * W + i, mask=live, other=-1).to(tl.int64)
+                    ok = ok & (s_row >= 0)
+                    if hb == hb0:  # the first head block lands the chunk in its GPU slots (FlashTrans' copy)
+                        wm = ok[:, None] & (words < WORDS)[None, :]
+                        v = tl.load((src + s_row[:, None] * ROW).to(tl.pointer_type(tl.int32)) + words[None, :], mask=wm)
+                        tl.store((dst + d[:, None] * ROW).to(tl.pointer_type(tl.int32)) + words[None, :], v, mask=wm)
+                    tl.debug_barrier()  # the chunk's slots written by the block before any thread reads them
+                base = dst + d[:, None] * ROW
+                okc = ok[:, None]
+                kb = tl.load(base + c[None, :], mask=okc, other=0, cache_modifier=CACHE)
+                sc = tl.load((base + 512).to(tl.pointer_type(tl.float32)) + (c // 128)[None, :], mask=okc, other=0.0,
+                             cache_modifier=CACHE)
+                kv = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc  # [BLOCK_N, 512]
+                pe16 = tl.load((base + 528).to(tl.pointer_type(tl.int16)) + r[None, :], mask=okc, other=0,
+                               cache_modifier=CACHE)
+                pe = (pe16.to(tl.int32) << 16).to(tl.float32, bitcast=True)  # bf16 -> float32, exact
+                if DOT_BF16:
+                    kv = kv.to(tl.bfloat16)
+                    pe = pe.to(tl.bfloat16)
+                s = tl.dot(qn, tl.trans(kv), input_precision=PRECISION)
+                s = (s + tl.dot(qp, tl.trans(pe), input_precision=PRECISION)) * scale  # [BLOCK_H, BLOCK_N]
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.reduce(s, 1, _MAX))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no entry yet: nothing to rescale
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                l = l * alpha + tl.reduce(p, 1, _ADD)
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)
+                m = m_new
+            seen = l > 0.0
+            lse = tl.where(seen, m + tl.log(tl.where(seen, l, 1.0)), float("-inf"))
+            o = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
+            tl.store(o_ptr + qrow * NOPE + c[None, :], o, mask=hm)
+            tl.store(lse_ptr + n * H + h, lse, mask=h < H)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """The kernel compiled for the GPU or wrapped for Triton's CPU interpreter (decided per call, not per import, as
+    ess.core.flashtrans does)."""
+    if triton is None:
+        raise RuntimeError("miss attention: the triton and interpret backends need the triton package")
+    if interpret:
+        if not INTERPRETER_OK:
+            raise RuntimeError("miss attention: the 'interpret' backend needs Triton >= 3.8's interpreter")
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_miss_kernel)
+    return triton.jit(_miss_kernel)
+
+
+def _got(x) -> str:
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in (torch.int32, torch.int64)
+
+
+def _pool(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != layout.LATENT_ROW_BYTES \
+            or not x.is_contiguous():
+        raise ValueError(f"miss attention: {name} must be contiguous uint8 [rows, {layout.LATENT_ROW_BYTES}] latent rows, "
+                         f"got {_got(x)}")
+
+
+def _check(q_nope, q_pe, counts, lists: dict) -> tuple[int, int, int]:
+    """Refuse bad inputs naming the argument; returns (N, H, W)."""
+    if not isinstance(q_nope, torch.Tensor) or q_nope.dim() != 3 or q_nope.shape[2] != layout.NOPE_DIM \
+            or not q_nope.is_floating_point():
+        raise ValueError(f"miss attention: q_nope must be a float [N, H, {layout.NOPE_DIM}] tensor, got {_got(q_nope)}")
+    N, H, _ = q_nope.shape
+    if not isinstance(q_pe, torch.Tensor) or tuple(q_pe.shape) != (N, H, layout.ROPE_DIM) or not q_pe.is_floating_point():
+        raise ValueError(f"miss attention: q_pe must be a float [N, H, {layout.ROPE_DIM}] = [{N}, {H}, "
+                         f"{layout.ROPE_DIM}] tensor, got {_got(q_pe)}")
+    W = None
+    for name, t in lists.items():
+        if not _is_int(t) or t.dim() != 2 or t.shape[0] != N or (W is not None and t.shape[1] != W):
+            raise ValueError(f"miss attention: {name} must be an int32 or int64 [N, W] tensor with N = {N}"
+                             f"{'' if W is None else f', W = {W}'}, got {_got(t)}")
+        W = t.shape[1]
+    if not _is_int(counts) or tuple(counts.shape) != (N,):
+        raise ValueError(f"miss attention: counts must be an int32 or int64 [N] = [{N}] tensor, got {_got(counts)}")
+    for name, t in (("q_pe", q_pe), ("counts", counts), *lists.items()):
+        if t.device != q_nope.device:
+            raise ValueError(f"miss attention: {name} is on {t.device}, q_nope on {q_nope.device}")
+    return N, H, W
+
+
+def _backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"miss attention: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError("miss attention: backend 'triton' needs CUDA tensors ('interpret' runs the kernel on a CPU)")
+    if backend == "interpret" and device.type == "cuda":
+        raise ValueError("miss attention: backend 'interpret' needs CPU tensors (Triton's interpreter reads host memory)")
+    return backend
+
+
+def _listed(slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """[N, W] bool: entry i of row n is one of its first counts[n] and names a slot."""
+    return (torch.arange(slots.shape[1], device=slots.device).unsqueeze(0) < counts.unsqueeze(1)) & (slots >= 0)
+
+
+def _torch_attend(q_nope, q_pe, pool, slots, valid, scale):
+    """The CPU path: ess.core.dsa_math's sparse MLA over the listed rows, in float32."""
+    return dsa_math.sparse_attention(q_nope.float(), q_pe.float(), pool[slots.long().clamp(min=0)], valid, scale)
+
+
+def _launch(q_nope, q_pe, src, src_idx, dst, dst_idx, counts, scale, N, H, W, fused: bool, interpret: bool,
+            block_h: int | None, block_n: int | None, num_warps: int | None):
+    dev = q_nope.device
+    o = torch.empty(N, H, layout.NOPE_DIM, dtype=torch.float32, device=dev)
+    lse = torch.empty(N, H, dtype=torch.float32, device=dev)
+    if N * H == 0:
+        return o, lse
+    bh, bn = block_h or BLOCK_H, block_n or BLOCK_N
+    blocks = -(-H // bh)
+    grid = (N, 1) if fused else (N, blocks)
+    if not interpret and not dst.is_cuda:
+        raise ValueError("miss attention: the GPU pool must be a CUDA tensor")
+    if not interpret and not src.is_cuda:
+        src = flashtrans._UvaPointer(src)  # pinned host memory, read in place over UVA
+    _kernel(interpret)[grid](
+        q_nope.contiguous(), q_pe.contiguous(), src, src_idx.contiguous(), dst, dst_idx.contiguous(), counts.contiguous(),
+        o, lse, float(scale), W, H,
+        HEAD_BLOCKS=blocks if fused else 1, FUSED=fused, BLOCK_H=bh, BLOCK_N=bn,
+        DOT_BF16=not interpret, PRECISION="ieee" if interpret else None, CACHE=".cg" if fused and not interpret else "",
+        **({} if interpret else {"num_warps": num_warps or NUM_WARPS}),
+    )
+    return o, lse
+
+
+def miss_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                   counts: torch.Tensor, scale: float, backend: str = "auto", block_h: int | None = None,
+                   block_n: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attn1 over compacted lists: q_nope [N, H, 512], q_pe [N, H, 64] (the absorbed query), pool [R, 656] uint8 rows,
+    slots [N, W] pool rows compacted left (the LRU step's miss_slot), counts [N] how many of each row's are listed
+    (n_miss, on the device: nothing syncs). Returns (o [N, H, 512] float32, lse [N, H] float32, natural log; 0 and
+    -inf for a row without entries)."""
+    N, H, W = _check(q_nope, q_pe, counts, {"slots": slots})
+    _pool(pool, "pool")
+    backend = _backend(backend, pool.device)
+    if backend == "torch":
+        return _torch_attend(q_nope, q_pe, pool, slots, _listed(slots, counts), scale)
+    return _launch(q_nope, q_pe, pool, slots, pool, slots, counts, scale, N, H, W, False, backend == "interpret",
+                   block_h, block_n, num_warps)
+
+
+def copy_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, host: torch.Tensor, host_rows: torch.Tensor,
+                gpu: torch.Tensor, gpu_slots: torch.Tensor, counts: torch.Tensor, scale: float, backend: str = "auto",
+                block_h: int | None = None, block_n: int | None = None,
+                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The misses' H2D and Attn1 in one kernel: for i < counts[n], gpu[gpu_slots[n, i]] = host[host_rows[n, i]]
+    (pairs with a -1 skipped, as ess.core.flashtrans.gather_lists) and query row n attends to the rows it copied.
+    host [rows, 656] the pinned host pool (on a GPU; a CPU tensor in the interpreter and the torch path), gpu [slots,
+    656]; the lists and counts as miss_attention's. Returns miss_attention's (o, lse) over gpu[gpu_slots] after the
+    copy."""
+    N, H, W = _check(q_nope, q_pe, counts, {"host_rows": host_rows, "gpu_slots": gpu_slots})
+    _pool(host, "host")
+    _pool(gpu, "gpu")
+    backend = _backend(backend, gpu.device)
+    if backend == "torch":
+        flashtrans.gather_lists(host, host_rows, gpu, gpu_slots, counts, "torch")
+        valid = _listed(gpu_slots, counts) & (host_rows >= 0)
+        return _torch_attend(q_nope, q_pe, gpu, gpu_slots, valid, scale)
+    return _launch(q_nope, q_pe, host, host_rows, gpu, gpu_slots, counts, scale, N, H, W, True,
+                   backend == "interpret", block_h, block_n, num_warps)
+
+
+def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attn0 and Attn1 over disjoint entries merged by log-sum-exp (ess.core.dsa_math.merge_attention), float32. An
+    lse of +inf (FlashMLA's for a row without a valid entry) counts as empty, like -inf."""
+    lse0 = torch.where(lse0 == math.inf, -math.inf, lse0.float())
+    lse1 = torch.where(lse1 == math.inf, -math.inf, lse1.float())
+    o0 = torch.where(torch.isfinite(lse0).unsqueeze(-1), o0.float(), 0.0)  # an empty part's o is whatever the kernel left
+    return dsa_math.merge_attention(o0, lse0, o1.float(), lse1)
