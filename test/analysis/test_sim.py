@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import json
 
 import pytest
@@ -203,7 +204,15 @@ def test_measured_costs_enter_the_step_and_the_paper_table():
     m = load_measured([KIT, BOOK])
     kw = dict(context=32768, batch=160, sparse_ratio=0.21)
     mod, mea = simulate(**kw), simulate(measured=m, **kw)
-    assert mod["lru_ms"] == 0 and mea["lru_ms"] == pytest.approx(61 * 2 * m.lru(80, 3) * 1e3 + 2 * m.lru(160, 1) * 1e3, abs=2e-3)
+    slots = math.ceil(0.21 * 32768)  # the LRU step at the step's own slots per request
+    assert mod["lru_ms"] == 0 and mea["lru_ms"] == pytest.approx(
+        (61 * 2 * m.lru(80, 3, slots) + 2 * m.lru(160, 1, slots)) * 1e3, abs=2e-3)
+    # linear in slots at the slope of the two decode buffers (2,049 and 6,554), at every S; the measured buffer as is
+    per_slot = (89.6 - 69.4) / (6554 - 2049)
+    assert m.lru(160, 1, 6554) == pytest.approx(89.6e-6)
+    assert m.lru(160, 1, 13108) == pytest.approx((89.6 + per_slot * 6554) * 1e-6)
+    assert m.lru(160, 3, 6554 + 1000) == pytest.approx((226.5 + per_slot * 1000) * 1e-6)
+    assert any("linear in slots" in note for note in m.assumed)
     assert mea["ess_costs"].startswith("measured") and "H100" in mea["ess_costs"] and mod["ess_costs"] == "modelled"
     assert simulate(measured=m, context=32768, batch=52)["step_ms"] == simulate(context=32768, batch=52)["step_ms"]
     rows = paper_table(measured=m)

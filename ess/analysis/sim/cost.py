@@ -169,8 +169,9 @@ class EssCosts:
     def d2h(self, rows: float) -> float:
         return 0.0 if rows <= 0 else rows * self.row_bytes / (self.cal.d2h_gbps * 1e9) + self.cal.copy_latency_us * 1e-6
 
-    def lru(self, batch: float, rows_per_step: int) -> float:
-        """One layer's LRU step for `batch` requests of `rows_per_step` query rows: not modelled (0)."""
+    def lru(self, batch: float, rows_per_step: int, slots: float | None = None) -> float:
+        """One layer's LRU step for `batch` requests of `rows_per_step` query rows and `slots` GPU slots each: not
+        modelled (0)."""
         return 0.0
 
     def describe(self) -> dict:
@@ -257,8 +258,9 @@ def step_time(
         # The LRU step runs on the compute stream before the H2D, per micro-batch under TBO; verify layers track
         # mtp + 1 query rows per request, the MTP layer one.
         micro = 2 if dep.tbo else 1
-        lru_verify = micro * ess_costs.lru(B / micro, mtp + 1)
-        lru_draft = ess_costs.lru(B, 1)
+        slots = math.ceil(ess.sparse_ratio * context)
+        lru_verify = micro * ess_costs.lru(B / micro, mtp + 1, slots)
+        lru_draft = ess_costs.lru(B, 1, slots)
         for i in range(n_layers):
             verify_layer = i < spec.layers
             c = layers[i] if verify_layer else draft_cost

@@ -182,7 +182,7 @@ def simulate(
                 "read_amplification": round(read / (rows * spec.latent_row_bytes), 3) if rows else None,
                 "exposed_disk_ms": round(seconds * 1e3, 3), "fits_host_memory": True,
                 "disk_placement": "by access frequency (profile's page_access)" if profile and "page_access" in profile
-                else "uniform (no page_access in the profile): an upper bound"}
+                else "in proportion (no page_access in the profile): misses fall on disk pages by their share"}
     if modes is not None:
         row["plan"] = {m: modes.count(m) for m in ("none", "da", "dba")}
         row |= {"lru_ms": round(r.lru_s * 1e3, 3), "split_ms": round(r.split_s * 1e3, 3),

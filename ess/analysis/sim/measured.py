@@ -3,8 +3,10 @@
 
     h2d(rows)          FlashTrans H2D of `rows` latent rows in one launch: kit.json flashtrans.rows, the serving
                        backend's GB/s by row count (launch included), linear in log(rows) between the measured counts
-    lru(batch, S)      one layer's fused LRU step: bookkeeping.json's cases (by S query rows, at its largest buffer),
-                       else kit.json bookkeeping_us_per_layer (S = 1); linear in batch
+    lru(batch, S, slots)
+                       one layer's fused LRU step: bookkeeping.json's cases (by S query rows, at its largest buffer;
+                       linear in slots per request at the slope between its two buffers, assumed the same for every
+                       S), else kit.json bookkeeping_us_per_layer (S = 1, slots not scaled); linear in batch
     split(mode, batch, misses)
                        what DA / DBA add to one layer. DA: with kit.json da_split.miss_kernel (DA's Attn1 over the
                        misses, ess.core.miss_attention), Attn0 + miss kernel + merge - one FlashMLA call, by misses
@@ -130,6 +132,8 @@ class MeasuredCosts:
                         if self._da_miss is not None else "overlap rows at 0 misses: DA - NONE (a second full call)")
         # The LRU step by batch and query rows
         self._lru: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lru_slots: dict[int, float] = {}  # the buffer (slots per request) each S's figures were measured at
+        self._lru_per_slot = None  # microseconds per slot by batch (bookkeeping.json with two buffers), else None
         self.sources = [kit_path]
         if bookkeeping_path is not None:
             self._lru_from_bookkeeping(bookkeeping_path)
@@ -167,11 +171,24 @@ class MeasuredCosts:
         for i, c in enumerate(cases):
             for key in ("batch", "rows_per_step", "buffer_tokens", "fused_us"):
                 _number(_field(c, key, f"{where} cases[{i}]"), f"cases[{i}].{key}", where)
+        widest = None  # (slot range, S, C_lo, C_hi): the cases that measure the cost of a slot
         for S in sorted({int(c["rows_per_step"]) for c in cases}):
             mine = [c for c in cases if c["rows_per_step"] == S]
-            C = max(c["buffer_tokens"] for c in mine)  # the larger buffer: the kernel's cost grows with slots
-            mine = [c for c in mine if c["buffer_tokens"] == C]
-            self._lru[S] = _points([c["batch"] for c in mine], [c["fused_us"] for c in mine], f"cases (S = {S})", where)
+            Cs = sorted({c["buffer_tokens"] for c in mine})
+            C = Cs[-1]  # the larger buffer: the kernel's cost grows with slots
+            at = [c for c in mine if c["buffer_tokens"] == C]
+            self._lru[S] = _points([c["batch"] for c in at], [c["fused_us"] for c in at], f"cases (S = {S})", where)
+            self._lru_slots[S] = C
+            if len(Cs) > 1 and (widest is None or Cs[-1] - Cs[0] > widest[0]):
+                widest = (Cs[-1] - Cs[0], S, Cs[0], Cs[-1])
+        if widest is not None:  # microseconds per slot by batch, between the smallest and the largest buffer
+            _, S, lo, hi = widest
+            us = {(c["batch"], c["buffer_tokens"]): c["fused_us"] for c in cases if c["rows_per_step"] == S}
+            both = sorted(b for b, C in us if C == lo and (b, hi) in us)
+            if both:
+                self._lru_per_slot = _points(both, [(us[b, hi] - us[b, lo]) / (hi - lo) for b in both],
+                                             f"cases (S = {S}, buffers {lo} and {hi})", where)
+                self._lru_per_slot_from = (S, lo, hi)
         if doc.get("device") not in (None, self.device):
             self.assumed.append(f"the LRU step measured on {doc['device']}, the rest on {self.device}")
         self.sources.append(path)
@@ -187,10 +204,21 @@ class MeasuredCosts:
             return 0.0
         return rows * layout.LATENT_ROW_BYTES / (max(1e-3, _interp(math.log(rows), *self._d2h)) * 1e9)
 
-    def lru(self, batch: float, rows_per_step: int) -> float:
+    def lru(self, batch: float, rows_per_step: int, slots: float | None = None) -> float:
         have = sorted(self._lru)
         S = min(have, key=lambda s: (abs(s - rows_per_step), s))
         us = max(0.0, _interp(batch, *self._lru[S]))
+        C = self._lru_slots.get(S)
+        if slots is not None and C is not None and self._lru_per_slot is not None and slots != C:
+            # the kernel scans each request's slots (victim search, hit flags): linear in slots, at the slope the
+            # widest pair of buffers measured, whatever S (assumed), never below zero
+            per = max(0.0, _interp(batch, *self._lru_per_slot))
+            us = max(0.0, us + per * (slots - C))
+            S0, lo, hi = self._lru_per_slot_from
+            note = (f"LRU step linear in slots per request, at the slope measured between buffers of {lo} and {hi} "
+                    f"slots ({S0} query row{'s' if S0 > 1 else ''}), applied to every query-row count")
+            if note not in self.assumed:
+                self.assumed.append(note)
         if S != rows_per_step:  # scaled by query rows: assumed
             note = f"LRU step for {rows_per_step} query rows scaled from the {S}-row measurement (x {rows_per_step / S:g})"
             if note not in self.assumed:
