@@ -29,7 +29,8 @@ def timed(fn) -> float:
 
 def one_run(directory: str, pages: int) -> dict:
     """Times in ms of the three calls over `pages` pages, in frames for 2 x pages over 4 x pages of virtual rows."""
-    t = PagedHostTier(1, 4 * pages * 64, 2 * pages * PAGE_BYTES, directory)
+    # "lru": the first pages, used twice, must leave for the later ones (by frequency they would stay)
+    t = PagedHostTier(1, 4 * pages * 64, 2 * pages * PAGE_BYTES, directory, placement="lru")
     try:
         first = np.arange(pages)
         fresh = timed(lambda: t.ensure(first, dirty=True))
