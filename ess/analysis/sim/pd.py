@@ -123,6 +123,7 @@ def pd_rows(link_gbps: list[float] = LINK_GBPS, contexts: list[int] = CONTEXTS, 
         for gbps in link_gbps:
             full = timeline(gbps, ph, spec.latent_row_bytes, join_s, step_s, misses, accept, tokens, "full")
             row = {"context": context, "link_gbps": gbps, "batch_size": b, "sparse_ratio": sparse_ratio,
+                   "fits_memory": sim["fits_memory"], "fits_host_memory": sim["fits_host_memory"],
                    "step_ms": sim["step_ms"], "join_ms": round(join_s * 1e3, 3),
                    "floor_first_token_s": round(floor, 6), **ph,
                    "full_bytes": sum(ph[k] for k in ("phase1_bytes", "phase2_bytes", "phase3_bytes")),
