@@ -175,13 +175,16 @@ def plot_pd(rows: list[dict], path: str, tokens: int, title: str) -> None:
             ax.plot(x, [r[f"full_{what}"] for r in mine], f"C{i}-o", ms=4, label=f"{name} full transfer")
             if f"progressive_{what}" in mine[0]:
                 ax.plot(x, [r[f"progressive_{what}"] for r in mine], f"C{i}--^", ms=4, label=f"{name} progressive")
+                ax.plot(x, [r[f"stream_{what}"] for r in mine], f"C{i}:", lw=1,
+                        label=f"{name} progressive, unlanded rows not sent first")
         ax.set_xscale("log")
         ax.set_xticks(sorted({r["link_gbps"] for r in rows}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("link bandwidth (Gb/s, one request's)")
         ax.set_ylabel(f"seconds to the {label}")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
