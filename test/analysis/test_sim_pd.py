@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from ess.analysis.sim.pd import goal, pd_rows, phases, timeline, warm_rows, warmup_state_bytes
+from ess.analysis.sim.pd import goal, pd_rows, phases, step_misses, timeline, warm_rows, warmup_state_bytes
+from ess.analysis.sim.profile import ProfileError
 from ess.analysis.sim.specs import DSV32
 from ess.cli import main
 
@@ -56,6 +57,13 @@ def test_without_misses_progressive_waits_for_nothing():
     assert t["wait_s"] == 0 and t["first_token_s"] == pytest.approx((ph["phase1_bytes"] + ph["phase2_bytes"]) / 12.5e9 + 0.06)
     busy = timeline(100.0, ph, 656, 0.01, 0.05, [1e4] * 40, 1.7, 64, "demand")
     assert busy["wait_s"] > 0 and busy["steps_waiting"] > 0 and busy["first_token_s"] > t["first_token_s"]
+
+
+def test_the_profile_shapes_misses_by_step_after_warm_up():
+    assert step_misses(None, [10.0, 20.0], 3) == [30.0] * 3
+    assert step_misses({"misses_by_step": {"warmup": [2, 1, 0]}}, [10.0, 20.0], 4) == [60.0, 30.0, 0.0, 30.0]
+    with pytest.raises(ProfileError, match="misses_by_step.warmup"):
+        step_misses({"misses_by_step": {"warmup": ["a"]}}, [1.0], 2)
 
 
 def test_cli_json_rows_table_and_plot(tmp_path, capsys):

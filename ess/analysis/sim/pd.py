@@ -12,6 +12,7 @@ import math
 
 from ess.analysis.sim import cost
 from ess.analysis.sim.engine import HARDWARE, EP, layer_misses, load_calibration, profile_for, simulate
+from ess.analysis.sim.profile import ProfileError
 from ess.analysis.sim.specs import ModelSpec, get_hardware, get_model
 from ess.core.settings import DEFAULT_SPARSE_RATIO, capacity
 
@@ -52,6 +53,9 @@ def step_misses(profile: dict | None, misses: list[float], steps: int) -> list[f
     curve = ((profile or {}).get("misses_by_step") or {}).get("warmup")
     if not curve:
         return [total] * steps
+    if not isinstance(curve, list) or not all(isinstance(x, (int, float)) and 0 <= x < math.inf for x in curve):
+        raise ProfileError(f"miss profile {profile.get('source', '')!r}: 'misses_by_step.warmup' must be a list of "
+                           "non-negative numbers")
     mean = sum(curve) / len(curve)
     return [total * (curve[s] / mean if s < len(curve) and mean > 0 else 1.0) for s in range(steps)]
 
@@ -68,6 +72,8 @@ def timeline(link_gbps: float, ph: dict, row_bytes: int, join_s: float, step_s: 
     taken for a first touch, a row outside the warm-up set: an upper bound). demand: those rows are sent ahead of the
     stream, and the step waits for their bytes; stream: nothing is reordered, and the step waits until the last of
     them lands (expected: the rest of phase 3 x n / (n + 1) for n such rows)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     rate = link_gbps * 1e9 / 8  # bytes per second; inf: the floor
     total = ph["phase1_bytes"] + ph["phase2_bytes"] + ph["phase3_bytes"]
     ready = (total if order == "full" else ph["phase1_bytes"] + ph["phase2_bytes"]) / rate
