@@ -502,6 +502,11 @@ def cmd_sim_pd(args) -> int:
              f"{'full against progressive transfer (SIMULATED: the plugin sends in full)' if args.progressive else 'full transfer'}")
     if args.plot:
         plot_pd(rows, _output(args.plot), args.tokens, title)
+    for r in rows:
+        if not (r["fits_memory"] and r["fits_host_memory"]):
+            say(f"--batch-size {r['batch_size']}: at --contexts {r['context']} and ratio {args.sparse_ratio} the batch "
+                f"does not fit the {'GPU' if not r['fits_memory'] else 'host'} memory; its step is modelled anyway")
+            break
     g = goal(rows)
     if args.json:
         print(json.dumps({"rows": rows, "goal": g, "hardware": args.hardware, "mtp": args.mtp, "accept": args.accept,
