@@ -478,6 +478,7 @@ def _pd_table(rows: list[dict], tokens: int, title: str) -> Table:
     table = Table(title=title)
     for _, name in cols:
         table.add_column(name, justify="right")
+
     def cell(k, v):
         if k == "context":
             return f"{v // 1024}K" if v % 1024 == 0 else str(v)
