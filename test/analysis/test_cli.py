@@ -258,6 +258,17 @@ BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refu
     (["demo", "--device-mem-gib", "inf"], "must be a positive, finite number"),
     (["demo", "--ess", "--disk-dir", "DIR", "--host-budget-mib", "1e-12"], "hold no 41984-byte page"),
     (["trace", "record", "--out", "NEW", "--topk", "5000", "--context", "128"], "--topk 5000: more than the --context 128"),
+    # `ess sim pd`: bandwidths, contexts, the profile, the ratio's slots at each context
+    (["sim", "pd", "--link-gbps", "100,0"], "argument --link-gbps: a link's bandwidth must be a positive, finite"),
+    (["sim", "pd", "--link-gbps", "-25"], "argument --link-gbps: a link's bandwidth must be a positive, finite"),
+    (["sim", "pd", "--link-gbps", "inf"], "argument --link-gbps: a link's bandwidth must be a positive, finite"),
+    (["sim", "pd", "--contexts", "32Q"], "argument --contexts: expected contexts like 32K,128K or 131072, got '32Q'"),
+    (["sim", "pd", "--contexts", "1000K"], "--contexts 1024000: dsv32 serves at most 163840 positions"),
+    (["sim", "pd", "--profile", "MISSING"], "--profile .*missing: not a readable miss profile"),
+    (["sim", "pd", "--profile", "T"], "--profile .*t.npz: not a readable miss profile"),
+    (["sim", "pd", "--sparse-ratio", "0.01"], "--sparse-ratio 0.01 of 32768 tokens: .*below top-k \\+ 1"),
+    (["sim", "pd", "--accept", "5"], "--accept 5.0: between 1 and --mtp \\+ 1 = 3"),
+    (["sim", "pd", "--plot", "TXT"], "a plot's name ends in one of matplotlib's formats"),
     # flags another flag would make meaningless
     (["sim", "run", "--batch-size", "8", "--disk-tier"], "--disk-tier: ESS settings; give --sparse-ratio"),
     (["sim", "run", "--batch-size", "8", "--sparse-ratio", "0.2", "--no-tbo", "--overlap", "dba"],
