@@ -143,6 +143,13 @@ class GgufLlama:
         hd = self.config.head_dim
         self.inv_freq = 1.0 / self.config.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
 
+    def astype(self, dtype: torch.dtype) -> "GgufLlama":
+        """A copy with the weights in `dtype` (the tests compare decode paths in float64)."""
+        other = object.__new__(GgufLlama)
+        other.__dict__ = dict(self.__dict__, dtype=dtype, embed=self.embed.to(dtype), output=self.output.to(dtype),
+                              norm=self.norm.to(dtype), blocks=[{k: v.to(dtype) for k, v in b.items()} for b in self.blocks])
+        return other
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
