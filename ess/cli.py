@@ -515,9 +515,44 @@ def _record_real(args) -> int:
     return 0
 
 
+def _synth_like(args) -> int:
+    """`ess trace synth --like REAL.npz`: the generator fitted to a real trace; the fit and its error reported."""
+    import torch
+
+    from ess.analysis.synth import synth_trace
+    from ess.analysis.synth_fit import fit_like
+    from ess.core.trace import load_trace, save_trace
+
+    torch.set_num_threads(1)  # many small replays: on a shared machine one thread is the fast choice
+    real = load_trace(args.like)
+    with _Progress(not args.quiet) as progress:
+        opt, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
+    trace = synth_trace(opt)
+    trace.meta["source"] = f"synthetic (ess trace synth --like {args.like}); NOT a measurement"
+    trace.meta["fit"] = {k: v for k, v in report.items() if k != "options"}
+    save_trace(_output(args.out), trace)
+    report = {"like": args.like, "out": args.out} | report
+    if args.fit_out:
+        with open(_output(args.fit_out), "w") as f:
+            json.dump(report, f, indent=1)
+    table = Table(title=f"LRU misses per request-layer-step: {args.like} and its fitted SYNTHETIC trace {args.out}")
+    for col in ("ratio", "real", "synthetic", "error"):
+        table.add_column(col, justify="right")
+    for r, a, b, e in zip(report["ratios"], report["real_curve"], report["synthetic_curve"], report["relative_error"]):
+        table.add_row(f"{r:g}", f"{a:.2f}", f"{b:.2f}", f"{100 * e:.1f}%")
+    _emit(args, report, table)
+    if not report["within_15_percent"]:
+        say(f"ess trace synth --like: the fit's worst ratio is {100 * report['max_relative_error']:.1f}% off the "
+            "real curve (more than 15%)")
+    return 0
+
+
 def cmd_trace_synth(args) -> int:
     from ess.analysis.synth import SynthOptions, synth_trace
     from ess.core.trace import save_trace
+
+    if args.like:
+        return _synth_like(args)
 
     opt = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk, context=args.context,
                        sinks=args.sinks, window=args.window, churn_min=args.churn_min, churn_max=args.churn_max,
@@ -796,6 +831,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = SynthOptions()
     for name, kind, text in SYNTH_OPTIONS:
         syn.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(d, name), help=text)
+    syn.add_argument("--like", metavar="REAL.npz",
+                     help="fit the generator to this (real) trace: its shape, sinks, window and churn spread measured, "
+                          "pool and fresh share searched so that the LRU miss curve over ratios 0.05-0.5 matches "
+                          "(docs/profiling.md); the other knobs are then the fit's (--seed still applies)")
+    syn.add_argument("--fit-out", type=_output_file("--fit-out"), help="with --like: write the fit and its error (JSON)")
+    syn.add_argument("--json", action="store_true", help="with --like: " + JSON_HELP)
+    syn.add_argument("--quiet", action="store_true", help="no progress bar")
     syn.set_defaults(func=cmd_trace_synth)
 
     pr = sub.add_parser("profile", help="miss profile of traces through the ESS cache policy, with plots")
@@ -913,7 +955,21 @@ def _check_sim_args(args) -> None:
 
 
 def _check_synth_args(args) -> None:
-    """`ess trace synth`: the trace's positions and memory, and the spreads over layers."""
+    """`ess trace synth`: the trace's positions and memory, and the spreads over layers; with --like, no knob (the
+    fit sets them) and a readable trace."""
+    from ess.analysis.synth import SynthOptions
+
+    if args.like:
+        d = SynthOptions()
+        given = [f"--{k.replace('_', '-')}" for k, _, _ in SYNTH_OPTIONS if k != "seed" and getattr(args, k) != getattr(d, k)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: --like fits the generator's knobs to the real trace; give none")
+        from ess.core.trace import load_trace
+
+        load_trace(args.like)  # a TraceError (a ValueError) names the file and the problem
+        return
+    if args.fit_out or args.json:
+        raise ValueError("--fit-out and --json report a fit: give --like too")
     if args.context + args.steps > TRACE_POSITIONS:
         raise ValueError(f"--context {args.context} + --steps {args.steps}: a trace's positions are int32, at most "
                          f"{TRACE_POSITIONS}")
@@ -1042,8 +1098,9 @@ def _check_trace_memory(args) -> None:
 def _check_outputs(args) -> None:
     """An output file that exists is overwritten only with --force, and never when it is one of the command's
     inputs (a trace or a profile would be lost)."""
-    inputs = [*(getattr(args, "traces", None) or []), getattr(args, "trace", None), getattr(args, "profile", None)]
-    for attr in ("out", "plot"):
+    inputs = [*(getattr(args, "traces", None) or []), getattr(args, "trace", None), getattr(args, "profile", None),
+              getattr(args, "like", None)]
+    for attr in ("out", "plot", "fit_out"):
         path = getattr(args, attr, None)
         if not path or not os.path.isfile(path):
             continue
