@@ -505,10 +505,14 @@ def _record_real(args) -> int:
     from ess.analysis.real_traces import record_real_trace
     from ess.core.trace import save_trace
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    with _Progress(not args.quiet) as progress:
-        trace = record_real_trace(args.model, args.text_paths, args.context, args.steps, args.topk,
-                                  args.lookahead, progress, text_set=args.texts, token_lists=args.token_lists)
+    try:
+        with _Progress(not args.quiet) as progress:
+            trace = record_real_trace(args.model, args.text_paths, args.context, args.steps, args.topk,
+                                      args.lookahead, progress, text_set=args.texts, token_lists=args.token_lists)
+    finally:
+        torch.set_num_threads(threads)
     save_trace(_output(args.out), trace)
     ext = f", topk_ext {list(trace.topk_ext.shape)}" if trace.topk_ext is not None else ""
     say(f"wrote {args.out}: {args.model} trace of {len(args.text_paths)} texts, topk {list(trace.topk.shape)}{ext}")
@@ -523,10 +527,14 @@ def _synth_like(args) -> int:
     from ess.analysis.synth_fit import fit_like
     from ess.core.trace import load_trace, save_trace
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many small replays: on a shared machine one thread is the fast choice
-    real = load_trace(args.like)
-    with _Progress(not args.quiet) as progress:
-        opt, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
+    try:
+        real = load_trace(args.like)
+        with _Progress(not args.quiet) as progress:
+            opt, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
+    finally:
+        torch.set_num_threads(threads)
     trace = synth_trace(opt)
     trace.meta["source"] = f"synthetic (ess trace synth --like {args.like}); NOT a measurement"
     trace.meta["fit"] = {k: v for k, v in report.items() if k != "options"}
