@@ -25,7 +25,7 @@ from ess.core.trace import Trace
 
 FIT_RATIOS = [0.05, 0.1, 0.2, 0.3, 0.5]
 FIT_REQUESTS = 2  # synthetic requests per candidate during the search (the curve is a per-request mean)
-MAX_EVALS = 90  # candidate traces the search may try
+MAX_EVALS = 110  # candidate traces the search may try
 GAP_EDGES = [1, 2, 5, 17, 65]  # re-entry gap buckets in steps: 1, 2-4, 5-16, 17-64, 65 and more
 
 
@@ -135,8 +135,12 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
     pools = sorted({max(16, int(f * context)) for f in (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)})
     freshes = [0.0, 0.01, 0.03, 0.1, 0.2, 0.4]  # a multiplicative step keeps 0 at 0: start the refinement above it
     scales = [0.6, 0.8, 1.0, 1.25, 1.6]
-    spreads = [1.0, 4.0, 16.0, 64.0]  # the largest layer pool over the smallest
-    x = (pools[3], 0.03, 1.0, 1.0)
+    spreads = [1.0, 2.0, 4.0, 8.0, 16.0, 64.0]  # the largest layer pool over the smallest
+    # start from the fresh share that gives the real first touches per step (fresh draws are nearly all first touches)
+    first = float((real_ranks == FIRST_TOUCH).sum(-1).mean())
+    fresh0 = min(1.0, first / max(1.0, (churn_lo + churn_hi) / 2))
+    freshes = sorted(set(freshes) | {round(fresh0, 4)})
+    x = (pools[3], round(fresh0, 4), 1.0, 1.0)
     for _ in range(2):  # coordinate search: the pool, its spread, the fresh share, the churn scale, twice
         x = min(((p, x[1], x[2], x[3]) for p in pools), key=error)
         x = min(((x[0], x[1], x[2], q) for q in spreads), key=error)
