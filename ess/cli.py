@@ -613,6 +613,13 @@ def cmd_profile(args) -> int:
     with _Progress(not args.quiet) as progress:
         prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t),
                               policy=args.policy, lookahead=args.lookahead, decay_shift=_decay_shift(args))
+    if args.for_model:
+        from ess.analysis.profiling import rescale_profile
+        from ess.analysis.sim.specs import get_model
+
+        spec = get_model(args.for_model)
+        prof = rescale_profile(prof, spec.layers, spec.index_topk, args.for_model)
+        say(f"ess profile: {prof['source'].split(':')[0]}")
     if args.plot:
         for path in plot_profile(prof, args.plot):
             say(f"wrote {path}")
@@ -860,6 +867,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "then take its misses (and, for prefetch, its prefetched rows as transfer)")
     pr.add_argument("--lookahead", type=POSITIVE, help="with --policy prefetch: ranks past the top-k to fetch")
     pr.add_argument("--decay-shift", type=POSITIVE, help=f"with --policy score (default {DEFAULT_DECAY_SHIFT})")
+    pr.add_argument("--for-model", choices=["dsv32"],
+                    help="map the profile onto this model's layers (by relative depth) and top-k (misses scaled by the "
+                         "share of the top-k) so that `ess sim` and `ess plan` take a real trace of another model; "
+                         "the profile's source says so (docs/profiling.md)")
     pr.add_argument("--json", action="store_true", help=JSON_HELP)
     pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)
