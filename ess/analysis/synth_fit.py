@@ -129,7 +129,7 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
         err = float(np.max(np.abs(got - target) / np.maximum(target, 1e-9)))
         evals.append((x, err, got))
         if progress:
-            progress(len(evals), len(evals) + 8)
+            progress(len(evals), MAX_EVALS)  # the search may stop earlier
         return err
 
     pools = sorted({max(16, int(f * context)) for f in (0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)})
