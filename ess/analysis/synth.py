@@ -44,6 +44,7 @@ class SynthOptions:
     pool: int = 8192
     fresh: float = 0.02
     pool_min: int | None = None  # None: every layer's pool holds `pool`; else layers spread log-uniformly from here
+    pool_power: float = 1.0  # 1: churn draws the pool uniformly; b > 1: index = pool x U^b, a head drawn often, a long tail
     seed: int = 0
 
     def trace_bytes(self) -> int:
@@ -63,6 +64,8 @@ class SynthOptions:
             raise ValueError("need 0 <= drift-min <= drift-max <= 1")
         if self.pool < 1 or not 0 <= self.fresh <= 1:
             raise ValueError("need --pool >= 1 and 0 <= --fresh <= 1")
+        if not self.pool_power >= 1:
+            raise ValueError("need pool-power >= 1")
         if self.pool_min is not None and not 1 <= self.pool_min <= self.pool:
             raise ValueError("need 1 <= pool-min <= --pool")
 
@@ -93,7 +96,11 @@ def synth_trace(opt: SynthOptions) -> Trace:
     def draw(p: np.ndarray, n: int) -> np.ndarray:
         """n positions per (request, layer): from the pool, or with probability `fresh` from anywhere up to p."""
         high = opt.pool if pool_size is None else pool_size[None, :, None]  # a layer draws from its pool's head
-        from_pool = np.take_along_axis(pool, rng.integers(0, high, size=(R, Lyr, n)), axis=2)
+        if opt.pool_power == 1.0:
+            idx = rng.integers(0, high, size=(R, Lyr, n))
+        else:  # skewed: re-use at every distance, as real attention shows (docs/profiling.md)
+            idx = np.minimum((high * rng.random((R, Lyr, n)) ** opt.pool_power).astype(np.int64), high - 1)
+        from_pool = np.take_along_axis(pool, idx, axis=2)
         fresh = rng.integers(0, p[:, None, None] + 1, size=(R, Lyr, n))
         return np.where(rng.random((R, Lyr, n)) < opt.fresh, fresh, from_pool)
 

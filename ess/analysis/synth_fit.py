@@ -4,7 +4,8 @@
 The real trace fixes the shape (layers, top-k, context, steps) and, measured, the knobs it shows directly: attention
 sinks (first positions in at least half the decode sets), the local window (offsets behind the own position in at
 least half; the generator's window counts the own position too), and the per-layer spread of new entries per step (the generator's churn, log-uniform between the
-layers' least and most). A coordinate search then sets the working-set pool, the fresh share and a scale on churn so
+layers' least and most). A coordinate search then sets the working-set pool, its spread over layers and its skew
+(pool_power), the fresh share and a scale on churn so
 that the LRU miss curve (mean misses per request-layer-step at ratios FIT_RATIOS, warm-up on, ess.analysis.lru_curve)
 comes closest to the real one in the worst ratio's relative error. Reported: the fitted options, both curves, the
 error per ratio, and the statistics of both traces (consecutive-step overlap, re-entry gaps, first touches per step,
@@ -25,7 +26,7 @@ from ess.core.trace import Trace
 
 FIT_RATIOS = [0.05, 0.1, 0.2, 0.3, 0.5]
 FIT_REQUESTS = 2  # synthetic requests per candidate during the search (the curve is a per-request mean)
-MAX_EVALS = 110  # candidate traces the search may try
+MAX_EVALS = 140  # candidate traces the search may try
 GAP_EDGES = [1, 2, 5, 17, 65]  # re-entry gap buckets in steps: 1, 2-4, 5-16, 17-64, 65 and more
 
 
@@ -114,11 +115,11 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
     churn_lo, churn_hi = max(0.0, k["new_min"]), max(1.0, k["new_max"])
     evals = []
 
-    def options(pool: int, fresh: float, scale: float, spread: float = 1.0) -> SynthOptions:
+    def options(pool: int, fresh: float, scale: float, spread: float = 1.0, power: float = 1.0) -> SynthOptions:
         hi = int(min(room, max(1, round(churn_hi * scale))))
         lo = int(min(hi, round(churn_lo * scale)))
         pool = min(max(hi, pool), context)
-        return dataclasses.replace(base, churn_min=lo, churn_max=hi, pool=pool, fresh=fresh,
+        return dataclasses.replace(base, churn_min=lo, churn_max=hi, pool=pool, fresh=fresh, pool_power=power,
                                    pool_min=None if spread <= 1 else max(1, int(pool / spread)))
 
     def error(x: tuple) -> float:
@@ -140,19 +141,19 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
     first = float((real_ranks == FIRST_TOUCH).sum(-1).mean())
     fresh0 = min(1.0, first / max(1.0, (churn_lo + churn_hi) / 2))
     freshes = sorted(set(freshes) | {round(fresh0, 4)})
-    x = (pools[3], round(fresh0, 4), 1.0, 1.0)
-    for _ in range(2):  # coordinate search: the pool, its spread, the fresh share, the churn scale, twice
-        x = min(((p, x[1], x[2], x[3]) for p in pools), key=error)
-        x = min(((x[0], x[1], x[2], q) for q in spreads), key=error)
-        x = min(((x[0], f, x[2], x[3]) for f in freshes), key=error)
-        x = min(((x[0], x[1], s, x[3]) for s in scales), key=error)
+    powers = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]  # the pool's skew: 1 uniform
+    x = (pools[3], round(fresh0, 4), 1.0, 1.0, 1.0)
+    grids = [(0, pools), (4, powers), (3, spreads), (1, freshes), (2, scales)]
+    for _ in range(2):  # coordinate search over the knobs' grids, twice
+        for i, grid in grids:
+            x = min((x[:i] + (v,) + x[i + 1:] for v in grid), key=error)
     step = 1.25  # then a pattern search: each knob up and down by a factor, the factor shrinking
     while step > 1.03 and len(evals) < MAX_EVALS:
         moves = []
-        for i in range(4):
+        for i in range(5):
             for f in (step, 1 / step):
                 y = list(x)
-                y[i] = int(y[i] * f) if i == 0 else min(1.0, y[i] * f) if i == 1 else max(1.0, y[i] * f) if i == 3 \
+                y[i] = int(y[i] * f) if i == 0 else min(1.0, y[i] * f) if i == 1 else max(1.0, y[i] * f) if i >= 3 \
                     else y[i] * f
                 moves.append(tuple(y))
         best = min(moves, key=error)
