@@ -564,7 +564,8 @@ def cmd_trace_synth(args) -> int:
 
     opt = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk, context=args.context,
                        sinks=args.sinks, window=args.window, churn_min=args.churn_min, churn_max=args.churn_max,
-                       drift_min=args.drift_min, drift_max=args.drift_max, pool=args.pool, fresh=args.fresh, seed=args.seed)
+                       drift_min=args.drift_min, drift_max=args.drift_max, pool=args.pool, fresh=args.fresh, seed=args.seed,
+                       pool_min=args.pool_min, pool_power=args.pool_power)
     trace = synth_trace(opt)
     save_trace(_output(args.out), trace)
     say(f"wrote {args.out}: SYNTHETIC trace, topk {list(trace.topk.shape)} (not a measurement)")
@@ -694,6 +695,8 @@ SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in
     ("drift_max", float, "largest per-layer share of the hot set that moves each step"),
     ("pool", POSITIVE, "working-set positions per (request, layer) that churn draws from"),
     ("fresh", float, "share of churn drawn from the whole context instead of the pool"),
+    ("pool_min", POSITIVE, "spread the layers' pool sizes log-uniformly from this up to --pool (default: all --pool)"),
+    ("pool_power", float, "skew of the pool draws: index = pool x U^power (1: uniform; more: a hot head, a long tail)"),
     ("seed", _seed, "seed of the trace"),
 ]
 

@@ -65,9 +65,9 @@ class SynthOptions:
         if self.pool < 1 or not 0 <= self.fresh <= 1:
             raise ValueError("need --pool >= 1 and 0 <= --fresh <= 1")
         if not self.pool_power >= 1:
-            raise ValueError("need pool-power >= 1")
+            raise ValueError("need --pool-power >= 1")
         if self.pool_min is not None and not 1 <= self.pool_min <= self.pool:
-            raise ValueError("need 1 <= pool-min <= --pool")
+            raise ValueError("need 1 <= --pool-min <= --pool")
 
 
 def _spread(lo: float, hi: float, n: int, rng: np.random.Generator) -> np.ndarray:
