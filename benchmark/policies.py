@@ -5,6 +5,8 @@ per request-layer-step, rows prefetched, prefetched rows never used, and the H2D
     python benchmark/policies.py --out benchmark/results/policies            # the defaults below (a few minutes)
     python benchmark/policies.py --trace mine.npz --label "my model" --out DIR   # a trace of yours (ess trace record)
     python benchmark/policies.py --smoke --out /tmp/policies                 # seconds: checks the script
+    python benchmark/policies.py --trace real.npz --label "REAL: ..." --ratios 0.05,0.1,0.2,0.3,0.5 --warmup-off \
+        --fit real_fit.json --name real --out benchmark/results/policies     # a real trace (docs/policies.md)
 
 Defaults: a reference-model trace (the mini model, random weights: its indexer has no locality, the worst case),
 recorded here with ranks past the top-k so that prefetch can run, and the default SYNTHETIC trace (ess trace synth;
