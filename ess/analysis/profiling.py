@@ -147,6 +147,7 @@ def profile_traces(
     doc = {
         "format": FORMAT,
         "source": first.meta.get("source", first_name),
+        "trace_kind": trace_kind(first),
         "policy": policy,
         "traces": [n for n, _ in traces],
         "num_layers": layers,
@@ -172,6 +173,37 @@ def profile_traces(
     if policy == "prefetch":
         doc["mean_prefetched"] = [[round(float(x), 4) for x in m] for m in mean_prefetched]
     return doc
+
+
+def trace_kind(trace: Trace) -> str:
+    """What a trace is, from its metadata: 'real' (a pretrained model's attention, `ess trace record --model NAME`),
+    'synthetic' (`ess trace synth`), 'reference' (the mini model, random weights) or 'recorded' (anything else, a
+    server's trace)."""
+    source = str(trace.meta.get("source", ""))
+    if "texts" in trace.meta and isinstance(trace.meta.get("model"), str):
+        return "real"
+    if "synthetic" in source.lower():
+        return "synthetic"
+    return "reference" if source.startswith("reference") else "recorded"
+
+
+def rescale_profile(p: dict, layers: int, topk: int, model: str) -> dict:
+    """A profile of another model's trace mapped onto `model`'s `layers` and `topk` (`ess profile --for-model`):
+    each target layer takes the traced layer at the same relative depth, and misses (and prefetched rows) scale by
+    topk / the trace's top-k, the share of the top-k kept. A modelling step, said in 'source' and 'rescaled'."""
+    n0, k0 = p["num_layers"], p["topk"]
+    pick = [round(j * (n0 - 1) / max(1, layers - 1)) for j in range(layers)]
+    f = topk / k0
+    out = dict(p)
+    for field in ("mean_misses", "min_mean_misses", "mean_prefetched"):
+        if field in p:
+            out[field] = [[round(row[i] * f, 4) for i in pick] for row in p[field]]
+    out["similarity"] = [p["similarity"][i] for i in pick]
+    out["num_layers"], out["topk"] = layers, topk
+    out["source"] = (f"{p.get('trace_kind', 'recorded').upper()} trace rescaled for {model} ({n0} layers -> {layers} by "
+                     f"depth, misses x {f:g} = top-k {topk} / {k0}): {p['source']}")
+    out["rescaled"] = {"model": model, "from_layers": n0, "from_topk": k0, "factor": f, "layer_of": pick}
+    return out
 
 
 PLOTS = ("misses_per_layer.png", "similarity.png", "misses_by_step.png", "misses_vs_context.png")  # plot_profile's

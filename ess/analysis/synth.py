@@ -7,6 +7,7 @@ Each (request, layer) top-k set of K positions at query position p is the union 
     hot set    positions chosen once and kept, of which a per-layer share `drift` moves every step to another
                position drawn like churn (slowly moving long-range attention);
     churn      a per-layer number of positions every step, drawn from a per-(request, layer) pool of `pool` positions
+               (with `pool_min`, a per-layer pool size spread log-uniformly from pool_min to pool)
                (a working set larger than K that attention keeps revisiting), a share `fresh` of them uniformly
                from the whole context instead. A buffer that holds more of the pool misses less: so misses fall
                as the Sparse Memory Ratio rises and as the context grows at a fixed ratio.
@@ -42,6 +43,8 @@ class SynthOptions:
     drift_max: float = 0.05
     pool: int = 8192
     fresh: float = 0.02
+    pool_min: int | None = None  # None: every layer's pool holds `pool`; else layers spread log-uniformly from here
+    pool_power: float = 1.0  # 1: churn draws the pool uniformly; b > 1: index = pool x U^b, a head drawn often, a long tail
     seed: int = 0
 
     def trace_bytes(self) -> int:
@@ -61,6 +64,10 @@ class SynthOptions:
             raise ValueError("need 0 <= drift-min <= drift-max <= 1")
         if self.pool < 1 or not 0 <= self.fresh <= 1:
             raise ValueError("need --pool >= 1 and 0 <= --fresh <= 1")
+        if not self.pool_power >= 1:
+            raise ValueError("need --pool-power >= 1")
+        if self.pool_min is not None and not 1 <= self.pool_min <= self.pool:
+            raise ValueError("need 1 <= --pool-min <= --pool")
 
 
 def _spread(lo: float, hi: float, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -81,12 +88,19 @@ def synth_trace(opt: SynthOptions) -> Trace:
     start = ctx - W  # first warm-up query position
     hot = rng.integers(0, start[:, None, None], size=(R, Lyr, hot_n))
     pool = rng.integers(0, start[:, None, None], size=(R, Lyr, opt.pool))
+    spread = opt.pool_min is not None and opt.pool_min < opt.pool
+    pool_size = np.round(_spread(opt.pool_min, opt.pool, Lyr, rng)).astype(np.int64) if spread else None
     sinks = np.broadcast_to(np.arange(opt.sinks), (R, Lyr, opt.sinks))
     slots = np.arange(opt.churn_max)
 
     def draw(p: np.ndarray, n: int) -> np.ndarray:
         """n positions per (request, layer): from the pool, or with probability `fresh` from anywhere up to p."""
-        from_pool = np.take_along_axis(pool, rng.integers(0, opt.pool, size=(R, Lyr, n)), axis=2)
+        high = opt.pool if pool_size is None else pool_size[None, :, None]  # a layer draws from its pool's head
+        if opt.pool_power == 1.0:
+            idx = rng.integers(0, high, size=(R, Lyr, n))
+        else:  # skewed: re-use at every distance, as real attention shows (docs/profiling.md)
+            idx = np.minimum((high * rng.random((R, Lyr, n)) ** opt.pool_power).astype(np.int64), high - 1)
+        from_pool = np.take_along_axis(pool, idx, axis=2)
         fresh = rng.integers(0, p[:, None, None] + 1, size=(R, Lyr, n))
         return np.where(rng.random((R, Lyr, n)) < opt.fresh, fresh, from_pool)
 
@@ -114,5 +128,7 @@ def synth_trace(opt: SynthOptions) -> Trace:
         "churn_per_layer": churn.tolist(),
         "drift_per_layer": [round(float(d), 5) for d in drift],
     }
+    if pool_size is not None:
+        meta["pool_per_layer"] = pool_size.tolist()
     return Trace(topk=np.ascontiguousarray(stacked[:, W:]), context_len=ctx, prefill_topk=np.ascontiguousarray(stacked[:, :W]),
                  meta=json.loads(json.dumps(meta)))

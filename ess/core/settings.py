@@ -38,6 +38,10 @@ KERNELS = ("auto", "fused", "torch")  # the LRU step: ess.core.lru_kernel's fuse
 # ess.analysis.policies (docs/policies.md)
 REPLAY_POLICIES = ("lru", "belady", "prefetch", "score")
 DEFAULT_DECAY_SHIFT = 2  # `--policy score`: the use score decays by 2^-2 per step (lambda = 0.75)
+# `ess trace record --model NAME`: real-model traces (ess.analysis.real_traces; docs/profiling.md, "Real traces").
+TRACE_MODELS = ("reference", "smollm2-135m")  # reference: the mini DeepSeek-V3.2 with random weights
+REAL_TRACE_TOPK = 256  # keys per step of a real-model trace (an 8K context: top-k / context as DeepSeek-V3.2's at 64K)
+REAL_TRACE_THREADS = 1  # torch threads of the recorder: with the 2 cores shared, 1 thread ran 4.7x faster than 2 (docs/profiling.md)
 
 FIELD_NAMES = {"buffer_tokens": "buffer_tokens", "sparse_ratio": "sparse_ratio", "warmup_windows": "warmup_windows",
                "host_pool_gib": "host_pool_gib"}

@@ -123,3 +123,27 @@ def test_trace_record_synth_and_profile_cli(tmp_path, capsys):
     prof = json.loads(capsys.readouterr().out)
     assert prof["num_layers"] == 2 and len(prof["mean_misses"]) == 2
     assert sorted(p.name for p in plots.iterdir()) == ["misses_by_step.png", "misses_per_layer.png", "similarity.png"]
+
+
+def test_a_real_traces_profile_rescaled_for_the_simulator(tmp_path, capsys):
+    """`ess profile --for-model dsv32`: a 3-layer, top-32 trace of another model becomes a 61-layer, top-2048
+    profile (layers by depth, misses x 64) that `ess sim` takes, its source saying what it is."""
+    opt = SynthOptions(requests=1, steps=6, layers=3, topk=32, context=400, warmup_windows=4, sinks=2, window=6,
+                       churn_min=2, churn_max=10, pool=60)
+    tr = synth_trace(opt)
+    tr.meta = {"source": "a pretrained model", "model": "smollm2-135m", "texts": [{"path": "x"}]}
+    path = tmp_path / "real.npz"
+    from ess.core.trace import save_trace
+
+    save_trace(path, tr)
+    out = tmp_path / "p.json"
+    assert main(["profile", str(path), "--ratios", "0.1,0.2", "--for-model", "dsv32", "--out", str(out), "--quiet",
+                 "--json"]) == 0
+    capsys.readouterr()
+    p = json.loads(out.read_text())
+    assert p["num_layers"] == 61 and p["topk"] == 2048 and p["trace_kind"] == "real"
+    assert p["source"].startswith("REAL trace rescaled for dsv32 (3 layers -> 61 by depth, misses x 64")
+    plain = profile_traces([("real", tr)], [0.1, 0.2])
+    assert p["mean_misses"][0][0] == round(plain["mean_misses"][0][0] * 64, 4)
+    assert p["mean_misses"][0][-1] == round(plain["mean_misses"][0][-1] * 64, 4)
+    assert main(["sim", "run", "--profile", str(out), "--sparse-ratio", "0.2", "--batch-size", "8", "--json"]) == 0
