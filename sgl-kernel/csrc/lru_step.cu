@@ -226,7 +226,8 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
   const long long out_row = (long long)b * K;
   if (a.prof && tid == 0) a.prof[b * PROFILE_TICKS + 0] = global_timer();
 
-  if (a.num_rows && b >= *a.num_rows) {  // CUDA-graph padding: an empty row, tables untouched
+  // An empty row (no entry, no own token: CUDA-graph padding, or past num_rows) touches no table.
+  auto empty_row = [&]() {
     for (int k = tid; k < K; k += NT) {
       a.attn[out_row + k] = -1;
       a.hit[out_row + k] = 0;
@@ -236,6 +237,11 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
     }
     if (tid < M) a.own_out[b * M + tid] = -1;
     if (tid == 0) a.n_miss[b] = a.n_set[b] = 0;
+    if (a.prof && tid == 0)
+      for (int i = 1; i < 7; ++i) a.prof[b * PROFILE_TICKS + i] = global_timer();
+  };
+  if (a.num_rows && b >= *a.num_rows) {
+    empty_row();
     return;
   }
 
@@ -266,11 +272,6 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
   auto word = [&](int j) -> unsigned { return STAGED ? ag[j] : load_l2(ag + j); };
 
   // -- 0. stage ------------------------------------------------------------------------------------------------------
-  for (int j = tid; j < C; j += NT) {
-    const int p = sp_row[j];
-    if (STAGED) ((int*)sp)[j] = p;
-    ag[j] = p < 0 ? EMPTY : (unsigned)(STAMP_MOD - 1 - mod_stamp(t - st_row[j]));
-  }
   long long own[MAX_OWN];
   int own_pre[MAX_OWN];
 #pragma unroll
@@ -290,6 +291,21 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
     const int k = tid * EPT + i;
     s[i] = k < K ? a.sets[out_row + k] : -1;
     pre[i] = s[i] >= 0 ? ps_row[s[i]] : -1;
+  }
+  {
+    long long live = 0, any;
+    for (int i = 0; i < EPT; ++i) live += s[i] >= 0;
+    for (int m = 0; m < MAX_OWN; ++m) live += own[m] >= 0;
+    block_exclusive_sum<NT>(live, wsum, any);
+    if (any == 0) {
+      empty_row();
+      return;
+    }
+  }
+  for (int j = tid; j < C; j += NT) {
+    const int p = sp_row[j];
+    if (STAGED) ((int*)sp)[j] = p;
+    ag[j] = p < 0 ? EMPTY : (unsigned)(STAMP_MOD - 1 - mod_stamp(t - st_row[j]));
   }
   if (tid == 0)
     for (int m = 0; m < MAX_OWN; ++m) own_new[m] = -1;
