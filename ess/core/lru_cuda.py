@@ -28,22 +28,16 @@ from ess.core import settings
 from ess.core.policy import PolicyResult, check_capacity
 
 SOURCE = pathlib.Path(__file__).resolve().parents[2] / "sgl-kernel" / "csrc" / "lru_step.cu"
-ARGS = 25  # the launcher's argument words (lru_step.cu, ess_lru::ARGS)
+ARGS = 26  # the launcher's argument words (lru_step.cu, ess_lru::ARGS)
 logger = logging.getLogger(__name__)
 
 
 def find_nvcc() -> str | None:
-    """nvcc: $ESS_NVCC, $CUDA_HOME/bin, torch's CUDA_HOME, the PATH, then the pip wheels (nvidia-cuda-nvcc: the venv
-    has one through SGLang's dependencies)."""
+    """nvcc: $ESS_NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, /usr/local/cuda/bin, the PATH, then the pip wheels
+    (nvidia-cuda-nvcc: the venv has one through SGLang's dependencies)."""
     candidates = [os.environ.get("ESS_NVCC")]
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         candidates.append(home and os.path.join(home, "bin", "nvcc"))
-    try:
-        from torch.utils.cpp_extension import CUDA_HOME
-
-        candidates.append(CUDA_HOME and os.path.join(CUDA_HOME, "bin", "nvcc"))
-    except Exception:  # torch without its extension helpers
-        pass
     candidates.append(shutil.which("nvcc"))
     try:
         import nvidia
@@ -156,7 +150,10 @@ def lru_update_cuda(
         raise ValueError(f"CUDA LRU step: {K} entries per row (query rows x top-k) exceed its {lib.ess_lru_max_entries()}")
     if M > lib.ess_lru_max_own():
         raise ValueError(f"CUDA LRU step: {M} own tokens per row (MTP query rows) exceed its {lib.ess_lru_max_own()}")
-    stamp = torch.as_tensor(stamp, device=dev).to(torch.int64).reshape(())
+    stamp = torch.as_tensor(stamp, device=dev)
+    if stamp.dtype not in (torch.int32, torch.int64) or stamp.numel() != 1:
+        raise ValueError(f"CUDA LRU step: the stamp must be one int32 or int64 value, got {stamp.dtype} {tuple(stamp.shape)}")
+    stamp = stamp.contiguous()
     req = req.to(torch.int64).contiguous()
     sets = sets.to(torch.int32).contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
@@ -187,6 +184,7 @@ def lru_update_cuda(
             ptr(token_table), token_table.stride(0) if token_table is not None else 0, ptr(num_rows),
             ptr(out.attn_slot), ptr(out.hit), ptr(out.miss_pos), ptr(out.miss_slot), ptr(out.miss_row),
             ptr(out.own_slot), ptr(out.n_miss), ptr(out.n_set), ptr(scratch), ptr(profile), B, K, C, P, M,
+            int(stamp.dtype == torch.int32),
         ]
         stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
         rc = lib.ess_lru_step((ctypes.c_longlong * ARGS)(*words), ARGS, stream)

@@ -92,7 +92,7 @@ constexpr int LOG_BINS = 11, BINS = 1 << LOG_BINS;
 constexpr int MAX_OWN = 4;  // own tokens per row (MTP verify's query rows)
 constexpr int CLAIM = INT32_MIN;
 constexpr int PROFILE_TICKS = 8;
-constexpr int ARGS = 25;  // the launcher's argument count (ess/core/lru_cuda.py passes them in this order)
+constexpr int ARGS = 26;  // the launcher's argument count (ess/core/lru_cuda.py passes them in this order)
 
 struct Args {
   int* slot_pos;          // [R, C + 1]
@@ -101,7 +101,7 @@ struct Args {
   const long long* req;   // [B]
   const int* sets;        // [B, K]
   const long long* own;   // [B, M]
-  const long long* stamp; // []
+  const void* stamp;      // [] int64, or int32 when stamp32
   const int* token_table; // [R, tt_stride] or null
   long long tt_stride;
   const int* num_rows;    // [] or null: rows at or past it are empty rows (CUDA-graph padding)
@@ -116,6 +116,7 @@ struct Args {
   unsigned* scratch;      // [B, C] when the slots do not fit shared memory, else null
   long long* prof;        // [B, 8] or null: thread 0's global timer at each phase boundary
   int B, K, C, P, M;
+  int stamp32;
 };
 
 struct Red {  // slot statistics of phase 2
@@ -246,7 +247,7 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
   }
 
   const long long r = a.req[b];
-  const long long t = mod_stamp(a.stamp[0]);
+  const long long t = mod_stamp(a.stamp32 ? *(const int*)a.stamp : *(const long long*)a.stamp);
   int* sp_row = a.slot_pos + r * (C + 1);
   int* st_row = a.slot_stamp + r * (C + 1);
   int* ps_row = a.pos_slot + r * (long long)(a.P + 1);
@@ -505,7 +506,7 @@ static ess_lru::Args unpack(const long long* w) {
   a.req = (const long long*)w[3];
   a.sets = (const int*)w[4];
   a.own = (const long long*)w[5];
-  a.stamp = (const long long*)w[6];
+  a.stamp = (const void*)w[6];
   a.token_table = (const int*)w[7];
   a.tt_stride = w[8];
   a.num_rows = (const int*)w[9];
@@ -524,6 +525,7 @@ static ess_lru::Args unpack(const long long* w) {
   a.C = (int)w[22];
   a.P = (int)w[23];
   a.M = (int)w[24];
+  a.stamp32 = (int)w[25];
   return a;
 }
 

@@ -85,6 +85,7 @@ def test_adversarial_steps_equal_the_reference():
     with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(3)]
     for trace in (all_new, dups_and_pad, with_own):
         run_trace(trace, 7, 60, own)  # capacity exactly K + 1: every slot full from the second step
+    run_trace(all_new, 7, 60, lambda t: torch.tensor([40, 50]))  # a replayed own position: resident, restamped
     # every resident shares a stamp (a warm-up window): ties break by position
     run_trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
     # all stamps equal at every step, slots full, positions spread over a wide range (several select passes)
