@@ -265,4 +265,6 @@ def test_bookkeeping_benchmark_smoke_run(tmp_path):
                    env=env, timeout=300, cwd=root)
     doc = json.loads((tmp_path / "bookkeeping.json").read_text())
     assert doc["cases"] and all(r["fused_equals_torch"] for r in doc["cases"])
+    if doc["cuda_kernel"] == "built":  # the CUDA kernel in its CPU emulation (g++)
+        assert all(r["cuda_equals_torch"] and "cuda_us" in r for r in doc["cases"])
     assert doc["flashtrans_lists"]["exact"] and (tmp_path / "bookkeeping.png").stat().st_size > 0
