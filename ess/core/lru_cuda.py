@@ -221,3 +221,37 @@ def self_check(device: torch.device) -> None:
             for x, y in zip(*tables):
                 if not torch.equal(x[:, :-1], y[:, :-1]):
                     raise RuntimeError(f"CUDA LRU step's tables differ from the torch path's on {device}")
+
+
+def main(argv=None) -> int:
+    """`python -m ess.core.lru_cuda [--target sm_90 | emulate] [--compile-only]`: build the kernel now (default: for
+    this machine's GPU), printing the library's path, or why it did not build (exit 1)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--target", help="sm_XY (nvcc) or emulate (g++); default: the GPU's, else emulate")
+    p.add_argument("--compile-only", action="store_true", help="compile (nvcc -c / g++ -c) into a temporary file")
+    p.add_argument("--check", action="store_true", help="then run the self-check against the torch path (needs the target's device)")
+    args = p.parse_args(argv)
+    target = args.target or (target_of(torch.device("cuda")) if torch.cuda.is_available() else "emulate")
+    try:
+        if args.compile_only:
+            with tempfile.TemporaryDirectory() as tmp:
+                cmd = build_command(target, os.path.join(tmp, "lru_step.o"), compile_only=True)
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)}:\n{done.stderr[-4000:]}")
+                print(f"compiled for {target}: {' '.join(cmd)}")
+            return 0
+        print(f"built for {target}: {build(target)}")
+        if args.check:
+            self_check(torch.device("cuda" if target != "emulate" else "cpu"))
+            print("self-check: equal to the torch path")
+    except RuntimeError as e:
+        print(f"CUDA LRU step: {e}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

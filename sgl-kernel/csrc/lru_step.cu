@@ -217,7 +217,7 @@ struct Layout {  // shared memory: fixed part, then (staged) the slots' position
   static long long bytes(int C, bool staged) { return FIXED + (staged ? 8LL * C : 0); }
 };
 
-ESS_DEV long long mod_stamp(long long x) { return ((x % STAMP_MOD) + STAMP_MOD) % STAMP_MOD; }
+ESS_DEV long long mod_stamp(long long x) { return x & (STAMP_MOD - 1); }  // a power of two: the residue, also for x < 0
 
 template <int NT, int EPT, bool STAGED>
 ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
@@ -429,7 +429,7 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
   if (a.prof && tid == 0) a.prof[b * PROFILE_TICKS + 4] = global_timer();
 
   // -- 4. victims, ranked in slot order (each thread a contiguous run of slots) ----------------------------------------
-  const int per = (C + NT - 1) / NT;
+  const int per = ((C + NT - 1) / NT) | 1;  // odd: a warp's runs start in distinct shared-memory banks
   const int j0 = tid * per, j1 = j0 + per < C ? j0 + per : C;
   auto is_old = [&](int j, unsigned g) { return thr >= 0 && !(g & NOT_CANDIDATE) && key(j, g) <= thr; };
   long long counts = 0;  // empties in the low 32 bits, evicted candidates above
