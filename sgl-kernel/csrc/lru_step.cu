@@ -454,11 +454,18 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
       p_new = load_l2(a.miss_pos + out_row + v);
       a.miss_slot[out_row + v] = (int)(base + j);
     } else {  // the victims past the misses go to the own tokens needing a slot, in their order
-      int q = v - n_miss, m = 0;
-      for (; m < MAX_OWN; ++m)
-        if (own[m] >= 0 && own_pre[m] < 0 && q-- == 0) break;
-      p_new = own[m];
-      own_new[m] = j;
+      int q = v - n_miss, m_new = 0;
+      p_new = -1;
+#pragma unroll
+      for (int m = 0; m < MAX_OWN; ++m) {  // constant indices: own[] stays in registers
+        const bool needs = own[m] >= 0 && own_pre[m] < 0;
+        if (needs && q == 0) {
+          p_new = own[m];
+          m_new = m;
+        }
+        q -= needs;
+      }
+      own_new[m_new] = j;
     }
     ps_row[p_new] = j;
     sp_row[j] = (int)p_new;
@@ -476,10 +483,12 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
     a.attn[out_row + k] = entry ? (int)(base + load_l2(ps_row + s[i])) : -1;
     a.hit[out_row + k] = entry && (pre[i] >= 0 || is_own(s[i]));
   }
-  if (tid < M) {
-    const int m = tid;
-    const int slot = own_pre[m] >= 0 ? own_pre[m] : own_new[m];
-    a.own_out[(long long)b * M + m] = own[m] >= 0 ? (int)(base + slot) : -1;
+#pragma unroll
+  for (int m = 0; m < MAX_OWN; ++m) {
+    if (m == tid && m < M) {
+      const int slot = own_pre[m] >= 0 ? own_pre[m] : own_new[m];
+      a.own_out[(long long)b * M + m] = own[m] >= 0 ? (int)(base + slot) : -1;
+    }
   }
   if (tid == 0) {
     a.n_miss[b] = n_miss;
