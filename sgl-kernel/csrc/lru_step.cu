@@ -567,8 +567,13 @@ template <int EPT, bool STAGED>
 static int launch(const ess_lru::Args& a, void* stream) {
   const long long bytes = ess_lru::Layout<NT_LAUNCH>::bytes(a.C, STAGED);
   auto kernel = ess_lru::lru_step_kernel<NT_LAUNCH, EPT, STAGED>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
-  if (e != cudaSuccess) return (int)e;
+  // Raised once per size (the first call, eager, before any graph capture), not at every launch.
+  static long long allowed = 48 * 1024;
+  if (bytes > allowed) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+    if (e != cudaSuccess) return (int)e;
+    allowed = bytes;
+  }
   kernel<<<a.B, NT_LAUNCH, bytes, (cudaStream_t)stream>>>(a);
   return (int)cudaGetLastError();
 }

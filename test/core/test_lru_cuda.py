@@ -240,3 +240,22 @@ def test_auto_takes_the_cuda_kernel_on_a_gpu():
     from ess.core import sparse_pool
 
     assert sparse_pool.step_function("auto", torch.device("cuda")) is lru_update_cuda
+
+
+@emulation
+def test_replay_with_the_cuda_kernel_counts_the_same_misses(tmp_path, capsys):
+    import json
+
+    from ess.analysis.synth import SynthOptions, synth_trace
+    from ess.cli import main
+    from ess.core.trace import save_trace
+
+    opt = SynthOptions(requests=2, steps=5, layers=2, topk=32, context=400, warmup_windows=4, sinks=2, window=8,
+                       churn_min=2, churn_max=12, pool=120, seed=1)
+    path = tmp_path / "t.npz"
+    save_trace(path, synth_trace(opt))
+    out = {}
+    for kernel in ("torch", "cuda"):
+        assert main(["cache", "replay", str(path), "--buffer", "40", "--warmup", "--kernel", kernel, "--json", "--quiet"]) == 0
+        out[kernel] = json.loads(capsys.readouterr().out)["misses"]
+    assert out["torch"] == out["cuda"] and sum(map(sum, sum(out["torch"], []))) > 0
