@@ -567,12 +567,15 @@ template <int EPT, bool STAGED>
 static int launch(const ess_lru::Args& a, void* stream) {
   const long long bytes = ess_lru::Layout<NT_LAUNCH>::bytes(a.C, STAGED);
   auto kernel = ess_lru::lru_step_kernel<NT_LAUNCH, EPT, STAGED>;
-  // Raised once per size (the first call, eager, before any graph capture), not at every launch.
-  static long long allowed = 48 * 1024;
-  if (bytes > allowed) {
+  // Raised once per device and size (the first call, eager, before any graph capture), not at every launch.
+  static long long allowed[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  long long& limit = allowed[dev & 63];
+  if (bytes > 48 * 1024 && bytes > limit) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (e != cudaSuccess) return (int)e;
-    allowed = bytes;
+    limit = bytes;
   }
   kernel<<<a.B, NT_LAUNCH, bytes, (cudaStream_t)stream>>>(a);
   return (int)cudaGetLastError();
