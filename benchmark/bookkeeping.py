@@ -164,6 +164,19 @@ def warps_sweep(c: Case, iters: int) -> dict:
     return out
 
 
+def cuda_staging(c: Case, iters: int) -> dict:
+    """The CUDA kernel with the slots in shared memory (its default where they fit) against out of it (a global
+    scratch: how it runs past the device's shared memory)."""
+    from ess.core.lru_cuda import lru_update_cuda
+
+    sc = c.caches["cuda"][0]
+    out = {}
+    for staged in (True, False):
+        step = lambda: lru_update_cuda(*sc.sparse.layer_state(0), c.req, c.sets, c.own, sc.stamp, c.table, staged=staged)
+        out["staged" if staged else "unstaged"] = round(graph_us(step, iters, lambda: c.restore("cuda")), 1)
+    return out
+
+
 PHASES = {  # each kernel's phases, between its global-timer ticks (the CUDA kernel: thread 0 of each block)
     "fused": ("entries", "misses", "victim_search", "victim_assign", "writes", "outputs"),
     "cuda": ("stage", "claims", "misses", "select", "victims", "outputs"),
@@ -324,6 +337,9 @@ def main(argv=None) -> int:
     log(f"all miss: {doc['all_miss_at_largest_batch']}")
     doc["fused_us_by_warps_all_miss"] = warps_sweep(worst, iters)
     log(f"warps: {doc['fused_us_by_warps_all_miss']}")
+    if "cuda" in KERNELS:
+        doc["cuda_us_by_staging_all_miss"] = cuda_staging(worst, iters)
+        log(f"cuda staging: {doc['cuda_us_by_staging_all_miss']}")
     del worst
     doc["flashtrans_lists"] = list_bandwidth(dev, batches[-1], K, host, iters)
     log(f"flashtrans lists: {doc['flashtrans_lists']}")
