@@ -29,6 +29,7 @@ from ess.core.policy import PolicyResult, check_capacity
 
 SOURCE = pathlib.Path(__file__).resolve().parents[2] / "sgl-kernel" / "csrc" / "lru_step.cu"
 ARGS = 26  # the launcher's argument words (lru_step.cu, ess_lru::ARGS)
+EMULATION = "emulate"  # the CPU tensors' target: 32 threads per block ("emulate512": the GPU's 512, slower)
 logger = logging.getLogger(__name__)
 
 
@@ -54,12 +55,13 @@ def find_cxx() -> str | None:
 
 
 def build_command(target: str, out: str, compile_only: bool = False) -> list[str]:
-    """The compiler command for target "sm_XY" (nvcc) or "emulate" (g++, CPU)."""
-    if target == "emulate":
+    """The compiler command for target "sm_XY" (nvcc) or "emulate[N]" (g++, CPU; N threads per block, default 32)."""
+    if target.startswith("emulate"):
         cxx = find_cxx()
         if cxx is None:
             raise RuntimeError("the CUDA LRU step's CPU emulation needs a C++20 compiler (g++; or set CXX)")
-        return [cxx, "-O2", "-std=c++20", "-DESS_EMULATE", "-x", "c++", "-pthread", "-fPIC",
+        threads = int(target[len("emulate"):] or 32)
+        return [cxx, "-O2", "-std=c++20", "-DESS_EMULATE", f"-DESS_EMU_THREADS={threads}", "-x", "c++", "-pthread", "-fPIC",
                 *(["-c"] if compile_only else ["-shared"]), str(SOURCE), "-o", out]
     nvcc = find_nvcc()
     if nvcc is None:
@@ -104,7 +106,7 @@ def library(target: str) -> ctypes.CDLL:
 
 def target_of(device: torch.device) -> str:
     if device.type != "cuda":
-        return "emulate"
+        return EMULATION
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
 

@@ -502,7 +502,10 @@ ESS_KERNEL void ESS_BOUNDS(NT, 2) lru_step_kernel(Args a) {
 // -- launchers: `ess_lru_step(args, nargs, stream)`, args in Args' field order as 64-bit words --------------------------
 
 #ifdef ESS_EMULATE
-static constexpr int NT_LAUNCH = 32;  // threads per emulated block
+#ifndef ESS_EMU_THREADS
+#define ESS_EMU_THREADS 32  // threads per emulated block (512, the GPU's, in one test)
+#endif
+static constexpr int NT_LAUNCH = ESS_EMU_THREADS;
 #else
 static constexpr int NT_LAUNCH = 512;
 #endif

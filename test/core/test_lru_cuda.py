@@ -259,3 +259,17 @@ def test_replay_with_the_cuda_kernel_counts_the_same_misses(tmp_path, capsys):
         assert main(["cache", "replay", str(path), "--buffer", "40", "--warmup", "--kernel", kernel, "--json", "--quiet"]) == 0
         out[kernel] = json.loads(capsys.readouterr().out)["misses"]
     assert out["torch"] == out["cuda"] and sum(map(sum, sum(out["torch"], []))) > 0
+
+
+@emulation
+def test_the_gpus_block_of_512_threads_at_serving_sizes(monkeypatch):
+    """The emulation with the GPU's 512 threads per block: top-k 2048 (4 entries per thread) and MTP verify's 6,144
+    (12 per thread), thousands of slots, a few steps with evictions."""
+    monkeypatch.setattr(lru_cuda, "EMULATION", "emulate512")
+    rng = random.Random(4)
+    for M, K, C in ((1, 2048, 2300), (3, 3 * 2048, 6200)):
+        steps = [[[rng.randrange(t * 900, t * 900 + 4000) for _ in range(K)] for _ in range(2)] for t in range(3)]
+        own = (lambda t: torch.full((2,), 20000 + t)) if M == 1 else (
+            lambda t: torch.stack([torch.full((2,), 20000 + 3 * t + j) for j in range(3)], 1))
+        misses = run_trace(steps, C, 20010, own, stamps=[3, 3, 4])
+        assert int(torch.stack(misses).sum()) > 0
