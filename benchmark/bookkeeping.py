@@ -164,6 +164,17 @@ def warps_sweep(c: Case, iters: int) -> dict:
     return out
 
 
+def select_sweep(c: Case, iters: int) -> dict:
+    """The fused step's time by victim search: the bisection (its default) against the histogram select."""
+    out = {}
+    default = lru_kernel.SELECT
+    for select in ("bisect", "histogram"):
+        lru_kernel.SELECT = select
+        out[select] = round(graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused")), 1)
+    lru_kernel.SELECT = default
+    return out
+
+
 def cuda_staging(c: Case, iters: int) -> dict:
     """The CUDA kernel with the slots in shared memory (its default where they fit) against out of it (a global
     scratch: how it runs past the device's shared memory)."""
@@ -212,21 +223,26 @@ def phases(dev, host, K: int, context: int, miss_fraction: float) -> list[dict]:
 
 
 def config_sweep(dev, host, K: int, context: int, miss_fraction: float, iters: int) -> list[dict]:
-    """The fused step at batch 160 (S = 1, C = 6554) by warps per program and by how many slots stay in registers
-    (fewer: fewer registers, more programs per SM, the keys re-read per bisection step)."""
+    """The fused step at batch 160 (S = 1, C = 6554) by warps per program, by how many slots stay in registers
+    (fewer: fewer registers, more programs per SM, the keys re-read per search step) and by victim search."""
     c = Case(dev, 160, K, 1, 6554, context, miss_fraction, host)
     rows = []
     saved = lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS
+    saved_select = lru_kernel.SELECT
     configs = [(w, s, None) for s in (8192, 4096, 2048) for w in (4, 8, 16)]
     configs += [(8, 8192, 128), (8, 8192, 96), (16, 8192, 64), (4, 8192, 128)]  # capped: more programs per SM
-    for warps, slots, cap in configs:
+    configs = [(*cfg, "bisect") for cfg in configs] + [(w, s, None, "histogram") for s in (8192, 4096) for w in (8, 16)]
+    for warps, slots, cap, select in configs:
         lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = warps, slots, cap
+        lru_kernel.SELECT = select
         us = graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused"))
         k = lru_kernel.LAST_LAUNCH
-        rows.append({"warps": warps, "register_slots": slots, "max_registers": cap, "fused_us": round(us, 1),
+        rows.append({"warps": warps, "register_slots": slots, "max_registers": cap, "select": select,
+                     "fused_us": round(us, 1),
                      "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
         log(f"sweep: {rows[-1]}")
     lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = saved
+    lru_kernel.SELECT = saved_select
     return rows
 
 
@@ -337,6 +353,8 @@ def main(argv=None) -> int:
     log(f"all miss: {doc['all_miss_at_largest_batch']}")
     doc["fused_us_by_warps_all_miss"] = warps_sweep(worst, iters)
     log(f"warps: {doc['fused_us_by_warps_all_miss']}")
+    doc["fused_us_by_select_all_miss"] = select_sweep(worst, iters)
+    log(f"select: {doc['fused_us_by_select_all_miss']}")
     if "cuda" in KERNELS:
         doc["cuda_us_by_staging_all_miss"] = cuda_staging(worst, iters)
         log(f"cuda staging: {doc['cuda_us_by_staging_all_miss']}")
