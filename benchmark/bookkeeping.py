@@ -1,9 +1,13 @@
 """Per-layer cost of ESS's decode bookkeeping: the LRU step through torch ops (ess.core.policy) against the fused Triton
-kernel (ess.core.lru_kernel), alone and with the misses' H2D (FlashTrans over the compacted miss lists), and FlashTrans'
-bandwidth over those lists against a contiguous pinned copy of the same bytes.
+kernel (ess.core.lru_kernel) and the CUDA kernel (ess.core.lru_cuda, sgl-kernel/; where it builds), alone and with the
+misses' H2D (FlashTrans over the compacted miss lists), and FlashTrans' bandwidth over those lists against a contiguous
+pinned copy of the same bytes. Each case carries <kernel>_us, <kernel>_h2d_us, <kernel>_launches and, for the kernels,
+<kernel>_equals_torch (results and tables byte for byte).
 
     python benchmark/bookkeeping.py                 # on a GPU: JSON and a plot under benchmark/results/gpu/<device>/
-    python benchmark/bookkeeping.py --smoke OUT     # tiny CPU run (the fused kernel in Triton's interpreter)
+    python benchmark/bookkeeping.py --smoke OUT     # tiny CPU run (the Triton kernel in Triton's interpreter, the CUDA
+                                                    # kernel in its CPU emulation)
+    python benchmark/bookkeeping.py --phases        # each kernel's time per phase (GPU)
 
 Each case is a batch of requests whose C slots per layer are full (LRU state as a long decode leaves it), and a
 step whose set of S x top-k entries (S query rows: 1 in decode, 3 in MTP verify, duplicates across rows) misses a
@@ -21,12 +25,13 @@ import time
 
 import torch
 
-from ess.core import flashtrans, layout, lru_kernel
+from ess.core import flashtrans, layout, lru_cuda, lru_kernel
 from ess.core.pinned import pinned_zeros
 from ess.core.serving import ServingLatentCache
 from ess.analysis.timing import graph_us
 
-GOAL_US_AT_160 = 30.0  # the fused step's goal per layer at batch 160 (3% of a layer)
+GOAL_US_AT_160 = 30.0  # the LRU step's goal per layer at batch 160 (3% of a layer)
+KERNELS = ["torch", "fused", "cuda"]  # "cuda" leaves where it does not build (main: cuda_kernel names why)
 
 
 def log(msg: str) -> None:
@@ -59,7 +64,7 @@ class Case:
         own = context + torch.arange(S)
         self.own = (own.expand(B, S) if S > 1 else own.expand(B)).contiguous().to(dev)
         self.caches = {}
-        for kernel in ("torch", "fused"):
+        for kernel in KERNELS:
             sc = ServingLatentCache(1, B, C, context + S, host, dev, kernel=kernel)
             for b in range(B):
                 sc.sparse.load(b, resident[b : b + 1].to(dev), stamps[b : b + 1].to(dev))
@@ -95,20 +100,26 @@ def kernel_launches(fn) -> int | None:
 
 def time_case(c: Case, iters: int) -> dict:
     out = {"batch": c.B, "topk": c.K, "rows_per_step": c.S, "buffer_tokens": c.C}
-    for kernel in ("torch", "fused"):
+    for kernel in KERNELS:
         for fetch in (False, True):
             name = f"{kernel}{'_h2d' if fetch else ''}_us"
             out[name] = round(graph_us(lambda: c.step(kernel, fetch), iters, lambda: c.restore(kernel)), 1)
         out[f"{kernel}_launches"] = kernel_launches(lambda: c.step(kernel, True))
-    c.restore("torch"), c.restore("fused")
-    a, b = c.step("torch", False), c.step("fused", False)
+    for kernel in KERNELS:
+        c.restore(kernel)
+    results = {kernel: c.step(kernel, False) for kernel in KERNELS}
+    a = results["torch"]
     fields = ("attn_slot", "hit", "miss_pos", "miss_slot", "own_slot", "n_miss", "n_set")
-    out["fused_equals_torch"] = all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields) and all(
-        torch.equal(x[:, :-1], y[:, :-1])
-        for x, y in zip(c.caches["torch"][0].sparse.layer_state(0), c.caches["fused"][0].sparse.layer_state(0))
-    )
+    for kernel in KERNELS[1:]:
+        b = results[kernel]
+        out[f"{kernel}_equals_torch"] = all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields) and all(
+            torch.equal(x[:, :-1], y[:, :-1])
+            for x, y in zip(c.caches["torch"][0].sparse.layer_state(0), c.caches[kernel][0].sparse.layer_state(0))
+        )
     out["misses_per_request"] = round(float(a.n_miss.float().mean()), 1)
-    out["speedup"] = round(out["torch_us"] / out["fused_us"], 2)
+    out["speedup"] = round(out["torch_us"] / out["fused_us"], 2)  # the Triton kernel's, as before the CUDA kernel
+    exact = [k for k in KERNELS[1:] if out[f"{k}_equals_torch"]]
+    out["fastest_exact"] = min(exact, key=lambda k: out[f"{k}_us"]) if exact else None
     return out
 
 
@@ -153,49 +164,85 @@ def warps_sweep(c: Case, iters: int) -> dict:
     return out
 
 
-PHASES = ("entries", "misses", "victim_search", "victim_assign", "writes", "outputs")
+def select_sweep(c: Case, iters: int) -> dict:
+    """The fused step's time by victim search: the bisection (its default) against the histogram select."""
+    out = {}
+    default = lru_kernel.SELECT
+    for select in ("bisect", "histogram"):
+        lru_kernel.SELECT = select
+        out[select] = round(graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused")), 1)
+    lru_kernel.SELECT = default
+    return out
+
+
+def cuda_staging(c: Case, iters: int) -> dict:
+    """The CUDA kernel with the slots in shared memory (its default where they fit) against out of it (a global
+    scratch: how it runs past the device's shared memory)."""
+    from ess.core.lru_cuda import lru_update_cuda
+
+    sc = c.caches["cuda"][0]
+    out = {}
+    for staged in (True, False):
+        step = lambda: lru_update_cuda(*sc.sparse.layer_state(0), c.req, c.sets, c.own, sc.stamp, c.table, staged=staged)
+        out["staged" if staged else "unstaged"] = round(graph_us(step, iters, lambda: c.restore("cuda")), 1)
+    return out
+
+
+PHASES = {  # each kernel's phases, between its global-timer ticks (the CUDA kernel: thread 0 of each block)
+    "fused": ("entries", "misses", "victim_search", "victim_assign", "writes", "outputs"),
+    "cuda": ("stage", "claims", "misses", "select", "victims", "outputs"),
+}
 
 
 def phases(dev, host, K: int, context: int, miss_fraction: float) -> list[dict]:
-    """The fused kernel's time per phase (its programs' global timer at each barrier; medians over programs) and its
-    registers and spills per thread, at a few sizes."""
+    """Each kernel's time per phase (its programs' or blocks' global timer at each barrier; medians over them) and the
+    fused kernel's registers and spills per thread, at a few sizes."""
+    from ess.core.lru_cuda import lru_update_cuda
     from ess.core.lru_kernel import lru_update_fused
 
+    step = {"fused": lru_update_fused, "cuda": lru_update_cuda}
     rows = []
     for B, S, C in ((1, 1, 6554), (160, 1, 6554), (1, 3, 6147), (160, 3, 6147)):
         c = Case(dev, B, K, S, C, context, miss_fraction, host)
-        sc = c.caches["fused"][0]
-        prof = torch.zeros(B, 8, dtype=torch.int64, device=dev)
-        for _ in range(2):  # the first call compiles
-            c.restore("fused")
-            lru_update_fused(*sc.sparse.layer_state(0), c.req, c.sets, c.own, sc.stamp, c.table, profile=prof)
-        torch.cuda.synchronize()
-        d = (prof[:, 1:7] - prof[:, 0:6]).double().median(0).values.tolist()
-        k = lru_kernel.LAST_LAUNCH
-        rows.append({"batch": B, "rows_per_step": S, "buffer_tokens": C, "program_ns": dict(zip(PHASES, d)),
-                     "program_total_ns": float((prof[:, 6] - prof[:, 0]).double().median()),
-                     "span_ns": int(prof[:, 6].max() - prof[:, 0].min()),
-                     "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
-        log(f"phases: {rows[-1]}")
+        for kernel in KERNELS[1:]:
+            sc = c.caches[kernel][0]
+            prof = torch.zeros(B, 8, dtype=torch.int64, device=dev)
+            for _ in range(2):  # the first call compiles
+                c.restore(kernel)
+                step[kernel](*sc.sparse.layer_state(0), c.req, c.sets, c.own, sc.stamp, c.table, profile=prof)
+            torch.cuda.synchronize()
+            d = (prof[:, 1:7] - prof[:, 0:6]).double().median(0).values.tolist()
+            k = lru_kernel.LAST_LAUNCH if kernel == "fused" else None
+            rows.append({"kernel": kernel, "batch": B, "rows_per_step": S, "buffer_tokens": C,
+                         "program_ns": dict(zip(PHASES[kernel], d)),
+                         "program_total_ns": float((prof[:, 6] - prof[:, 0]).double().median()),
+                         "span_ns": int(prof[:, 6].max() - prof[:, 0].min()),
+                         "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
+            log(f"phases: {rows[-1]}")
     return rows
 
 
 def config_sweep(dev, host, K: int, context: int, miss_fraction: float, iters: int) -> list[dict]:
-    """The fused step at batch 160 (S = 1, C = 6554) by warps per program and by how many slots stay in registers
-    (fewer: fewer registers, more programs per SM, the keys re-read per bisection step)."""
+    """The fused step at batch 160 (S = 1, C = 6554) by warps per program, by how many slots stay in registers
+    (fewer: fewer registers, more programs per SM, the keys re-read per search step) and by victim search."""
     c = Case(dev, 160, K, 1, 6554, context, miss_fraction, host)
     rows = []
     saved = lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS
+    saved_select = lru_kernel.SELECT
     configs = [(w, s, None) for s in (8192, 4096, 2048) for w in (4, 8, 16)]
     configs += [(8, 8192, 128), (8, 8192, 96), (16, 8192, 64), (4, 8192, 128)]  # capped: more programs per SM
-    for warps, slots, cap in configs:
+    configs = [(*cfg, "bisect") for cfg in configs] + [(w, s, None, "histogram") for s in (8192, 4096) for w in (8, 16)]
+    for warps, slots, cap, select in configs:
         lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = warps, slots, cap
+        lru_kernel.SELECT = select
         us = graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused"))
         k = lru_kernel.LAST_LAUNCH
-        rows.append({"warps": warps, "register_slots": slots, "max_registers": cap, "fused_us": round(us, 1),
+        rows.append({"warps": warps, "register_slots": slots, "max_registers": cap, "select": select,
+                     "fused_us": round(us, 1),
                      "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
         log(f"sweep: {rows[-1]}")
     lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = saved
+    lru_kernel.SELECT = saved_select
     return rows
 
 
@@ -240,6 +287,8 @@ def plot(doc: dict, path: pathlib.Path) -> None:
         x = [r["batch"] for r in rows]
         ax.plot(x, [r["torch_us"] for r in rows], "o--", label=f"torch, S={S}, C={C}")
         ax.plot(x, [r["fused_us"] for r in rows], "s-", label=f"fused, S={S}, C={C}")
+        if "cuda_us" in rows[0]:
+            ax.plot(x, [r["cuda_us"] for r in rows], "^-", label=f"cuda, S={S}, C={C}")
     ax.axhline(GOAL_US_AT_160, color="gray", lw=0.8, ls=":", label=f"goal {GOAL_US_AT_160:g} us at batch 160")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -258,7 +307,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU; checks the script, times nothing useful")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--miss-fraction", type=float, default=0.05, help="share of each step's positions that miss")
-    p.add_argument("--phases", action="store_true", help="only the fused kernel's time per phase (GPU), printed")
+    p.add_argument("--phases", action="store_true", help="only each kernel's time per phase (GPU), printed")
     p.add_argument("--warmup", action="store_true", help="only LRU-Warmup, window by window against one compaction, printed")
     p.add_argument("--sweep", action="store_true", help="only the fused kernel's launch configurations at batch 160 (GPU), printed")
     args = p.parse_args(argv)
@@ -272,6 +321,13 @@ def main(argv=None) -> int:
         sizes = [(1, 2049), (1, 6554), (3, 6147), (3, 6554)]
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     host = pinned_zeros((1, host_rows + 1, layout.LATENT_ROW_BYTES), pin=dev.type == "cuda")
+    cuda_kernel = "built"
+    try:
+        lru_cuda.library(lru_cuda.target_of(dev))
+    except RuntimeError as e:  # no nvcc (or g++ for --smoke), or a build error: the other kernels still run
+        cuda_kernel = f"not built: {str(e).splitlines()[0]}"
+        KERNELS.remove("cuda")
+        log(f"CUDA kernel {cuda_kernel}")
     if args.phases:
         print(json.dumps(phases(dev, host, K, context, args.miss_fraction), indent=1))
         return 0
@@ -284,7 +340,7 @@ def main(argv=None) -> int:
     doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
            "command": "python benchmark/bookkeeping.py" + (" --smoke" if args.smoke else ""),
            "miss_fraction": args.miss_fraction, "context": context, "timing": "median of CUDA graph replays",
-           "cases": []}
+           "kernels": KERNELS, "cuda_kernel": cuda_kernel, "cases": []}
     for S, C in sizes:
         for B in batches:
             c = Case(dev, B, K, S, C, context, args.miss_fraction, host)
@@ -297,11 +353,17 @@ def main(argv=None) -> int:
     log(f"all miss: {doc['all_miss_at_largest_batch']}")
     doc["fused_us_by_warps_all_miss"] = warps_sweep(worst, iters)
     log(f"warps: {doc['fused_us_by_warps_all_miss']}")
+    doc["fused_us_by_select_all_miss"] = select_sweep(worst, iters)
+    log(f"select: {doc['fused_us_by_select_all_miss']}")
+    if "cuda" in KERNELS:
+        doc["cuda_us_by_staging_all_miss"] = cuda_staging(worst, iters)
+        log(f"cuda staging: {doc['cuda_us_by_staging_all_miss']}")
     del worst
     doc["flashtrans_lists"] = list_bandwidth(dev, batches[-1], K, host, iters)
     log(f"flashtrans lists: {doc['flashtrans_lists']}")
-    at160 = [r["fused_us"] for r in doc["cases"] if r["batch"] == 160]
-    doc["fused_us_at_160_max"] = max(at160) if at160 else None
+    for kernel in KERNELS[1:]:
+        at160 = [r[f"{kernel}_us"] for r in doc["cases"] if r["batch"] == 160]
+        doc[f"{kernel}_us_at_160_max"] = max(at160) if at160 else None
     if not args.out and dev.type != "cuda":
         raise SystemExit("bookkeeping.py: --smoke needs an output folder")
     out = pathlib.Path(args.out) if args.out else pathlib.Path("benchmark/results/gpu") / name.split()[1].lower()

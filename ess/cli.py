@@ -855,8 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--decay-shift", type=POSITIVE,
                    help="with --policy score: the score decays by 2^-s per step")
     r.add_argument("--kernel", choices=KERNELS, default="torch",
-                   help="the LRU step: torch ops, or the fused Triton kernel (on a CPU: Triton's interpreter, slow); "
-                        "auto: fused on a GPU")
+                   help="the LRU step: torch ops, the fused Triton kernel (on a CPU: Triton's interpreter, slow) or "
+                        "the CUDA kernel of sgl-kernel/ (on a CPU: its emulation, slow); auto: on a GPU the first of "
+                        "settings.AUTO_GPU_KERNELS that builds and equals the torch path")
     r.add_argument("--json", action="store_true", help=JSON_HELP)
     r.add_argument("--quiet", action="store_true")
     r.set_defaults(func=cmd_cache_replay)

@@ -38,6 +38,10 @@ echo "run.sh: phases ${phases[*]}${smoke:+ (smoke)}, $budget min in all, into $o
 phase_kit() {
   local tests=()
   if [ -z "$smoke" ]; then
+    # the CUDA LRU step (sgl-kernel/) from source with this machine's nvcc, then its self-check on the GPU; where it
+    # does not build, `auto` serves the Triton kernel and the log says why
+    "$PY" -m ess.core.lru_cuda --check > "$out/lru_cuda.log" 2>&1 || true
+    tail -n 2 "$out/lru_cuda.log"
     # SGLang is not on the GPU machine: the plugin tests (test/plugin) run in CI. The kit's own smoke test, and the
     # benchmarks' smoke tests, would run the kit and the benchmarks again.
     "$PY" -m pytest -q -p no:cacheprovider --junitxml="$out/tests.xml" test/core test/reference test/analysis \

@@ -8,8 +8,9 @@ A program works in four phases, with a block barrier between them (the phases ex
    slot is marked the same way.
 2. Misses: the winners among the misses, compacted in entry order (a cumulative sum), give the miss list.
 3. Victims: E empty slots; if the misses and the own tokens needing a slot (V) exceed E, the V - E oldest unprotected
-   slots by (age descending, position ascending) are found by bisection on a 64-bit key; the victims, in slot order,
-   take the misses, then the own tokens. Evicted positions leave the position table.
+   slots by (age descending, position ascending) are found by bisection on a 64-bit key (or, with
+   SELECT = "histogram", by histograms narrowing the key range 11 bits a pass); the victims, in slot order, take the
+   misses, then the own tokens. Evicted positions leave the position table.
 4. Writes: misses into the position table, claimed slots restored with their stamps, then every entry's slot read back.
 Loads of table words another thread may have written in this launch bypass L1 (".cg"): atomics act in L2, and L1 is
 not coherent within a launch.
@@ -30,6 +31,8 @@ REGISTER_SLOTS = 8192  # up to this many slots a program keeps the victim keys i
 NUM_WARPS = 16  # per program (one batch row): within 5% of 8 on an H100, with half the registers (docs/gpu.md)
 MAX_REGISTERS = None  # per thread (Triton's maxnreg; None: the compiler's choice); fewer fit more programs per SM
 LAST_LAUNCH = None  # the last launch's compiled kernel (registers, spills: benchmark/bookkeeping.py --phases)
+SELECT = "bisect"  # the victim search: "bisect" (measured, docs/gpu.md) or "histogram" (not yet timed on a GPU)
+HIST_BINS = 2048  # with SELECT = "histogram": bins per pass
 
 if triton is not None:
     import triton.language as tl
@@ -60,6 +63,7 @@ if triton is not None:
         K, C, P,
         M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, IN_REGISTERS: tl.constexpr,
         STAMP_MOD: tl.constexpr, WITH_ROWS: tl.constexpr, KEYS: tl.constexpr, prof, PROFILE: tl.constexpr,
+        HIST_BINS: tl.constexpr,
     ):
         CLAIM: tl.constexpr = -2147483648
         b = tl.program_id(0)
@@ -137,20 +141,50 @@ if triton is not None:
                 lo = tl.minimum(lo, tl.reduce(tl.where(p >= 0, key, lo), 0, _MIN))
                 hi = tl.maximum(hi, tl.reduce(tl.where(p >= 0, key, hi), 0, _MAX))
         need = V - E
-        # Bisection for the need-th smallest key among unprotected residents: count(key <= hi) >= need > count(<= lo).
-        lo = tl.where(need > 0, lo - 1, hi)
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            if IN_REGISTERS:
-                cnt = tl.reduce((key_all <= mid).to(tl.int32), 0, _ADD)
-            else:
-                cnt = n_miss * 0
-                for c0 in range(0, C, BLOCK_C):
-                    p, key = KEYS(sp_row, st_row, c0 + jj, C, t, P, STAMP_MOD)
-                    cnt += tl.reduce(((p >= 0) & (key <= mid)).to(tl.int32), 0, _ADD)
-            hi = tl.where(cnt >= need, mid, hi)
-            lo = tl.where(cnt >= need, lo, mid)
-        thr = tl.where(need > 0, hi, -1)
+        if HIST_BINS > 0:
+            # The need-th smallest key among unprotected residents by histograms over the key range (relative to the
+            # smallest), HIST_BINS - 1 bins a pass (the last collects keys outside): log2(range) / 11 passes, not ~21.
+            one = tl.full((), 1, tl.int64)
+            bins = tl.arange(0, HIST_BINS)
+            lo_r = one * 0
+            hi_r = tl.where(need > 0, hi - lo, 0)
+            want = need.to(tl.int64)
+            while hi_r > lo_r:
+                d = hi_r - lo_r
+                shift = one * 0
+                while (d >> shift) >= HIST_BINS - 1:
+                    shift += 1
+                if IN_REGISTERS:
+                    rel = key_all - lo - lo_r  # key_all holds INT64_MAX where no candidate: outside
+                    h = tl.histogram(tl.where((rel >= 0) & (rel <= d), rel >> shift, HIST_BINS - 1).to(tl.int32), HIST_BINS)
+                else:
+                    h = tl.full([HIST_BINS], 0, tl.int32)
+                    for c0 in range(0, C, BLOCK_C):
+                        p, key = KEYS(sp_row, st_row, c0 + jj, C, t, P, STAMP_MOD)
+                        rel = key - lo - lo_r
+                        inside = (p >= 0) & (rel >= 0) & (rel <= d)
+                        h += tl.histogram(tl.where(inside, rel >> shift, HIST_BINS - 1).to(tl.int32), HIST_BINS)
+                h = tl.where(bins < HIST_BINS - 1, h, 0)
+                sel = tl.reduce((tl.associative_scan(h, 0, _ADD) < want).to(tl.int32), 0, _ADD)  # the bin of the want-th
+                want -= tl.reduce(tl.where(bins < sel, h, 0), 0, _ADD)
+                lo_r += sel.to(tl.int64) << shift
+                hi_r = tl.minimum(hi_r, lo_r + (one << shift) - 1)
+            thr = tl.where(need > 0, lo + lo_r, -1)
+        else:
+            # Bisection for the need-th smallest key among unprotected residents: count(key <= hi) >= need > count(<= lo).
+            lo = tl.where(need > 0, lo - 1, hi)
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                if IN_REGISTERS:
+                    cnt = tl.reduce((key_all <= mid).to(tl.int32), 0, _ADD)
+                else:
+                    cnt = n_miss * 0
+                    for c0 in range(0, C, BLOCK_C):
+                        p, key = KEYS(sp_row, st_row, c0 + jj, C, t, P, STAMP_MOD)
+                        cnt += tl.reduce(((p >= 0) & (key <= mid)).to(tl.int32), 0, _ADD)
+                hi = tl.where(cnt >= need, mid, hi)
+                lo = tl.where(cnt >= need, lo, mid)
+            thr = tl.where(need > 0, hi, -1)
         if PROFILE:
             _tick(prof, b, 3)
         taken = n_miss * 0
@@ -292,6 +326,7 @@ def lru_update_fused(
         out.attn_slot, out.hit, out.miss_pos, out.miss_slot, out.miss_row, out.own_slot, out.n_miss, out.n_set,
         K, C, P,
         M=M, BLOCK_K=_pow2(K), BLOCK_C=block_c, IN_REGISTERS=C <= block_c, STAMP_MOD=STAMP_MOD, WITH_ROWS=with_rows, KEYS=keys, prof=profile if profile is not None else out.n_miss, PROFILE=profile is not None,
+        HIST_BINS=HIST_BINS if SELECT == "histogram" else 0,
         num_warps=num_warps or NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and dev.type == "cuda" else {}),
     )
     if one_own:

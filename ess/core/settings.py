@@ -33,7 +33,12 @@ TIER_PLACEMENTS = ("frequency", "lru")  # which page a full disk tier's host fra
 TIER_HEAT_HALF_LIFE_STEPS = 8  # placement "frequency": a page's access count halves every 8 decode steps
 HOST_PINNABLE_FRACTION = 0.8  # of a machine's memory, ESS's host pools may pin at most this share (the OS, the
 # serving processes and the page cache keep the rest)
-KERNELS = ("auto", "fused", "torch")  # the LRU step: ess.core.lru_kernel's fused kernel, or ess.core.policy's torch ops
+KERNELS = ("auto", "cuda", "fused", "torch")  # the LRU step: ess.core.lru_cuda's CUDA kernel (sgl-kernel/), ess.core.lru_kernel's
+# fused Triton kernel, or ess.core.policy's torch ops (the CPU path and the oracle)
+AUTO_GPU_KERNELS = ("cuda", "fused")  # `auto` on a GPU: the first of these that builds and equals the torch path there
+# (ess.core.lru_cuda.self_check); the order is the design's expectation of speed (docs/gpu.md, "The CUDA LRU step"):
+# put "fused" first to keep the Triton kernel
+KERNEL_CACHE_DIR = "~/.cache/ess/kernels"  # built kernels (ess.core.lru_cuda; $ESS_KERNEL_CACHE overrides)
 # `ess cache replay --policy`: ESS's LRU, the offline optimum (ess.analysis.belady), and the candidates of
 # ess.analysis.policies (docs/policies.md)
 REPLAY_POLICIES = ("lru", "belady", "prefetch", "score")

@@ -11,22 +11,51 @@ policy never branches on the host.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from ess.core.policy import STAMP_MOD, PolicyResult, lru_update
-from ess.core.settings import KERNELS
+from ess.core.settings import AUTO_GPU_KERNELS, KERNELS
+
+logger = logging.getLogger(__name__)
 
 
 def step_function(kernel: str, device: torch.device):
-    """The LRU step for `kernel` on tables on `device`: auto is the fused kernel on a GPU, the torch ops on a CPU
-    (where the fused kernel runs in Triton's interpreter: exact, but slow)."""
+    """The LRU step for `kernel` on tables on `device`: auto is the torch ops on a CPU (where the kernels run in
+    Triton's interpreter or the CUDA kernel's emulation: exact, but slow), and on a GPU the first kernel of
+    settings.AUTO_GPU_KERNELS that builds and equals the torch path there."""
     if kernel not in KERNELS:
         raise ValueError(f"--kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "torch" or (kernel == "auto" and device.type != "cuda"):
         return lru_update
+    if kernel == "auto":
+        kernel = auto_kernel(device)
+    if kernel == "cuda":
+        from ess.core.lru_cuda import lru_update_cuda
+
+        return lru_update_cuda
     from ess.core.lru_kernel import lru_update_fused
 
     return lru_update_fused
+
+
+@functools.lru_cache(maxsize=None)
+def auto_kernel(device: torch.device) -> str:
+    """`auto` on a GPU (docs/gpu.md, "The CUDA LRU step"), decided once per device; a kernel that does not build or
+    differs from the torch path there is passed over with a warning naming why."""
+    for name in AUTO_GPU_KERNELS:
+        if name != "cuda":
+            return name
+        try:
+            from ess.core.lru_cuda import self_check
+
+            self_check(device)
+            return name
+        except Exception as e:  # no nvcc, a build error, a difference: the next kernel
+            logger.warning("ESS: the CUDA LRU step is not used on %s: %s", device, str(e).splitlines()[0])
+    return "fused"
 
 
 class SparseMemoryPool:

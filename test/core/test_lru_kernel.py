@@ -265,4 +265,20 @@ def test_bookkeeping_benchmark_smoke_run(tmp_path):
                    env=env, timeout=300, cwd=root)
     doc = json.loads((tmp_path / "bookkeeping.json").read_text())
     assert doc["cases"] and all(r["fused_equals_torch"] for r in doc["cases"])
+    if doc["cuda_kernel"] == "built":  # the CUDA kernel in its CPU emulation (g++)
+        assert all(r["cuda_equals_torch"] and "cuda_us" in r for r in doc["cases"])
     assert doc["flashtrans_lists"]["exact"] and (tmp_path / "bookkeeping.png").stat().st_size > 0
+
+
+@interpreter
+@pytest.mark.parametrize("bins", [2048, 8])
+def test_histogram_select_equals_the_reference(bins, monkeypatch):
+    """SELECT = "histogram": victims by histograms over the key range instead of the bisection (8 bins: many passes),
+    in registers and in chunks, decode and verify, ties and wide stamps."""
+    monkeypatch.setattr(lru_kernel, "SELECT", "histogram")
+    monkeypatch.setattr(lru_kernel, "HIST_BINS", bins)
+    test_decode_steps_equal_the_reference(1)
+    test_adversarial_steps_equal_the_reference()
+    test_mtp_verify_steps_equal_the_reference(0)
+    test_stamps_wrap_like_the_reference(STAMP_MOD - 5)
+    test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch)

@@ -4,9 +4,11 @@
     h2d(rows)          FlashTrans H2D of `rows` latent rows in one launch: kit.json flashtrans.rows, the serving
                        backend's GB/s by row count (launch included), linear in log(rows) between the measured counts
     lru(batch, S, slots)
-                       one layer's fused LRU step: bookkeeping.json's cases (by S query rows, at its largest buffer;
-                       linear in slots per request at the slope between its two buffers, assumed the same for every
-                       S), else kit.json bookkeeping_us_per_layer (S = 1, slots not scaled); linear in batch
+                       one layer's LRU step: bookkeeping.json's cases (by S query rows, at its largest buffer; per
+                       case the fastest kernel equal to the torch path, as `auto` serves: fused_us in files from
+                       before the CUDA kernel; linear in slots per request at the slope between its two buffers,
+                       assumed the same for every S), else kit.json bookkeeping_us_per_layer (S = 1, slots not
+                       scaled); linear in batch
     split(mode, batch, misses)
                        what DA / DBA add to one layer. DA: with kit.json da_split.miss_kernel (DA's Attn1 over the
                        misses, ess.core.miss_attention), Attn0 + miss kernel + merge - one FlashMLA call, by misses
@@ -29,6 +31,13 @@ import math
 import numpy as np
 
 from ess.core import layout
+
+
+def _serving_us(case: dict) -> float:
+    """A bookkeeping case's LRU step as served: the fastest kernel whose results equalled the torch path's."""
+    exact = [case[k[: -len("_equals_torch")] + "_us"] for k, v in case.items()
+             if k.endswith("_equals_torch") and v is True and isinstance(case.get(k[: -len("_equals_torch")] + "_us"), (int, float))]
+    return min(exact) if exact else case["fused_us"]
 
 
 class MeasuredError(ValueError):
@@ -177,13 +186,13 @@ class MeasuredCosts:
             Cs = sorted({c["buffer_tokens"] for c in mine})
             C = Cs[-1]  # the larger buffer: the kernel's cost grows with slots
             at = [c for c in mine if c["buffer_tokens"] == C]
-            self._lru[S] = _points([c["batch"] for c in at], [c["fused_us"] for c in at], f"cases (S = {S})", where)
+            self._lru[S] = _points([c["batch"] for c in at], [_serving_us(c) for c in at], f"cases (S = {S})", where)
             self._lru_slots[S] = C
             if len(Cs) > 1 and (widest is None or Cs[-1] - Cs[0] > widest[0]):
                 widest = (Cs[-1] - Cs[0], S, Cs[0], Cs[-1])
         if widest is not None:  # microseconds per slot by batch, between the smallest and the largest buffer
             _, S, lo, hi = widest
-            us = {(c["batch"], c["buffer_tokens"]): c["fused_us"] for c in cases if c["rows_per_step"] == S}
+            us = {(c["batch"], c["buffer_tokens"]): _serving_us(c) for c in cases if c["rows_per_step"] == S}
             both = sorted(b for b, C in us if C == lo and (b, hi) in us)
             if both:
                 self._lru_per_slot = _points(both, [(us[b, hi] - us[b, lo]) / (hi - lo) for b in both],

@@ -1,0 +1,275 @@
+"""The CUDA LRU step (sgl-kernel/csrc/lru_step.cu through ess.core.lru_cuda) equals the torch reference
+(ess.core.policy.lru_update) byte for byte: results and tables (sink columns aside). Here through the kernel's CPU
+emulation (the same source under g++, a block's threads as std::threads) and with nvcc compile-only; on a GPU, the
+compiled kernel at serving sizes and in a CUDA graph."""
+
+import random
+import subprocess
+
+import pytest
+import torch
+
+from ess.core import lru_cuda
+from ess.core.lru_cuda import lru_update_cuda
+from ess.core.policy import STAMP_MOD, lru_update
+from ess.core.sparse_pool import SparseMemoryPool
+
+emulation = pytest.mark.skipif(lru_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FIELDS = ("attn_slot", "hit", "miss_pos", "miss_slot", "own_slot", "n_miss", "n_set")
+
+
+def assert_same_step(a, b, req, sets, own, stamp, token_table, staged=None, num_rows=None):
+    ra = lru_update(*a.layer_state(0), req, sets, own, stamp)
+    rb = lru_update_cuda(*b.layer_state(0), req, sets, own, stamp, token_table, num_rows=num_rows, staged=staged)
+    for f in FIELDS:
+        x, y = getattr(ra, f), getattr(rb, f)
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (f, x, y)
+    rows = token_table[req.long().unsqueeze(1), ra.miss_pos.clamp(min=0).long()]
+    assert torch.equal(torch.where(ra.miss_pos >= 0, rows, -1), rb.miss_row)
+    for x, y in zip(a.layer_state(0), b.layer_state(0)):  # the last column is each table's scratch sink
+        assert torch.equal(x[:, :-1], y[:, :-1])
+    return ra
+
+
+def run_trace(steps, C, max_pos, own_of, warm=(), first_stamp=0, device="cpu", seed=0, staged=None, stamps=None):
+    """steps / warm: lists of [R, K] sets; own_of(t) the own positions of step t ([R] or [R, M]); stamps: the steps'
+    stamps (default first_stamp + t)."""
+    R = len(steps[0])
+    a, b = (SparseMemoryPool(1, R, C, max_pos, device, "torch") for _ in range(2))
+    req = torch.tensor(random.Random(seed).sample(range(R), R), device=device)  # rows need not be in slot order
+    gen = torch.Generator().manual_seed(seed)
+    token_table = torch.randint(0, 1 << 20, (R, max_pos), dtype=torch.int32, generator=gen).to(device)
+    none = torch.full((R,), -1, device=device)
+    for w, sets in enumerate(warm):
+        assert_same_step(a, b, req, torch.tensor(sets, device=device), none, first_stamp + w - len(warm), token_table, staged)
+    misses = []
+    for t, sets in enumerate(steps):
+        stamp = first_stamp + t if stamps is None else stamps[t]
+        r = assert_same_step(a, b, req, torch.tensor(sets, device=device), own_of(t).to(device), stamp, token_table, staged)
+        misses.append(r.n_miss)
+    return misses
+
+
+def random_steps(rng, R, steps, K, ctx, M=1, dup=False, pad=0.1):
+    out = []
+    for t in range(steps):
+        row = []
+        for i in range(R):
+            pool = range(0, ctx[i] + (t + 1) * M)
+            sel = [rng.choice(pool) for _ in range(K)] if dup else rng.sample(pool, K)
+            row.append([x if rng.random() > pad else -1 for x in sel])
+        out.append(row)
+    return out
+
+
+@emulation
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("seed", range(2))
+def test_decode_steps_equal_the_reference(seed, staged):
+    rng = random.Random(seed)
+    R, K, steps = 3, 40, 10  # 40 entries on the emulation's 32 threads: two per thread
+    ctx = [rng.randint(60, 120) for _ in range(R)]
+    C = rng.choice([K + 1, K + 9, 70])
+    warm = random_steps(rng, R, 3, K, [c - 3 for c in ctx]) if seed % 2 else ()
+    own = lambda t: torch.tensor([c + t for c in ctx])
+    run_trace(random_steps(rng, R, steps, K, ctx), C, max(ctx) + steps + 1, own, warm, seed=seed, staged=staged)
+
+
+@emulation
+def test_adversarial_steps_equal_the_reference():
+    ctx = [40, 50]
+    own = lambda t: torch.tensor([c + t for c in ctx])
+    all_new = [[[t * 6 + j for j in range(6)], [t * 6 + j + 1 for j in range(6)]] for t in range(4)]  # every entry a miss
+    dups_and_pad = [[[3, 3, 3, -1, -1, 5], [-1] * 6], [[5, 5, 2, 2, -1, 3], [0] * 6]] * 2
+    with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(3)]
+    for trace in (all_new, dups_and_pad, with_own):
+        run_trace(trace, 7, 60, own)  # capacity exactly K + 1: every slot full from the second step
+    run_trace(all_new, 7, 60, lambda t: torch.tensor([40, 50]))  # a replayed own position: resident, restamped
+    # every resident shares a stamp (a warm-up window): ties break by position
+    run_trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
+    # all stamps equal at every step, slots full, positions spread over a wide range (several select passes)
+    rng = random.Random(7)
+    wide = [[rng.sample(range(0, 200000, 7), 12) for _ in range(2)] for _ in range(6)]
+    run_trace(wide, 30, 200010, lambda t: torch.tensor([200001 + t, 200005 + t]), stamps=[5] * 6)
+
+
+@emulation
+def test_ages_spread_over_the_stamp_range():
+    """Stamps far apart (ages near STAMP_MOD): the select's key range spans many histogram passes."""
+    rng = random.Random(11)
+    ctx = [300, 310]
+    stamps = [0, STAMP_MOD // 3, STAMP_MOD // 2, STAMP_MOD - 7, 5, STAMP_MOD // 5, 9, 12]
+    steps = random_steps(rng, 2, len(stamps), 10, ctx, pad=0.0)
+    run_trace(steps, 25, 330, lambda t: torch.tensor([c + t for c in ctx]), stamps=stamps)
+
+
+@emulation
+@pytest.mark.parametrize("seed", range(2))
+def test_mtp_verify_steps_equal_the_reference(seed):
+    """M own tokens per step and the union of M query rows' sets, duplicates included."""
+    rng = random.Random(seed)
+    R, K, M, C, steps = 3, 36, 3, 45, 7
+    ctx = [rng.randint(40, 80) for _ in range(R)]
+
+    def own(t):
+        o = torch.tensor([[c + M * t + j for j in range(M)] for c in ctx])
+        o[1, 2] = -1  # a request with fewer verify rows
+        return o
+
+    run_trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, own, seed=seed)
+
+
+@emulation
+@pytest.mark.parametrize("first_stamp", [STAMP_MOD - 5, 2**31 - 5, -3])
+def test_stamps_wrap_like_the_reference(first_stamp):
+    rng = random.Random(5)
+    R, K, ctx = 2, 6, [30, 35]
+    warm = random_steps(rng, R, 3, K, [c - 4 for c in ctx])
+    own = lambda t: torch.tensor([c + t for c in ctx])
+    run_trace(random_steps(rng, R, 10, K, ctx), 9, 50, own, warm, first_stamp=first_stamp)
+
+
+@emulation
+def test_empty_batch_padding_rows_and_num_rows():
+    """An empty batch launches nothing; padding rows (no entry, no own token, request slot 0 like SGLang's) and rows
+    at or past num_rows come back empty and touch no table."""
+    a, b = (SparseMemoryPool(1, 4, 9, 40, "cpu", "torch") for _ in range(2))
+    table = torch.arange(4 * 40, dtype=torch.int32).view(4, 40)
+    empty = lru_update_cuda(*b.layer_state(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 6, dtype=torch.int32),
+                            torch.zeros(0, dtype=torch.long), 3, table)
+    assert empty.attn_slot.shape == (0, 6) and empty.n_miss.shape == (0,)
+    req = torch.tensor([2, 0, 3, 0])
+    own = torch.tensor([30, -1, 31, -1])
+    for t in range(3):
+        sets = torch.tensor([[t, t + 1, 5, 5, -1, 7], [-1] * 6, [t + 2, 9, 9, 1, 2, 3], [-1] * 6], dtype=torch.int32)
+        assert_same_step(a, b, req, sets, own + t, t, table)
+    # rows past num_rows: the same as empty rows, whatever they hold
+    sets = torch.tensor([[1, 2, 3, 4, 5, 6], [11, 12, -1, -1, -1, -1], [7, 8, -1, 9, 10, 11], [3] * 6], dtype=torch.int32)
+    own = torch.tensor([33, -1, 34, 35])
+    before = [x.clone() for x in b.layer_state(0)]
+    r = lru_update_cuda(*b.layer_state(0), req[2:], sets[2:], own[2:], 4, table, num_rows=torch.zeros(1, dtype=torch.int32))
+    assert (r.attn_slot == -1).all() and (r.miss_pos == -1).all() and not r.hit.any() and (r.own_slot == -1).all()
+    assert not r.n_miss.any() and not r.n_set.any()
+    assert all(torch.equal(x, y) for x, y in zip(before, b.layer_state(0)))
+    assert_same_step(a, b, req[:1], sets[:1], own[:1], 4, table, num_rows=torch.ones(1, dtype=torch.int32))
+
+
+def test_bad_arguments_are_named():
+    sp, st, ps = (torch.zeros(2, 10, dtype=torch.int64) for _ in range(3))
+    with pytest.raises(ValueError, match="slot_pos must be a contiguous int32 table"):
+        lru_update_cuda(sp, st, ps, torch.arange(2), torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2), 0)
+    with pytest.raises(ValueError, match="top-k"):
+        lru_update_cuda(sp.int(), st.int(), ps.int(), torch.arange(2), torch.zeros(2, 9, dtype=torch.int32), torch.zeros(2), 0)
+
+
+@pytest.mark.skipif(lru_cuda.find_nvcc() is None, reason="no nvcc here (the venv has one through SGLang's nvidia-cuda-nvcc)")
+def test_the_cuda_source_compiles_for_sm90(tmp_path):
+    """The GPU build, compile only (no GPU needed): catches build errors before a GPU is lent."""
+    cmd = lru_cuda.build_command("sm_90", str(tmp_path / "lru_step.o"), compile_only=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
+
+
+@emulation
+def test_auto_and_cuda_choices(monkeypatch):
+    """`cuda` is a kernel choice everywhere; `auto` is the torch path on a CPU, and the self-check admits the kernel."""
+    from ess.core import sparse_pool
+
+    assert sparse_pool.step_function("cuda", torch.device("cpu")) is lru_update_cuda
+    assert sparse_pool.step_function("auto", torch.device("cpu")) is lru_update
+    lru_cuda.self_check(torch.device("cpu"))  # its emulation equals the torch path
+
+
+# -- on a GPU: the compiled kernel, at serving sizes, and under CUDA graph capture ---------------------------------------
+
+@cuda
+@pytest.mark.parametrize("B,C,M,staged", [(1, 2049, 1, None), (32, 6554, 1, None), (8, 6147, 3, None),
+                                           (4, 20000, 1, None), (4, 40000, 1, None), (8, 6554, 1, False)])
+def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M, staged):
+    K, ctx = 2048, 32768
+    rng = random.Random(B)
+    steps = []
+    for t in range(6):  # overlapping windows: hits, misses and evictions once the slots fill
+        lo = t * 1500
+        steps.append([[rng.randrange(lo, lo + 4096) for _ in range(M * K)] for _ in range(B)])
+    if M == 1:
+        own = lambda t: torch.full((B,), ctx + t)
+    else:
+        own = lambda t: torch.stack([torch.full((B,), ctx + M * t + j) for j in range(M)], 1)
+    misses = run_trace(steps, C, ctx + M * 6 + 1, own, device="cuda", staged=staged)
+    assert int(torch.stack(misses).sum()) > 0
+
+
+@cuda
+def test_gpu_kernel_in_a_cuda_graph_equals_eager():
+    B, K, C, ctx = 16, 2048, 6554, 32768
+    tables = [SparseMemoryPool(1, B, C, ctx + 8, "cuda", "cuda") for _ in range(2)]
+    req = torch.arange(B, device="cuda")
+    stamp = torch.zeros((), dtype=torch.int32, device="cuda")
+    sets = torch.empty(B, K, dtype=torch.int32, device="cuda")
+    own = torch.empty(B, dtype=torch.int64, device="cuda")
+    token_table = torch.arange(B * (ctx + 8), dtype=torch.int32, device="cuda").reshape(B, -1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def fill(t):
+        sets.copy_(torch.randint(0, 6000 + 500 * t, (B, K), device="cuda", generator=gen, dtype=torch.int32))
+        own.fill_(ctx + t)
+        stamp.fill_(t)
+
+    fill(0)
+    tables[0].step(0, req, sets, own, stamp, token_table)  # build outside the capture
+    tables[0].reset(req)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tables[0].step(0, req, sets, own, stamp, token_table)
+    tables[0].reset(req)
+    for t in range(5):
+        fill(t)
+        graph.replay()
+        eager = tables[1].step(0, req, sets, own, stamp, token_table)
+        for f in FIELDS + ("miss_row",):
+            assert torch.equal(getattr(captured, f), getattr(eager, f)), (t, f)
+        for x, y in zip(tables[0].layer_state(0), tables[1].layer_state(0)):
+            assert torch.equal(x[:, :-1], y[:, :-1])
+
+
+@cuda
+def test_auto_takes_the_cuda_kernel_on_a_gpu():
+    from ess.core import sparse_pool
+
+    assert sparse_pool.step_function("auto", torch.device("cuda")) is lru_update_cuda
+
+
+@emulation
+def test_replay_with_the_cuda_kernel_counts_the_same_misses(tmp_path, capsys):
+    import json
+
+    from ess.analysis.synth import SynthOptions, synth_trace
+    from ess.cli import main
+    from ess.core.trace import save_trace
+
+    opt = SynthOptions(requests=2, steps=5, layers=2, topk=32, context=400, warmup_windows=4, sinks=2, window=8,
+                       churn_min=2, churn_max=12, pool=120, seed=1)
+    path = tmp_path / "t.npz"
+    save_trace(path, synth_trace(opt))
+    out = {}
+    for kernel in ("torch", "cuda"):
+        assert main(["cache", "replay", str(path), "--buffer", "40", "--warmup", "--kernel", kernel, "--json", "--quiet"]) == 0
+        out[kernel] = json.loads(capsys.readouterr().out)["misses"]
+    assert out["torch"] == out["cuda"] and sum(map(sum, sum(out["torch"], []))) > 0
+
+
+@emulation
+def test_the_gpus_block_of_512_threads_at_serving_sizes(monkeypatch):
+    """The emulation with the GPU's 512 threads per block: top-k 2048 (4 entries per thread) and MTP verify's 6,144
+    (12 per thread), thousands of slots, a few steps with evictions."""
+    monkeypatch.setattr(lru_cuda, "EMULATION", "emulate512")
+    rng = random.Random(4)
+    for M, K, C in ((1, 2048, 2300), (3, 3 * 2048, 6200)):
+        steps = [[[rng.randrange(t * 900, t * 900 + 4000) for _ in range(K)] for _ in range(2)] for t in range(3)]
+        own = (lambda t: torch.full((2,), 20000 + t)) if M == 1 else (
+            lambda t: torch.stack([torch.full((2,), 20000 + 3 * t + j) for j in range(3)], 1))
+        misses = run_trace(steps, C, 20010, own, stamps=[3, 3, 4])
+        assert int(torch.stack(misses).sum()) > 0
