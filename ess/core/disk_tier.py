@@ -383,17 +383,35 @@ class PagedHostTier:
         if failed is not None:
             raise DiskTierError(failed)
 
+    def _begin(self, need: np.ndarray) -> None:
+        """A call's start: the clock ticks, its pages' counts grow; refused (nothing changed) if they exceed the frames."""
+        self.clock += 1
+        if need.size > self.frames:
+            raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
+                                "one layer's step needs; raise it")
+        self._touch(need)
+
+    def _held(self, need: np.ndarray, frames: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The call's pages already in frames counted and used now; returns the missing pages and the frames they may
+        not take (the held ones), the device quiesced if any is missing."""
+        self.stats["host_hits"] += int(held.sum())
+        self.stats["prefetch_hits"] += int(self.prefetched[need[held]].sum())
+        self.prefetched[need[held]] = False
+        self.last_use[frames[held]] = self.clock
+        keep = np.zeros(self.frames, dtype=bool)
+        keep[frames[held]] = True
+        missing = need[~held]
+        if missing.size:
+            self._quiesce()
+        return missing, keep
+
     def ensure(self, pages, dirty: bool = False) -> None:
         """Every page in `pages` in a frame before the caller reads or writes its rows (reads waited for, timed as
         exposed); dirty: the caller writes them. The pages are pinned for the call: the frames of those already in
         host memory are not taken for the others, which are read in parallel from the thread pool."""
         t0 = time.perf_counter()
-        self.clock += 1
         need = np.unique(np.asarray(pages, dtype=np.int64))
-        self._touch(need)
-        if need.size > self.frames:
-            raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
-                                "one layer's step needs; raise it")
+        self._begin(need)
         try:
             frames = self.frame_of[need]
             held = frames >= 0
@@ -403,15 +421,8 @@ class PagedHostTier:
                 self.page_in[f] = -1
                 self._map(p, -1)
             held &= ~part
-            self.stats["host_hits"] += int(held.sum())
-            self.stats["prefetch_hits"] += int(self.prefetched[need[held]].sum())
-            self.prefetched[need[held]] = False
-            self.last_use[frames[held]] = self.clock
-            missing = need[~held]
+            missing, keep = self._held(need, frames, held)
             if missing.size:
-                self._quiesce()
-                keep = np.zeros(self.frames, dtype=bool)
-                keep[frames[held]] = True
                 self._fill(self._victims(missing.size, keep), missing)
             if dirty:
                 self.dirty[need] = True
@@ -426,28 +437,17 @@ class PagedHostTier:
         held page lacks, reads only the sectors that hold the rows (DiskFile.read_rows), in parallel from the thread
         pool, waited for (exposed). A page never written enters whole (zeros), without I/O."""
         t0 = time.perf_counter()
-        self.clock += 1
         v = v.long().flatten()
         v = torch.unique(v[(v >= 0) & (v < self.V)]).cpu().numpy()  # host values: syncs, as pages() does
         page_of, row_of = layer * self.P + v // PAGE_TOKENS, v % PAGE_TOKENS
         need = np.unique(page_of)
-        self._touch(need)
-        if need.size > self.frames:
-            raise DiskTierError(f"{self.flags['host_budget']}: {self.frames} host pages cannot hold the {need.size} pages "
-                                "one layer's step needs; raise it")
+        self._begin(need)
         try:
             frames = self.frame_of[need]
             held = frames >= 0
             self._settle_frames(frames[held])
-            self.stats["host_hits"] += int(held.sum())
-            self.stats["prefetch_hits"] += int(self.prefetched[need[held]].sum())
-            self.prefetched[need[held]] = False
-            self.last_use[frames[held]] = self.clock
-            missing = need[~held]
+            missing, keep = self._held(need, frames, held)
             if missing.size:
-                self._quiesce()
-                keep = np.zeros(self.frames, dtype=bool)
-                keep[frames[held]] = True
                 for f, p in zip(self._victims(missing.size, keep).tolist(), missing.tolist()):
                     self._evict(f)  # usually clean: `clean` wrote changed pages in the background
                     self.frame_view(f)[:] = 0

@@ -159,16 +159,7 @@ def lru_update_cuda(
     req = req.to(torch.int64).contiguous()
     sets = sets.to(torch.int32).contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
-    out = PolicyResult(
-        attn_slot=torch.empty(B, K, **i32),
-        hit=torch.empty(B, K, dtype=torch.bool, device=dev),
-        miss_pos=torch.empty(B, K, **i32),
-        miss_slot=torch.empty(B, K, **i32),
-        own_slot=torch.empty(B, M, **i32),
-        n_miss=torch.empty(B, **i32),
-        n_set=torch.empty(B, **i32),
-        miss_row=torch.empty(B, K, **i32),
-    )
+    out = PolicyResult.empty(B, K, M, dev)
     if token_table is not None:
         if token_table.dtype != torch.int32 or token_table.stride(1) != 1:
             raise ValueError("CUDA LRU step: token_table must be int32 with contiguous rows")

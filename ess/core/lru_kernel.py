@@ -305,17 +305,7 @@ def lru_update_fused(
         tt_stride = token_table.stride(0)
         if token_table.stride(1) != 1:
             raise ValueError("fused LRU step: token_table rows must be contiguous")
-    i32 = dict(dtype=torch.int32, device=dev)
-    out = PolicyResult(
-        attn_slot=torch.empty(B, K, **i32),
-        hit=torch.empty(B, K, dtype=torch.bool, device=dev),
-        miss_pos=torch.empty(B, K, **i32),
-        miss_slot=torch.empty(B, K, **i32),
-        own_slot=torch.empty(B, M, **i32),
-        n_miss=torch.empty(B, **i32),
-        n_set=torch.empty(B, **i32),
-        miss_row=torch.empty(B, K, **i32),
-    )
+    out = PolicyResult.empty(B, K, M, dev)
     if B == 0:
         return out
     block_c = min(_pow2(C), REGISTER_SLOTS)

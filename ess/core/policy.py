@@ -40,6 +40,14 @@ class PolicyResult:
     n_set: torch.Tensor  # [B] int32: |S|, the distinct positions asked for besides the own one
     miss_row: torch.Tensor | None = None  # [B, K] int32: host row of each miss, when the step was given the token table
 
+    @classmethod
+    def empty(cls, B: int, K: int, M: int, device) -> "PolicyResult":
+        """Uninitialised outputs for a kernel to fill (own_slot [B, M], miss_row included)."""
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(attn_slot=torch.empty(B, K, **i32), hit=torch.empty(B, K, dtype=torch.bool, device=device),
+                   miss_pos=torch.empty(B, K, **i32), miss_slot=torch.empty(B, K, **i32), own_slot=torch.empty(B, M, **i32),
+                   n_miss=torch.empty(B, **i32), n_set=torch.empty(B, **i32), miss_row=torch.empty(B, K, **i32))
+
 
 def check_capacity(capacity: int, set_size: int, own_tokens: int) -> None:
     if capacity < set_size + own_tokens:

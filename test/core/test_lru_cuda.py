@@ -3,6 +3,7 @@
 emulation (the same source under g++, a block's threads as std::threads) and with nvcc compile-only; on a GPU, the
 compiled kernel at serving sizes and in a CUDA graph."""
 
+import functools
 import random
 import subprocess
 
@@ -14,53 +15,20 @@ from ess.core.lru_cuda import lru_update_cuda
 from ess.core.policy import STAMP_MOD, lru_update
 from ess.core.sparse_pool import SparseMemoryPool
 
+import lru_steps  # test/core/lru_steps.py
+from lru_steps import random_steps
+
 emulation = pytest.mark.skipif(lru_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-FIELDS = ("attn_slot", "hit", "miss_pos", "miss_slot", "own_slot", "n_miss", "n_set")
 
 
 def assert_same_step(a, b, req, sets, own, stamp, token_table, staged=None, num_rows=None):
-    ra = lru_update(*a.layer_state(0), req, sets, own, stamp)
-    rb = lru_update_cuda(*b.layer_state(0), req, sets, own, stamp, token_table, num_rows=num_rows, staged=staged)
-    for f in FIELDS:
-        x, y = getattr(ra, f), getattr(rb, f)
-        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (f, x, y)
-    rows = token_table[req.long().unsqueeze(1), ra.miss_pos.clamp(min=0).long()]
-    assert torch.equal(torch.where(ra.miss_pos >= 0, rows, -1), rb.miss_row)
-    for x, y in zip(a.layer_state(0), b.layer_state(0)):  # the last column is each table's scratch sink
-        assert torch.equal(x[:, :-1], y[:, :-1])
-    return ra
+    kernel = functools.partial(lru_update_cuda, num_rows=num_rows, staged=staged)
+    return lru_steps.assert_same_step(a, b, req, sets, own, stamp, token_table, kernel)
 
 
-def run_trace(steps, C, max_pos, own_of, warm=(), first_stamp=0, device="cpu", seed=0, staged=None, stamps=None):
-    """steps / warm: lists of [R, K] sets; own_of(t) the own positions of step t ([R] or [R, M]); stamps: the steps'
-    stamps (default first_stamp + t)."""
-    R = len(steps[0])
-    a, b = (SparseMemoryPool(1, R, C, max_pos, device, "torch") for _ in range(2))
-    req = torch.tensor(random.Random(seed).sample(range(R), R), device=device)  # rows need not be in slot order
-    gen = torch.Generator().manual_seed(seed)
-    token_table = torch.randint(0, 1 << 20, (R, max_pos), dtype=torch.int32, generator=gen).to(device)
-    none = torch.full((R,), -1, device=device)
-    for w, sets in enumerate(warm):
-        assert_same_step(a, b, req, torch.tensor(sets, device=device), none, first_stamp + w - len(warm), token_table, staged)
-    misses = []
-    for t, sets in enumerate(steps):
-        stamp = first_stamp + t if stamps is None else stamps[t]
-        r = assert_same_step(a, b, req, torch.tensor(sets, device=device), own_of(t).to(device), stamp, token_table, staged)
-        misses.append(r.n_miss)
-    return misses
-
-
-def random_steps(rng, R, steps, K, ctx, M=1, dup=False, pad=0.1):
-    out = []
-    for t in range(steps):
-        row = []
-        for i in range(R):
-            pool = range(0, ctx[i] + (t + 1) * M)
-            sel = [rng.choice(pool) for _ in range(K)] if dup else rng.sample(pool, K)
-            row.append([x if rng.random() > pad else -1 for x in sel])
-        out.append(row)
-    return out
+def run_trace(*args, staged=None, **kw):
+    return lru_steps.run_trace(*args, kernel=functools.partial(lru_update_cuda, staged=staged), **kw)
 
 
 @emulation
@@ -202,37 +170,7 @@ def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M, staged):
     assert int(torch.stack(misses).sum()) > 0
 
 
-@cuda
-def test_gpu_kernel_in_a_cuda_graph_equals_eager():
-    B, K, C, ctx = 16, 2048, 6554, 32768
-    tables = [SparseMemoryPool(1, B, C, ctx + 8, "cuda", "cuda") for _ in range(2)]
-    req = torch.arange(B, device="cuda")
-    stamp = torch.zeros((), dtype=torch.int32, device="cuda")
-    sets = torch.empty(B, K, dtype=torch.int32, device="cuda")
-    own = torch.empty(B, dtype=torch.int64, device="cuda")
-    token_table = torch.arange(B * (ctx + 8), dtype=torch.int32, device="cuda").reshape(B, -1)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def fill(t):
-        sets.copy_(torch.randint(0, 6000 + 500 * t, (B, K), device="cuda", generator=gen, dtype=torch.int32))
-        own.fill_(ctx + t)
-        stamp.fill_(t)
-
-    fill(0)
-    tables[0].step(0, req, sets, own, stamp, token_table)  # build outside the capture
-    tables[0].reset(req)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = tables[0].step(0, req, sets, own, stamp, token_table)
-    tables[0].reset(req)
-    for t in range(5):
-        fill(t)
-        graph.replay()
-        eager = tables[1].step(0, req, sets, own, stamp, token_table)
-        for f in FIELDS + ("miss_row",):
-            assert torch.equal(getattr(captured, f), getattr(eager, f)), (t, f)
-        for x, y in zip(tables[0].layer_state(0), tables[1].layer_state(0)):
-            assert torch.equal(x[:, :-1], y[:, :-1])
+# CUDA graph capture against eager: test_lru_kernel.py's test_gpu_kernel_in_a_cuda_graph_equals_eager[cuda]
 
 
 @cuda
