@@ -115,14 +115,17 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
     churn_lo, churn_hi = max(0.0, k["new_min"]), max(1.0, k["new_max"])
     evals = []
 
-    def options(pool: int, fresh: float, scale: float, spread: float = 1.0, power: float = 1.0) -> SynthOptions:
+    def options(pool: int, fresh: float, scale: float, spread: float = 1.0, power: float = 1.0,
+                by_churn: bool = False) -> SynthOptions:
         hi = int(min(room, max(1, round(churn_hi * scale))))
         lo = int(min(hi, round(churn_lo * scale)))
         pool = min(max(hi, pool), context)
         return dataclasses.replace(base, churn_min=lo, churn_max=hi, pool=pool, fresh=fresh, pool_power=power,
-                                   pool_min=None if spread <= 1 else max(1, int(pool / spread)))
+                                   pool_min=None if spread <= 1 else max(1, int(pool / spread)),
+                                   pool_by_churn=by_churn and spread > 1)
 
     def error(x: tuple) -> float:
+        x = x[:5] + (bool(x[5] and x[3] > 1),)  # by_churn changes nothing without a spread: one evaluation
         for prev_x, err, _ in evals:
             if prev_x == x:
                 return err
@@ -142,15 +145,16 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
     fresh0 = min(1.0, first / max(1.0, (churn_lo + churn_hi) / 2))
     freshes = sorted(set(freshes) | {round(fresh0, 4)})
     powers = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]  # the pool's skew: 1 uniform
-    x = (pools[3], round(fresh0, 4), 1.0, 1.0, 1.0)
-    grids = [(0, pools), (4, powers), (3, spreads), (1, freshes), (2, scales)]
+    # pools tied to churn first: the real layers that churn more also come back over longer gaps (docs/profiling.md)
+    x = (pools[3], round(fresh0, 4), 1.0, 1.0, 1.0, True)
+    grids = [(0, pools), (4, powers), (3, spreads), (5, [True, False]), (1, freshes), (2, scales)]
     for _ in range(2):  # coordinate search over the knobs' grids, twice
         for i, grid in grids:
             x = min((x[:i] + (v,) + x[i + 1:] for v in grid), key=error)
     step = 1.25  # then a pattern search: each knob up and down by a factor, the factor shrinking
     while step > 1.03 and len(evals) < MAX_EVALS:
         moves = []
-        for i in range(5):
+        for i in range(5):  # the numeric knobs (not by_churn)
             for f in (step, 1 / step):
                 y = list(x)
                 y[i] = int(y[i] * f) if i == 0 else min(1.0, y[i] * f) if i == 1 else max(1.0, y[i] * f) if i >= 3 \
