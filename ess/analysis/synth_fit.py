@@ -145,12 +145,16 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
     fresh0 = min(1.0, first / max(1.0, (churn_lo + churn_hi) / 2))
     freshes = sorted(set(freshes) | {round(fresh0, 4)})
     powers = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]  # the pool's skew: 1 uniform
-    # pools tied to churn first: the real layers that churn more also come back over longer gaps (docs/profiling.md)
-    x = (pools[3], round(fresh0, 4), 1.0, 1.0, 1.0, True)
+    # two starts: a narrow uniform pool, and a wide skewed spread tied to churn (real layers that churn more also come
+    # back over longer gaps: docs/profiling.md); one knob at a time, neither start reaches every trace's best alone
     grids = [(0, pools), (4, powers), (3, spreads), (5, [True, False]), (1, freshes), (2, scales)]
-    for _ in range(2):  # coordinate search over the knobs' grids, twice
-        for i, grid in grids:
-            x = min((x[:i] + (v,) + x[i + 1:] for v in grid), key=error)
+    starts = []
+    for x in [(pools[3], round(fresh0, 4), 1.0, 1.0, 1.0, False), (pools[5], round(fresh0, 4), 1.0, 8.0, 3.0, True)]:
+        for _ in range(2):  # coordinate search over the knobs' grids, twice
+            for i, grid in grids:
+                x = min((x[:i] + (v,) + x[i + 1:] for v in grid), key=error)
+        starts.append(x)
+    x = min(starts, key=error)
     step = 1.25  # then a pattern search: each knob up and down by a factor, the factor shrinking
     while step > 1.03 and len(evals) < MAX_EVALS:
         moves = []
