@@ -4,8 +4,8 @@
 The real trace fixes the shape (layers, top-k, context, steps) and, measured, the knobs it shows directly: attention
 sinks (first positions in at least half the decode sets), the local window (offsets behind the own position in at
 least half; the generator's window counts the own position too), and the per-layer spread of new entries per step (the generator's churn, log-uniform between the
-layers' least and most). A coordinate search then sets the working-set pool, its spread over layers and its skew
-(pool_power), the fresh share and a scale on churn so
+layers' least and most). A coordinate search then sets the working-set pool, its spread over layers (in the layers' churn order
+or not: pool_by_churn) and its skew (pool_power), the fresh share and a scale on churn so
 that the LRU miss curve (mean misses per request-layer-step at ratios FIT_RATIOS, warm-up on, ess.analysis.lru_curve)
 comes closest to the real one in the worst ratio's relative error. Reported: the fitted options, both curves, the
 error per ratio, and the statistics of both traces (consecutive-step overlap, re-entry gaps, first touches per step,
