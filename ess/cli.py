@@ -624,7 +624,7 @@ def cmd_trace_synth(args) -> int:
     opt = SynthOptions(requests=args.requests, steps=args.steps, layers=args.layers, topk=args.topk, context=args.context,
                        sinks=args.sinks, window=args.window, churn_min=args.churn_min, churn_max=args.churn_max,
                        drift_min=args.drift_min, drift_max=args.drift_max, pool=args.pool, fresh=args.fresh, seed=args.seed,
-                       pool_min=args.pool_min, pool_power=args.pool_power)
+                       pool_min=args.pool_min, pool_power=args.pool_power, pool_by_churn=args.pool_by_churn)
     trace = synth_trace(opt)
     save_trace(_output(args.out), trace)
     say(f"wrote {args.out}: SYNTHETIC trace, topk {list(trace.topk.shape)} (not a measurement)")
@@ -777,6 +777,8 @@ SYNTH_OPTIONS = [  # (SynthOptions field, type, help); the model is described in
     ("fresh", float, "share of churn drawn from the whole context instead of the pool"),
     ("pool_min", POSITIVE, "spread the layers' pool sizes log-uniformly from this up to --pool (default: all --pool)"),
     ("pool_power", float, "skew of the pool draws: index = pool x U^power (1: uniform; more: a hot head, a long tail)"),
+    ("pool_by_churn", bool, "with --pool-min: the layer with the most churn gets the largest pool (default: a "
+                            "shuffled order)"),
     ("seed", _seed, "seed of the trace"),
 ]
 
@@ -960,7 +962,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = SynthOptions()
     for name, kind, text in SYNTH_OPTIONS:
-        syn.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(d, name), help=text)
+        if kind is bool:  # a switch, off by default
+            syn.add_argument("--" + name.replace("_", "-"), action="store_true", help=text)
+        else:
+            syn.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(d, name), help=text)
     syn.add_argument("--like", metavar="REAL.npz",
                      help="fit the generator to this (real) trace: its shape, sinks, window and churn spread measured, "
                           "pool and fresh share searched so that the LRU miss curve over ratios 0.05-0.5 matches "

@@ -7,7 +7,8 @@ Each (request, layer) top-k set of K positions at query position p is the union 
     hot set    positions chosen once and kept, of which a per-layer share `drift` moves every step to another
                position drawn like churn (slowly moving long-range attention);
     churn      a per-layer number of positions every step, drawn from a per-(request, layer) pool of `pool` positions
-               (with `pool_min`, a per-layer pool size spread log-uniformly from pool_min to pool)
+               (with `pool_min`, a per-layer pool size spread log-uniformly from pool_min to pool, in a shuffled
+               layer order or, with `pool_by_churn`, in the order of the layers' churn)
                (a working set larger than K that attention keeps revisiting), a share `fresh` of them uniformly
                from the whole context instead. A buffer that holds more of the pool misses less: so misses fall
                as the Sparse Memory Ratio rises and as the context grows at a fixed ratio.
@@ -45,6 +46,8 @@ class SynthOptions:
     fresh: float = 0.02
     pool_min: int | None = None  # None: every layer's pool holds `pool`; else layers spread log-uniformly from here
     pool_power: float = 1.0  # 1: churn draws the pool uniformly; b > 1: index = pool x U^b, a head drawn often, a long tail
+    pool_by_churn: bool = False  # with pool_min: False, layers' pool sizes in their own shuffled order; True, the
+    # layer with the most churn gets the largest pool (real layers that churn more also re-use over longer distances)
     seed: int = 0
 
     def trace_bytes(self) -> int:
@@ -90,6 +93,8 @@ def synth_trace(opt: SynthOptions) -> Trace:
     pool = rng.integers(0, start[:, None, None], size=(R, Lyr, opt.pool))
     spread = opt.pool_min is not None and opt.pool_min < opt.pool
     pool_size = np.round(_spread(opt.pool_min, opt.pool, Lyr, rng)).astype(np.int64) if spread else None
+    if spread and opt.pool_by_churn:  # the same sizes, handed out in the layers' churn order
+        pool_size = np.sort(pool_size)[np.argsort(np.argsort(churn, kind="stable"), kind="stable")]
     sinks = np.broadcast_to(np.arange(opt.sinks), (R, Lyr, opt.sinks))
     slots = np.arange(opt.churn_max)
 

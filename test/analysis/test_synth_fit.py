@@ -46,6 +46,19 @@ def test_pool_spread_keeps_the_default_trace():
     assert np.array_equal(a.topk, b.topk) and np.array_equal(a.prefill_topk, b.prefill_topk)
 
 
+def test_pool_by_churn_hands_the_same_pool_sizes_out_in_churn_order():
+    """pool_by_churn: no change without pool_min; with it, the same sizes, the layer with more churn the larger."""
+    import dataclasses
+
+    a = synth_trace(dataclasses.replace(SMALL, pool_by_churn=True))
+    assert np.array_equal(a.topk, synth_trace(SMALL).topk)
+    spread = dataclasses.replace(SMALL, layers=6, pool_min=10)
+    shuffled, ordered = synth_trace(spread).meta, synth_trace(dataclasses.replace(spread, pool_by_churn=True)).meta
+    assert sorted(ordered["pool_per_layer"]) == sorted(shuffled["pool_per_layer"])
+    churn, pool = np.array(ordered["churn_per_layer"]), np.array(ordered["pool_per_layer"])
+    assert np.all(np.diff(pool[np.argsort(churn, kind="stable")]) >= 0)
+
+
 def test_fit_like_a_synthetic_trace_lands_within_15_percent():
     """A trace the generator itself made is within its reach: the fit's curve is within 15% at every ratio."""
     like = synth_trace(SMALL)
