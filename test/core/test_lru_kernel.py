@@ -16,22 +16,53 @@ import torch
 from ess.core import flashtrans
 from ess.core import lru_kernel
 from ess.core.lru_kernel import lru_update_fused
-from ess.core.policy import STAMP_MOD
+from ess.core.policy import STAMP_MOD, lru_update
 from ess.core.sparse_pool import SparseMemoryPool
-
-import lru_steps  # test/core/lru_steps.py
-from lru_steps import FIELDS, random_steps
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FIELDS = ("attn_slot", "hit", "miss_pos", "miss_slot", "own_slot", "n_miss", "n_set")
 
 
-def assert_same_step(a, b, req, sets, own, stamp, token_table):
-    return lru_steps.assert_same_step(a, b, req, sets, own, stamp, token_table, lru_update_fused)
+def assert_same_step(a: SparseMemoryPool, b: SparseMemoryPool, req, sets, own, stamp, token_table):
+    ra = lru_update(*a.layer_state(0), req, sets, own, stamp)
+    rb = lru_update_fused(*b.layer_state(0), req, sets, own, stamp, token_table)
+    for f in FIELDS:
+        x, y = getattr(ra, f), getattr(rb, f)
+        assert x.dtype == y.dtype and torch.equal(x, y), (f, x, y)
+    rows = token_table[req.long().unsqueeze(1), ra.miss_pos.clamp(min=0).long()]
+    assert torch.equal(torch.where(ra.miss_pos >= 0, rows, -1), rb.miss_row)
+    for x, y in zip(a.layer_state(0), b.layer_state(0)):  # the last column is each table's scratch sink
+        assert torch.equal(x[:, :-1], y[:, :-1])
+    return ra
 
 
-def run_trace(*args, **kw):
-    return lru_steps.run_trace(*args, kernel=lru_update_fused, **kw)
+def run_trace(steps, C, max_pos, own_of, warm=(), first_stamp=0, device="cpu", seed=0):
+    """steps / warm: lists of [R, K] sets; own_of(t) the own positions of step t ([R] or [R, M])."""
+    R = len(steps[0])
+    a, b = (SparseMemoryPool(1, R, C, max_pos, device) for _ in range(2))
+    req = torch.tensor(random.Random(seed).sample(range(R), R), device=device)  # rows need not be in slot order
+    token_table = torch.randint(0, 1 << 20, (R, max_pos), dtype=torch.int32, generator=torch.Generator().manual_seed(seed)).to(device)
+    none = torch.full((R,), -1, device=device)
+    for w, sets in enumerate(warm):
+        assert_same_step(a, b, req, torch.tensor(sets, device=device), none, first_stamp + w - len(warm), token_table)
+    misses = []
+    for t, sets in enumerate(steps):
+        r = assert_same_step(a, b, req, torch.tensor(sets, device=device), own_of(t).to(device), first_stamp + t, token_table)
+        misses.append(r.n_miss)
+    return misses
+
+
+def random_steps(rng, R, steps, K, ctx, M=1, dup=False, pad=0.1):
+    out = []
+    for t in range(steps):
+        row = []
+        for i in range(R):
+            pool = range(0, ctx[i] + (t + 1) * M)
+            sel = [rng.choice(pool) for _ in range(K)] if dup else rng.sample(pool, K)
+            row.append([x if rng.random() > pad else -1 for x in sel])
+        out.append(row)
+    return out
 
 
 @interpreter
@@ -174,7 +205,7 @@ def test_gpu_kernel_in_a_cuda_graph_equals_eager(kernel):
         stamp.fill_(t)
 
     fill(0)
-    tables[0].step(0, req, sets, own, stamp, token_table)  # compile / build outside the capture
+    tables[0].step(0, req, sets, own, stamp, token_table)  # compile outside the capture
     tables[0].reset(req)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
