@@ -113,7 +113,9 @@ class Stack:
         self.max_len = -(-(context + steps * rows) // PAGE_TOKENS) * PAGE_TOKENS  # whole FlashMLA pages
         self.w = A.AttentionWeights.random(cfg, g, dev)
         self.h = torch.randn(steps, batch * rows, cfg.hidden, generator=g).to(dev)  # each step's hidden states
-        keys = torch.randn(batch, self.max_len, cfg.index_head_dim, generator=g).to(dev)
+        # drawn where they live: on a GPU, the CPU's generator took seconds per large batch (setup, not timed)
+        keys = torch.randn(batch, self.max_len, cfg.index_head_dim, device=dev,
+                           generator=torch.Generator(device=dev).manual_seed(seed))
         # index-K [B * S, max_len, 132]: each query row scores its request's keys (shared by the layers)
         self.index_k = layout.quantize_index_k(keys).repeat_interleave(rows, 0)
         self.row_req = torch.arange(batch, device=dev).repeat_interleave(rows)  # the request of each query row
@@ -358,7 +360,11 @@ def requests_in(budget: float, per_request: int, cap: int | None) -> int:
     return min(b, cap) if cap else b
 
 
-def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, accept: float = 1.7) -> dict:
+def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, accept: float = 1.7,
+        checkpoint=lambda rows, errors: None) -> dict:
+    """Every configuration's rows and the summary. A configuration that raises is recorded in "errors" (with its
+    message) and the rest still run: one lent GPU session is all there is. checkpoint(rows, errors) runs after each
+    configuration, so a run cut short keeps what it measured."""
     spec, cal = get_model("dsv32"), load_calibration()
     paper_hw = get_hardware(PAPER_HARDWARE)
     dep = cost.Deployment(ep=EP, tbo=True)
@@ -374,7 +380,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
     def plan(per_layer, batch, context):
         return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer)
 
-    rows = []
+    rows, errors = [], []
     for context in s.contexts:
         wall = largest_batch(budget, s.layers, context, None, s.max_batch)
         ess_modes = [m for m in modes if m not in ("baseline", "hisparse")]
@@ -394,7 +400,17 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                 stacks += [(ratio, b, S) for b in sorted({*s.small_batches, top}) if b >= 1]
         for ratio, batch, S in stacks:
             t0 = time.perf_counter()
-            results = measure(s, ["baseline"] if ratio is None else ess_modes, batch, context, ratio, S, source, plan)
+            try:
+                results = measure(s, ["baseline"] if ratio is None else ess_modes, batch, context, ratio, S, source,
+                                  plan)
+            except (RuntimeError, AssertionError, ValueError) as e:  # e.g. out of memory: record it, go on
+                errors.append({"context": context, "ratio": ratio, "batch": batch, "query_rows": S,
+                               "error": f"{type(e).__name__}: {e}"[:500]})
+                progress(f"{context} ratio {ratio} batch {batch} rows {S}: FAILED {errors[-1]['error']}")
+                if s.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                checkpoint(rows, errors)
+                continue
             hisparse, ratio = ratio == "hisparse", None if ratio == "hisparse" else ratio
             lc = sim_layer(batch * S, context)
             rest_ms = (lc.post + lc.comm) * 1e3  # the modelled rest of a layer (w_vc, o_proj, MoE, all-to-all)
@@ -428,7 +444,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                 progress(f"{context} {mode} ratio {ratio} batch {batch} rows {S}: {row['attention_step_ms']} ms attention, "
                          f"{row['tokens_per_s']} tok/s")
             progress(f"  ({time.perf_counter() - t0:.1f} s)")
-    return {"rows": rows, **summary(rows, s)}
+            checkpoint(rows, errors)
+    return {"rows": rows, "errors": errors, **summary(rows, s)}
 
 
 def best_at_largest(ess: list[dict]) -> dict:
@@ -522,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-steps", type=int, default=4, help="eager steps before the timed one")
     p.add_argument("--iters", type=int, default=10, help="timed replays per configuration")
     p.add_argument("--max-batch", type=int, help="cap the largest batches (memory or time)")
-    p.add_argument("--hardware", default="H100", help="simulator profile of this GPU, for the modelled rest of a layer")
+    p.add_argument("--hardware", help="simulator profile of this GPU, for the modelled rest of a layer (default: H200 "
+                   "on an H200, else H100)")
     p.add_argument("--check", action="store_true",
                    help="also compare every ESS mode's outputs with the baseline's (a second stack: small runs)")
     p.add_argument("--append", action="store_true",
@@ -533,29 +551,41 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {MODES}")
     s = smoke_setup() if args.smoke else gpu_setup(args)
+    if args.hardware is None:
+        args.hardware = "H200" if s.device.type == "cuda" and "H200" in torch.cuda.get_device_name() else "H100"
+    get_hardware(args.hardware)  # an unknown name fails here, before any stack is built
     path = os.path.join(args.out, "decode.json")
-    earlier, commands = [], []
+    earlier, earlier_errors, commands = [], [], []
     if args.append and os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        earlier, commands = old["rows"], old.get("commands", [old.get("command")])
-    doc = run(s, args.modes, args.topk_source, args.hardware, lambda x: print(x, flush=True), args.accept)
-    if earlier:
-        s.contexts = sorted({r["context"] for r in earlier} | set(s.contexts))
-        doc = {"rows": earlier + doc["rows"], **summary(earlier + doc["rows"], s)}
+        earlier, earlier_errors = old["rows"], old.get("errors", [])
+        commands = old.get("commands", [old.get("command")])
     command = " ".join(["python", "benchmark/decode_gpu.py", *(argv if argv is not None else sys.argv[1:])])
-    doc = {"command": command, "commands": [*commands, command],
-           "machine": torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU ({platform.machine()}), smoke",
-           "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,
-           "topk_label": "SYNTHETIC (ess trace synth)" if args.topk_source == "synth" else "computed (random weights)",
-           "attention": s.attention, "hardware_profile": args.hardware, **doc}
+    contexts = sorted({r["context"] for r in earlier} | set(s.contexts))
     os.makedirs(args.out, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+
+    def write(rows: list[dict], errors: list[dict], done: bool) -> dict:
+        """decode.json with the earlier runs' rows (--append) and these; done False: a run still going (or cut)."""
+        every = earlier + rows
+        doc = {"command": command, "commands": [*commands, command],
+               "machine": torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU ({platform.machine()}), smoke",
+               "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,
+               "topk_label": "SYNTHETIC (ess trace synth)" if args.topk_source == "synth" else "computed (random weights)",
+               "attention": s.attention, "hardware_profile": args.hardware, "complete": done, "rows": every,
+               "errors": earlier_errors + errors, **summary(every, dataclasses.replace(s, contexts=contexts))}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        return doc
+
+    doc = run(s, args.modes, args.topk_source, args.hardware, lambda x: print(x, flush=True), args.accept,
+              lambda rows, errors: write(rows, errors, False))
+    doc = write(doc["rows"], doc["errors"], True)
     plot(doc, os.path.join(args.out, "decode.png"))
     print(f"wrote {args.out}/decode.json and decode.png; gain {doc.get('gain_32k_max_batch')}, "
-          f"small-batch ratio {doc.get('ratio_small_batch')}, with MTP {doc.get('gain_32k_max_batch_mtp')}")
-    return 0
+          f"small-batch ratio {doc.get('ratio_small_batch')}, with MTP {doc.get('gain_32k_max_batch_mtp')}"
+          + (f"; {len(doc['errors'])} configurations FAILED (decode.json's errors)" if doc["errors"] else ""))
+    return 1 if doc["errors"] else 0
 
 
 if __name__ == "__main__":
