@@ -29,9 +29,10 @@ class EssLatentCache:
         device: torch.device | str,
         backend: str = "auto",
         tier: TieredHostPool | None = None,
+        kernel: str = "auto",
     ):
         """tier: a disk tier for the host pool (ess.reference.disk_tier), built for this batch; None: the whole Total
-        Memory Pool in host memory."""
+        Memory Pool in host memory. kernel: the LRU step's (settings.KERNELS)."""
         B = len(context_lens)
         self.cfg = cfg
         self.backend = backend
@@ -54,7 +55,12 @@ class EssLatentCache:
             self.host = tier
             self.req = self.slots
             self.token_table = tier.token_table()  # virtual rows, which the serving cache maps to frames
-        self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend, tier=tier)
+        # int32, as SGLang's req_to_token: the CUDA LRU step reads it so (an int64 table failed every step on an H200)
+        if int(self.token_table.max()) >= 2**31:
+            raise ValueError(f"ESS cache: {int(self.token_table.max())} host rows exceed an int32 token table")
+        self.token_table = self.token_table.to(torch.int32).contiguous()
+        self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend,
+                                          kernel=kernel, tier=tier)
         self.sparse = self.serving.sparse
         self.stamp = self.serving.stamp
         self.num_layers = num_layers

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ess.core import lru_cuda
 from ess.reference.ess_cache import EssLatentCache
 from ess.core.settings import EssConfig, KnobError as EssConfigError
 from ess.reference.host_pool import PAGE_TOKENS, HostPoolExhausted, TotalMemoryPool
@@ -84,3 +85,17 @@ def test_host_and_gpu_rows_stay_intact_over_many_steps():
                 assert torch.equal(cache.serving.gpu[layer, b * cache.capacity + slot], dcache.rows[layer, b, pos])
     cache.release(0)
     assert cache.sparse.resident(0, int(cache.req[0])) == set()
+
+
+@pytest.mark.skipif(lru_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
+def test_the_cuda_lru_step_serves_the_reference_cache():
+    """The CUDA LRU step (its CPU emulation) behind the reference cache: it takes the cache's token table as it is
+    (an int64 table failed every step on an H200) and decodes the dense baseline's tokens."""
+    prompts, steps = tiny_prompts(), 8
+    base, _ = tiny_model().generate(prompts, steps, dense())
+    cfg = EssConfig(topk=TINY.index_topk, buffer_tokens=TINY.index_topk + 5)
+    res, cache = tiny_model().generate(
+        prompts, steps, lambda ctx, max_len: EssLatentCache(cfg, TINY.num_layers, ctx, max_len, "cpu", kernel="cuda")
+    )
+    assert cache.token_table.dtype == torch.int32 and int(cache.miss_counts().sum()) > 0
+    assert torch.equal(res.tokens, base.tokens)
