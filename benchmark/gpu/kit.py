@@ -152,7 +152,7 @@ class Case:
         self.whole = random_rows(T, dev)
         self.host = pinned(torch.empty(1, T + 1, layout.LATENT_ROW_BYTES, dtype=torch.uint8))
         self.host[0, :T].copy_(self.whole)
-        self.table = torch.arange(T, device=dev).view(B, context)
+        self.table = torch.arange(T, device=dev, dtype=torch.int32).view(B, context)  # int32: SGLang's req_to_token
         self.sc = ServingLatentCache(1, B, capacity, context, self.host, dev)
         self.req = torch.arange(B, device=dev)
 
