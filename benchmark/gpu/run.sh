@@ -14,7 +14,8 @@
 # (the LRU kernels, the miss kernel, FlashTrans, the overlap layer); none skips them.
 # --decode-args: more arguments for decode_gpu.py (e.g. "--query-rows 1 --ratios 0.1,0.2").
 # --tar FILE: after every phase, OUT_DIR packed into FILE (the device tool brings back 8 files at most).
-# The device tool caps a command at 10 minutes: there, give the phases caps that fit (docs/gpu.md, "Running it").
+# The device tool caps a command at 10 minutes: there, give the phases caps that fit (docs/gpu.md, "Running it", has
+# each phase's time on an H200).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ALL=(kit decode32k decode128k bookkeeping)
