@@ -68,6 +68,9 @@ MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
 HISPARSE_BUFFER_PER_TOPK = 2
 HISPARSE_HOST_RATIO = 2
 MODEL_LAYERS = 61  # DeepSeek-V3.2's decoder layers, for the per-model figures
+# The projections' dtype: float32 timed the reference model's float32 torch ops on the H200 (2026-11-26), not a
+# server's speed (docs/gpu.md); bf16 is the default on a GPU
+DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclasses.dataclass
@@ -84,6 +87,7 @@ class Setup:
     max_batch: int | None  # a cap on the largest batches (the smoke run's)
     query_rows: list[int] = dataclasses.field(default_factory=lambda: [1])  # 1: decode; 1 + draft tokens: MTP verify
     check: bool = False  # compare every ESS mode's outputs with the baseline's (a second stack: small runs only)
+    dtype: torch.dtype = torch.float32  # weights and activations of the projections (bf16 on a GPU, as a server's)
 
 
 def smoke_setup() -> Setup:
@@ -96,7 +100,7 @@ def gpu_setup(args) -> Setup:
         raise SystemExit("decode_gpu.py: needs a CUDA device (or --smoke)")
     return Setup(get_config("full", num_layers=args.layers), args.layers, args.contexts, args.ratios, [1, 2],
                  args.warm_steps, args.iters, torch.device("cuda"), "flashmla", args.max_batch, args.query_rows,
-                 args.check)
+                 args.check, DTYPES[args.dtype])
 
 
 class Stack:
@@ -111,8 +115,9 @@ class Stack:
         self.s, self.B, self.S, self.context, self.buffer = s, batch, rows, context, buffer
         steps = s.warm_steps + 1
         self.max_len = -(-(context + steps * rows) // PAGE_TOKENS) * PAGE_TOKENS  # whole FlashMLA pages
-        self.w = A.AttentionWeights.random(cfg, g, dev)
-        self.h = torch.randn(steps, batch * rows, cfg.hidden, generator=g).to(dev)  # each step's hidden states
+        w = A.AttentionWeights.random(cfg, g, dev)
+        self.w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(s.dtype) for f in dataclasses.fields(w)})
+        self.h = torch.randn(steps, batch * rows, cfg.hidden, generator=g).to(dev, s.dtype)  # each step's hidden states
         # drawn where they live: on a GPU, the CPU's generator took seconds per large batch (setup, not timed)
         keys = torch.randn(batch, self.max_len, cfg.index_head_dim, device=dev,
                            generator=torch.Generator(device=dev).manual_seed(seed))
@@ -496,6 +501,8 @@ def summary(rows: list[dict], s: Setup) -> dict:
 
 
 def plot(doc: dict, path: str) -> None:
+    if not doc["rows"]:  # every configuration failed: decode.json's errors say why
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -545,12 +552,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="also compare every ESS mode's outputs with the baseline's (a second stack: small runs)")
     p.add_argument("--append", action="store_true",
                    help="add the rows to OUT/decode.json (one context per run keeps each run short)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="weights and activations of the projections on a GPU (the smoke run: float32 unless given)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     args = p.parse_args(argv)
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {MODES}")
     s = smoke_setup() if args.smoke else gpu_setup(args)
+    if args.smoke and "--dtype" in (argv if argv is not None else sys.argv):
+        s.dtype = DTYPES[args.dtype]
     if args.hardware is None:
         args.hardware = "H200" if s.device.type == "cuda" and "H200" in torch.cuda.get_device_name() else "H100"
     get_hardware(args.hardware)  # an unknown name fails here, before any stack is built
@@ -572,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
                "machine": torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU ({platform.machine()}), smoke",
                "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,
                "topk_label": "SYNTHETIC (ess trace synth)" if args.topk_source == "synth" else "computed (random weights)",
-               "attention": s.attention, "hardware_profile": args.hardware, "complete": done, "rows": every,
+               "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "hardware_profile": args.hardware,
+               "complete": done, "rows": every,
                "errors": earlier_errors + errors, **summary(every, dataclasses.replace(s, contexts=contexts))}
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)

@@ -124,8 +124,9 @@ def pre_attn(w: AttentionWeights, cfg: ModelConfig, q_lora: torch.Tensor, pos: t
     """PreAttn: q_b_proj, the absorbed w_kc bmm and RoPE. Returns (q_nope_absorbed [N,H,512], q_pe [N,H,64])."""
     q = (q_lora @ w.q_b.T).view(-1, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-    q_nope_abs = torch.einsum("nhd,hdr->nhr", q_nope, w.w_kc)
-    return q_nope_abs, rope(q_pe, pos.unsqueeze(-1), rope_freqs(cfg, q_pe.device), interleaved=True)
+    # the products in the weights' dtype (bf16 weights: a server's speed), the results float32 as attention reads them
+    q_nope_abs = torch.einsum("nhd,hdr->nhr", q_nope, w.w_kc).float()
+    return q_nope_abs, rope(q_pe.float(), pos.unsqueeze(-1), rope_freqs(cfg, q_pe.device), interleaved=True)
 
 
 def kv_latent_rows(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -145,11 +146,11 @@ def index_key_rows(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, pos: 
 
 def index_query(w: AttentionWeights, cfg: ModelConfig, x: torch.Tensor, q_lora: torch.Tensor, pos: torch.Tensor):
     """Indexer queries [N, Hi, 128] (through FP8, as the real kernel sees them) and head weights [N, Hi]."""
-    q = (q_lora @ w.idx_wq_b.T).view(-1, cfg.index_heads, cfg.index_head_dim)
+    q = (q_lora @ w.idx_wq_b.T).float().view(-1, cfg.index_heads, cfg.index_head_dim)  # float32 past the product
     q_pe, q_nope = q.split([cfg.qk_rope_head_dim, cfg.index_head_dim - cfg.qk_rope_head_dim], dim=-1)
     q = torch.cat([rope(q_pe, pos.unsqueeze(-1), rope_freqs(cfg, q_pe.device), interleaved=False), q_nope], dim=-1)
     q = fp8_round_trip(hadamard(q))
-    weights = (x @ w.idx_weights_proj.T) * (cfg.index_heads**-0.5 * cfg.index_head_dim**-0.5)
+    weights = (x @ w.idx_weights_proj.T).float() * (cfg.index_heads**-0.5 * cfg.index_head_dim**-0.5)
     return q, weights
 
 

@@ -56,3 +56,30 @@ def test_the_summary_names_each_longer_context_and_the_hisparse_gain(monkeypatch
     assert out["gain_32k_max_batch"] == 108 / 40 and out["gain_128k_max_batch"] == 108 / 40
     assert out["gain_vs_hisparse_max_batch"] == 108 / 48 and out["hisparse_gain_over_baseline"] == 48 / 40
     assert out["ratio_small_batch"] == 0.9
+
+
+def test_a_bf16_stack_stays_lossless_and_a_failing_configuration_is_recorded(tmp_path, monkeypatch):
+    """--dtype bf16 (the GPU default since the H200's float32 run): every ESS mode still gives the baseline's outputs;
+    a configuration that raises is kept in decode.json's errors while the others run (one GPU lease is all there is)."""
+    sys.path.insert(0, str(ROOT / "benchmark"))
+    import decode_gpu
+
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--dtype", "bf16",
+                          "--modes", "baseline,none", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert doc["dtype"] == "bfloat16" and doc["complete"] and doc["errors"] == []
+    assert all(r["max_abs_diff_vs_baseline"] == 0.0 for r in doc["rows"] if r["mode"] == "none")
+    real = decode_gpu.measure
+
+    def measure(s, modes, batch, context, ratio, *rest):
+        if ratio == 0.6 and batch == 2:
+            raise RuntimeError("CUDA out of memory (planted)")
+        return real(s, modes, batch, context, ratio, *rest)
+
+    monkeypatch.setattr(decode_gpu, "measure", measure)
+    assert decode_gpu.main(["--smoke", "--modes", "baseline,none", "--out", str(tmp_path / "e")]) == 1
+    doc = json.loads((tmp_path / "e" / "decode.json").read_text())  # the smoke run: decode and a 2-row verify
+    assert [(e["ratio"], e["batch"], e["query_rows"]) for e in doc["errors"]] == [(0.6, 2, 1), (0.6, 2, 2)]
+    assert all("planted" in e["error"] for e in doc["errors"]) and doc["complete"]
+    assert {(r["batch"], r["query_rows"]) for r in doc["rows"] if r["mode"] == "none"} == {(1, 1), (3, 1), (1, 2), (3, 2)}
