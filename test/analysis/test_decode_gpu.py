@@ -61,9 +61,12 @@ def test_the_summary_names_each_longer_context_and_the_hisparse_gain(monkeypatch
 def test_a_bf16_stack_stays_lossless_and_a_failing_configuration_is_recorded(tmp_path, monkeypatch):
     """--dtype bf16 (the GPU default since the H200's float32 run): every ESS mode still gives the baseline's outputs;
     a configuration that raises is kept in decode.json's errors while the others run (one GPU lease is all there is)."""
-    sys.path.insert(0, str(ROOT / "benchmark"))
-    import decode_gpu
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("decode_gpu", ROOT / "benchmark" / "decode_gpu.py")
+    decode_gpu = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "decode_gpu", decode_gpu)  # its dataclasses look their module up there
+    spec.loader.exec_module(decode_gpu)
     run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--dtype", "bf16",
                           "--modes", "baseline,none", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
