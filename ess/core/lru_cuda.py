@@ -25,7 +25,7 @@ import tempfile
 import torch
 
 from ess.core import settings
-from ess.core.policy import PolicyResult, check_capacity
+from ess.core.policy import PolicyResult, check_capacity, check_step_tables
 
 SOURCE = pathlib.Path(__file__).resolve().parents[2] / "sgl-kernel" / "csrc" / "lru_step.cu"
 ARGS = 26  # the launcher's argument words (lru_step.cu, ess_lru::ARGS)
@@ -142,9 +142,7 @@ def lru_update_cuda(
     C = slot_pos.shape[1] - 1
     P = pos_slot.shape[1] - 1
     check_capacity(C, K, M)
-    for name, t in (("slot_pos", slot_pos), ("slot_stamp", slot_stamp), ("pos_slot", pos_slot)):
-        if t.dtype != torch.int32 or not t.is_contiguous():
-            raise ValueError(f"CUDA LRU step: {name} must be a contiguous int32 table")
+    check_step_tables("CUDA LRU step", slot_pos, slot_stamp, pos_slot, token_table)
     dev = sets.device
     target = target_of(dev)
     lib = library(target)
@@ -160,9 +158,6 @@ def lru_update_cuda(
     sets = sets.to(torch.int32).contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
     out = PolicyResult.empty(B, K, M, dev)
-    if token_table is not None:
-        if token_table.dtype != torch.int32 or token_table.stride(1) != 1:
-            raise ValueError("CUDA LRU step: token_table must be int32 with contiguous rows")
     if num_rows is not None and (num_rows.dtype != torch.int32 or num_rows.numel() != 1):
         raise ValueError("CUDA LRU step: num_rows must be a one-element int32 tensor")
     if profile is not None and (profile.dtype != torch.int64 or tuple(profile.shape) != (B, 8) or not profile.is_contiguous()):

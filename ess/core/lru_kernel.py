@@ -25,7 +25,7 @@ import functools
 import torch
 
 from ess.core.flashtrans import INTERPRETER_OK, triton
-from ess.core.policy import STAMP_MOD, PolicyResult, check_capacity
+from ess.core.policy import STAMP_MOD, PolicyResult, check_capacity, check_step_tables
 
 REGISTER_SLOTS = 8192  # up to this many slots a program keeps the victim keys in registers; beyond, it re-reads them
 NUM_WARPS = 16  # per program (one batch row): within 5% of 8 on an H100, with half the registers (docs/gpu.md)
@@ -292,9 +292,7 @@ def lru_update_fused(
     C = slot_pos.shape[1] - 1
     P = pos_slot.shape[1] - 1
     check_capacity(C, K, M)
-    for name, t in (("slot_pos", slot_pos), ("slot_stamp", slot_stamp), ("pos_slot", pos_slot)):
-        if t.dtype != torch.int32 or not t.is_contiguous():
-            raise ValueError(f"fused LRU step: {name} must be a contiguous int32 table")
+    check_step_tables("fused LRU step", slot_pos, slot_stamp, pos_slot, token_table)
     dev = sets.device
     if not isinstance(stamp, torch.Tensor):
         stamp = torch.tensor(stamp, dtype=torch.int64, device=dev)
@@ -303,8 +301,6 @@ def lru_update_fused(
         token_table, tt_stride = torch.full((1, 1), -1, dtype=torch.int32, device=dev), 0
     else:
         tt_stride = token_table.stride(0)
-        if token_table.stride(1) != 1:
-            raise ValueError("fused LRU step: token_table rows must be contiguous")
     out = PolicyResult.empty(B, K, M, dev)
     if B == 0:
         return out

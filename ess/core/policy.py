@@ -56,6 +56,18 @@ def check_capacity(capacity: int, set_size: int, own_tokens: int) -> None:
         )
 
 
+def check_step_tables(kernel: str, slot_pos: torch.Tensor, slot_stamp: torch.Tensor, pos_slot: torch.Tensor,
+                      token_table: torch.Tensor | None) -> None:
+    """The LRU kernels' shared checks: contiguous int32 tables, and a token table as SGLang's req_to_token is (int32,
+    contiguous rows; an int64 one failed every step of the CUDA kernel on an H200, docs/gpu.md)."""
+    for name, t in (("slot_pos", slot_pos), ("slot_stamp", slot_stamp), ("pos_slot", pos_slot)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{kernel}: {name} must be a contiguous int32 table")
+    if token_table is not None and (token_table.dtype != torch.int32 or token_table.stride(1) != 1):
+        raise ValueError(f"{kernel}: token_table must be int32 with contiguous rows (SGLang's req_to_token), "
+                         f"got {token_table.dtype} with strides {tuple(token_table.stride())}")
+
+
 def lru_update(
     slot_pos: torch.Tensor,
     slot_stamp: torch.Tensor,

@@ -232,7 +232,7 @@ def test_serving_step_moves_the_same_rows_with_either_kernel(with_table, device)
     g = torch.Generator().manual_seed(0)
     host = torch.randint(0, 256, (1, R * (ctx + steps) + 1, 656), dtype=torch.uint8, generator=g)
     host = host.pin_memory() if device == "cuda" else host  # FlashTrans reads it through UVA
-    table = torch.arange(R * (ctx + steps), device=device).view(R, -1)
+    table = torch.arange(R * (ctx + steps), dtype=torch.int32, device=device).view(R, -1)  # as req_to_token
     caches = [ServingLatentCache(1, R, C, ctx + steps, host, device, kernel=k) for k in ("torch", "fused")]
     req = torch.arange(R, device=device)
     rng = random.Random(0)

@@ -160,3 +160,19 @@ def test_one_compaction_warmup_equals_window_by_window_lru(seed):
         assert state(got) == state(ref), (seed, i)
         new_positions = {int(got.slot_pos[0, i, j]) for j in range(C) if took[b, j]}
         assert new_positions == got.resident(0, i) - before[i]
+
+
+def test_the_kernels_refuse_tables_they_cannot_read_naming_them():
+    """Both LRU kernels share these checks: an int64 token table (the reference cache's, once) is refused by name
+    instead of failing inside a launch."""
+    from ess.core.policy import check_step_tables
+
+    t = torch.zeros(2, 5, dtype=torch.int32)
+    check_step_tables("k", t, t, t, torch.zeros(2, 9, dtype=torch.int32))
+    check_step_tables("k", t, t, t, None)
+    with pytest.raises(ValueError, match="k: token_table must be int32 with contiguous rows.*torch.int64"):
+        check_step_tables("k", t, t, t, torch.zeros(2, 9, dtype=torch.int64))
+    with pytest.raises(ValueError, match="token_table must be int32 with contiguous rows"):
+        check_step_tables("k", t, t, t, torch.zeros(9, 2, dtype=torch.int32).T)
+    with pytest.raises(ValueError, match="k: slot_stamp must be a contiguous int32 table"):
+        check_step_tables("k", t, t.long(), t, None)
