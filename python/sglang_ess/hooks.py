@@ -265,7 +265,7 @@ def around_flash_mla(original, *a, **kw):
     """FlashMLA's decode call: in a split DA step, it is Attn0 (the backend passed the top-k with the misses set to
     -1), and the runtime adds Attn1 over the misses and the merge (EssRuntime.split_attention)."""
     rt = state.runtime
-    if rt is None or rt._split is None:
+    if rt is None or not rt.split_pending:
         return original(*a, **kw)
     args = dict(zip(FLASH_MLA_PARAMS, a)) | kw
     return rt.split_attention(lambda: original(*a, **kw), args["q"], args.get("softmax_scale"))

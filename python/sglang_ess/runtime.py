@@ -268,14 +268,18 @@ class EssRuntime:
                 self.streams.wait(fetched)
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
 
+    @property
+    def split_pending(self) -> bool:
+        """A DA split step waits for its FlashMLA call (sglang_ess.hooks then routes that call to split_attention)."""
+        return self._split is not None
+
     def split_attention(self, attn0, q: torch.Tensor, scale: float | None):
-        """The FlashMLA call of a split DA step (sglang_ess.hooks wraps FlashMLA's interface): attn0() makes the
-        backend's own call, over the top-k with the misses set to -1, q [B, 1, H, 576] its query (heads padded as the
-        backend pads them). Returns FlashMLA's (o [B, 1, H, 512] in o's dtype, lse [B, H, 1]; +inf for a row
-        without entries) of the merged attention over every entry; None when no split is pending (the call is
-        FlashMLA's alone)."""
+        """The FlashMLA call of a split DA step (sglang_ess.hooks wraps FlashMLA's interface, when split_pending):
+        attn0() makes the backend's own call, over the top-k with the misses set to -1, q [B, 1, H, 576] its query
+        (heads padded as the backend pads them). Returns FlashMLA's (o [B, 1, H, 512] in o's dtype, lse [B, H, 1];
+        +inf for a row without entries) of the merged attention over every entry."""
         if self._split is None:
-            return None
+            raise RuntimeError("ESS DA split: no split pending (the FlashMLA hook checks split_pending first)")
         layer, req, r, fetched = self._split
         self._split = None
         B = r.n_miss.shape[0]

@@ -219,7 +219,7 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
                 events.append("attention")
                 got = ess.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
             assert events == DA_EVENTS[attn1], events  # DA: the H2D started at the indexer (fused: at the attention)
-            assert not rt._pending and rt._split is None  # the attention call took the step the indexer started
+            assert not rt._pending and not rt.split_pending  # the attention call took the step the indexer started
             with forward_context(ForwardContext(attn_backend=stock)):
                 # the stock backend maps the same positions to token locations through its own page table
                 want = stock.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
