@@ -34,8 +34,10 @@ def model_dir(tmp_path, name="dsv32", **changes):
 
 ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess-host-pool-gib", "--ess-overlap",
              "--ess-layer-plan", "--ess-da-attn1", "--ess-warmup-windows", "--ess-record-trace", "--ess-record-lookahead", "--ess-disk-dir",
-             "--ess-disk-gib"]
+             "--ess-disk-gib", "--ess-progressive-pd"]
 NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+PROGRESSIVE = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-progressive-pd",
+               "--disaggregation-mode", "decode", *NO_GRAPHS]
 DISK = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-host-pool-gib", "8",
         "--ess-disk-dir", "DISK"]
 
@@ -192,6 +194,21 @@ BAD = [
     ("host-receive", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                           "--disaggregation-decode-host-receive-threshold", "0.5"],
      "--disaggregation-decode-host-receive-threshold below 1 yet"),
+    # progressive PD (docs/plugin.md, "Progressive PD transfer")
+    ("progressive-without-ess", {}, ["--ess-progressive-pd", "--disaggregation-mode", "decode"],
+     "--ess-progressive-pd given without --enable-ess"),
+    ("progressive-prefill-node", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-progressive-pd",
+                                      "--disaggregation-mode", "prefill"],
+     "--ess-progressive-pd .*not a prefill node \\(--disaggregation-mode prefill\\)"),
+    ("progressive-colocated", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                                   "--ess-progressive-pd", *NO_GRAPHS],
+     "--ess-progressive-pd .*not a co-located node \\(--disaggregation-mode null\\)"),
+    ("progressive-unordered-backend", {}, [*PROGRESSIVE, "--disaggregation-transfer-backend", "mori"],
+     "--ess-progressive-pd needs a transfer backend .*\\(mooncake, nixl\\); --disaggregation-transfer-backend mori "
+     "cannot order its sends"),
+    ("progressive-fake-backend", {}, [*PROGRESSIVE, "--disaggregation-transfer-backend", "fake"],
+     "--disaggregation-transfer-backend fake cannot order its sends"),
+    ("progressive-graphs", {}, PROGRESSIVE[:-4], "--ess-progressive-pd waits on the host .*add --cuda-graph-backend-decode disabled"),
     # the disk tier (docs/plugin.md, "Disk tier")
     ("disk-gib-alone", {}, ["--enable-ess", "--ess-disk-gib", "10"], "--ess-disk-gib bounds the disk tier: give --ess-disk-dir"),
     ("disk-gib-zero", {}, [*DISK, "--ess-disk-gib", "0"], "--ess-disk-gib must be positive, got 0.0"),
@@ -246,6 +263,18 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
     flags = [places.get(f, f) for f in flags]
     with pytest.raises(EssArgsError, match=message):
         resolve(base(tmp_path, *flags, **model))
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_a_progressive_decode_launch_resolves(plugin, hopper, tmp_path, backend):
+    """--ess-progressive-pd on a PD decode node over an ordered backend: the flag reaches every process's record."""
+    from sglang_ess.args import ess_args
+    from sglang_ess.validate import validate_server_args
+
+    sa = resolve(base(tmp_path, *PROGRESSIVE, "--disaggregation-transfer-backend", backend))
+    assert ess_args(pickle.loads(pickle.dumps(sa))).progressive_pd is True
+    assert validate_server_args(sa).role == "pd-decode"
+    assert ess_args(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).progressive_pd is False  # off by default
 
 
 def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):
