@@ -83,6 +83,11 @@ class LandingTracker:
         t = self._open[row]
         return self.landed[t, :, : -(-int(self.length[t]) // self.page)].clone()
 
+    def complete_base(self, row: int) -> bool:
+        """Phase 1 of `row` landed (host read: between forwards)."""
+        t = self._open.get(row)
+        return t is None or bool(self.base[t])
+
     def complete(self, row: int) -> bool:
         """Every page of `row`'s prompt landed in every layer, and phase 1 (host read: between forwards)."""
         t = self._open.get(row)
