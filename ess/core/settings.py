@@ -31,6 +31,10 @@ DISK_PAGE_BYTES = 45056  # a disk tier's page: one layer's PAGE_TOKENS latent ro
 # I/O (ess.reference.disk_tier; the simulator's disk term)
 TIER_PLACEMENTS = ("frequency", "lru")  # which page a full disk tier's host frames give up (docs/design.md, "Disk tier")
 TIER_HEAT_HALF_LIFE_STEPS = 8  # placement "frequency": a page's access count halves every 8 decode steps
+# Progressive PD (docs/plugin.md, "Progressive PD transfer"): at most this many requests per decode rank decode before
+# all their latent rows have landed (each holds a landed bitmap of layers x context bytes on the device, 1/656 of the
+# rows it tracks); more wait for their whole transfer, as without the flag.
+PROGRESSIVE_REQUESTS = 16
 HOST_PINNABLE_FRACTION = 0.8  # of a machine's memory, ESS's host pools may pin at most this share (the OS, the
 # serving processes and the page cache keep the rest)
 KERNELS = ("auto", "cuda", "fused", "torch")  # the LRU step: ess.core.lru_cuda's CUDA kernel (sgl-kernel/), ess.core.lru_kernel's

@@ -37,6 +37,7 @@ class EssArgs:
     record_lookahead: int = 0  # with record_trace: ranks past the top-k recorded as topk_ext
     disk_dir: str | None = None  # a disk tier under the host pool (ess.core.disk_tier); host_pool_gib is then its frames
     disk_gib: float | None = None  # the disk tier's budget (default: the directory's free space)
+    progressive_pd: bool = False  # a PD decode node starts a request before its latent rows have all landed
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
 
     # flag name of each field, for messages
@@ -53,6 +54,7 @@ class EssArgs:
         "record_lookahead": "--ess-record-lookahead",
         "disk_dir": "--ess-disk-dir",
         "disk_gib": "--ess-disk-gib",
+        "progressive_pd": "--ess-progressive-pd",
     }
 
     def check(self) -> "EssArgs":
@@ -124,6 +126,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ess-da-attn1", choices=DA_ATTN1_KINDS, default=PLUGIN_DA_ATTN1, help=f"DA / DBA decode attention: calls (one FlashMLA call over every entry after the misses' copy; default), miss (FlashMLA over the hits, ESS's kernel over the misses, merged by log-sum-exp), fused (as miss, the misses' copy and attention in one kernel). Not yet timed on a GPU.")
     g.add_argument("--ess-warmup-windows", type=int, default=WARMUP_WINDOWS, help="LRU-Warmup: replay the top-k sets of the last W prefill positions before decode (0: off).")
     g.add_argument("--ess-record-trace", type=str, default=None, help="Directory to write top-k trace files (.npz, the `ess profile` input) of finished requests.")
+    g.add_argument("--ess-progressive-pd", action="store_true", help="PD decode node: a request joins decode once its index-K, warm-up state and warm-up rows have landed, while its other latent rows stream; a step that needs a row not landed yet waits for it (tokens equal a full transfer's). Needs --disaggregation-mode decode and a transfer backend that sends in order (mooncake, nixl).")
     g.add_argument("--ess-record-lookahead", type=int, default=0, help="With --ess-record-trace: also record the D positions the indexer ranks after each decode top-k (topk_ext, for `ess cache replay --policy prefetch`); one extra top-k over the logits per layer.")
 
 

@@ -12,7 +12,9 @@ import sys
 import torch
 
 from sglang_ess import args as ess_args_mod
-from sglang_ess import cpu, pd_warmup, sizing
+from sglang_ess import cpu, pd_warmup, progressive, sizing
+from ess.core.landing import LandingTracker
+from ess.core.settings import PROGRESSIVE_REQUESTS
 from sglang_ess.args import EssArgs
 from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
@@ -146,6 +148,10 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     model_runner.ess_runtime = state.runtime
     if facts.role == "pd-decode" and ess.warmup_windows:
         state.wire = (facts.layers, facts.topk)
+    if ess.progressive_pd:  # validate: a PD decode node's flag only
+        state.runtime.progressive = progressive.ProgressiveDecode(LandingTracker(
+            facts.layers, facts.context, PROGRESSIVE_REQUESTS, model_runner.req_to_token_pool.req_to_token.shape[0],
+            model_runner.device, page=pool.page_size))
     logger.info("ESS runtime: %s", state.runtime.stats())
 
 
@@ -373,6 +379,8 @@ def reset_on_admit(req_pool, rt: EssRuntime) -> None:
 def before_release_kv_cache(req, *a, **kw):
     rt = state.runtime
     idx = request_slot(req)
+    if rt is not None and idx is not None and rt.progressive is not None:
+        rt.progressive.release(int(idx))  # its transfer stops before SGLang frees the rows it writes
     if rt is not None and idx is not None:
         path = rt.release(int(idx), str(getattr(req, "rid", "")))
         if path:
@@ -471,6 +479,21 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
     state.runtime.admit_transferred(int(request_slot(req)), entries)
 
 
+def around_pop_transferred(original, queue, *a, **kw):
+    """Decode node, --ess-progressive-pd: requests whose phases 1 and 2 have landed pass SGLang's poll as
+    transferred (sglang_ess.progressive); SGLang's own commit then admits them, the rest of their rows streaming."""
+    rt = state.runtime
+    prog = rt.progressive if rt is not None else None
+    if prog is None:
+        return original(queue, *a, **kw)
+    prog.pump()
+    swapped = prog.before_pop(queue, request_slot)
+    try:
+        return original(queue, *a, **kw)
+    finally:
+        prog.after_pop(queue, swapped, request_slot)
+
+
 # -- PD transfer engines: ESS's latent layers are pinned host memory ------------------------------------------------
 def host_memory_kinds(ptrs: list[int], kinds: list[str], host: torch.Tensor) -> list[str]:
     """NIXL memory kinds of KV buffers: DRAM for the ones inside ESS's host pool, the others as given."""
@@ -522,6 +545,7 @@ def _hook_table():
         (f"{METADATA_BUFFERS}.get_buf_infos", HookType.AFTER, after_get_buf_infos),
         (f"{METADATA_BUFFERS}.set_buf", HookType.AFTER, after_set_buf),
         (f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req", HookType.AFTER, after_commit_transfer),
+        (f"{DECODE_TRANSFER_QUEUE}.pop_transferred", HookType.AROUND, around_pop_transferred),
         (f"{NIXL_MANAGER}.__init__", HookType.BEFORE, before_nixl_manager),
         (f"{MOONCAKE_ENGINE}.batch_register", HookType.AFTER, after_mooncake_register),
     ]
@@ -552,6 +576,7 @@ EXPECTED_PARAMS = {
     f"{METADATA_BUFFERS}.get_buf_infos": ["self"],
     f"{METADATA_BUFFERS}.set_buf": ["self", "req"],
     f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req": ["self", "decode_req"],
+    f"{DECODE_TRANSFER_QUEUE}.pop_transferred": ["self", "rids_to_check"],
     f"{NIXL_MANAGER}.__init__": ["self", "args"],
     f"{MOONCAKE_ENGINE}.batch_register": ["self", "ptrs", "lengths"],
 }

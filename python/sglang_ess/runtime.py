@@ -114,6 +114,7 @@ class EssRuntime:
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
         self.released = 0  # requests let go (finished or aborted), a host count
+        self.progressive = None  # a PD decode node's --ess-progressive-pd (sglang_ess.progressive.ProgressiveDecode)
         # Request rows to reset and PD warm-up states to load, from the scheduler (its request lifecycle), applied at
         # the start of the next forward (`apply_admissions`), in the forward's stream order: a forward still in flight
         # under SGLang's overlap scheduler may hold a finished request's row, and its LRU step would otherwise write
@@ -159,6 +160,8 @@ class EssRuntime:
         # its issue 32771) would translate to another token's slot or index past the tables: mask them (device op).
         newest = own if own.dim() == 1 else own.max(dim=1).values
         sets = torch.where(sets > newest.unsqueeze(1), -1, sets)
+        if self.progressive is not None:  # --ess-progressive-pd: the rows this step reads have landed (a host wait)
+            self.progressive.wait(layer, req, sets)
         if self.cache.tier is not None:
             self._page_in(layer, req, sets, own)
         if serial:

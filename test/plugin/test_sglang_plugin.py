@@ -34,8 +34,10 @@ def model_dir(tmp_path, name="dsv32", **changes):
 
 ALL_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "--ess-sparse-ratio", "--ess-host-pool-gib", "--ess-overlap",
              "--ess-layer-plan", "--ess-da-attn1", "--ess-warmup-windows", "--ess-record-trace", "--ess-record-lookahead", "--ess-disk-dir",
-             "--ess-disk-gib"]
+             "--ess-disk-gib", "--ess-progressive-pd"]
 NO_GRAPHS = ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+PROGRESSIVE = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-progressive-pd",
+               "--disaggregation-mode", "decode", *NO_GRAPHS]
 DISK = ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-host-pool-gib", "8",
         "--ess-disk-dir", "DISK"]
 
@@ -192,6 +194,20 @@ BAD = [
     ("host-receive", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                           "--disaggregation-decode-host-receive-threshold", "0.5"],
      "--disaggregation-decode-host-receive-threshold below 1 yet"),
+    # progressive PD (docs/plugin.md, "Progressive PD transfer")
+    ("progressive-without-ess", {}, ["--ess-progressive-pd", "--disaggregation-mode", "decode"],
+     "--ess-progressive-pd given without --enable-ess"),
+    ("progressive-prefill-node", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-progressive-pd",
+                                      "--disaggregation-mode", "prefill"],
+     "--ess-progressive-pd .*not a prefill node \\(--disaggregation-mode prefill\\)"),
+    ("progressive-colocated", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                                   "--ess-progressive-pd", *NO_GRAPHS],
+     "--ess-progressive-pd .*not a co-located node \\(--disaggregation-mode null\\)"),
+    # no backend of SGLang 0.5.23 reports a request's chunks as they land: the flag is refused over each, naming why
+    *[(f"progressive-{b}", {}, [*PROGRESSIVE, "--disaggregation-transfer-backend", b],
+       f"--ess-progressive-pd needs a transfer backend that reports a request's KV chunk by chunk as it lands; "
+       f"--disaggregation-transfer-backend {b} does not") for b in ("mooncake", "nixl", "mori", "fake")],
+    ("progressive-graphs", {}, PROGRESSIVE[:-4], "--ess-progressive-pd waits on the host .*add --cuda-graph-backend-decode disabled"),
     # the disk tier (docs/plugin.md, "Disk tier")
     ("disk-gib-alone", {}, ["--enable-ess", "--ess-disk-gib", "10"], "--ess-disk-gib bounds the disk tier: give --ess-disk-dir"),
     ("disk-gib-zero", {}, [*DISK, "--ess-disk-gib", "0"], "--ess-disk-gib must be positive, got 0.0"),
@@ -246,6 +262,14 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
     flags = [places.get(f, f) for f in flags]
     with pytest.raises(EssArgsError, match=message):
         resolve(base(tmp_path, *flags, **model))
+
+
+def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
+    """Without --ess-progressive-pd a PD decode node's record says so (the flag itself is refused over every backend
+    of SGLang 0.5.23: above)."""
+    from sglang_ess.args import ess_args
+
+    assert ess_args(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).progressive_pd is False
 
 
 def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):

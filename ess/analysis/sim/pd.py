@@ -1,4 +1,5 @@
-"""Progressive PD transfer (issue 36), SIMULATED ONLY: the plugin does not send progressively yet.
+"""Progressive PD transfer (issue 36), simulated: the plugin's decode side exists (docs/plugin.md, "Progressive PD
+transfer"), the prefill node's ordered sends through Mooncake / NIXL are not built yet.
 
 A decode node today waits for a request's whole cache before its first step. Progressive transfer sends, in order,
 (1) every token's index-K rows and the LRU-Warmup state, (2) the latent rows of the warm-up set, (3) the other

@@ -1,0 +1,150 @@
+"""Progressive PD transfer on a decode node (--ess-progressive-pd; docs/plugin.md, "Progressive PD transfer").
+
+A request joins decode once its phase 1 (index-K rows, warm-up state and SGLang's metadata) and phase 2 (the warm-up
+set's latent pages) have landed, while phase 3 streams on; a step that needs a row not landed yet waits for it
+(`wait`, called by the runtime before each layer's LRU step). What has landed is `ess.core.landing.LandingTracker`'s.
+
+A receiver takes part when it reports its progress: `ess_progress()` returns the events since the last call,
+("phase1",), ("pages", page indices [n], layers [m] or None) and ("phase2",). SGLang 0.5.23's Mooncake and NIXL
+receivers report nothing of the kind (their poll says Success after the last chunk's metadata), so over them a
+request joins after its whole transfer, as without the flag; the loopback engine of the tests reports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from ess.core.landing import LandingTracker
+
+logger = logging.getLogger("sglang_ess")
+
+POLL_S = 0.0005  # between two polls of the receivers while a step waits for a row (host wait)
+
+
+class JoinEarly:
+    """Stands for a receiver in one `DecodeTransferQueue.pop_transferred` call: its poll says Success (phases 1 and
+    2 landed), and SGLang's commit, which clears the receiver of a finished transfer, leaves the real one streaming."""
+
+    def __init__(self, receiver):
+        self.receiver = receiver
+        self.committed = False
+
+    def poll(self):
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        state = self.receiver.poll()
+        return KVPoll.Success if state != KVPoll.Failed else state
+
+    def poll_pp_consensus(self):  # what SGLang's poll_and_all_reduce asks each receiver
+        return self.poll()
+
+    def clear(self) -> None:
+        self.committed = True  # the transfer goes on: ProgressiveDecode clears the receiver when it has landed
+
+    def __getattr__(self, name):
+        return getattr(self.receiver, name)
+
+
+@dataclasses.dataclass
+class Stream:
+    req: object  # SGLang's Req, decoding
+    receiver: object  # its transfer, phase 3 still landing
+
+
+class ProgressiveDecode:
+    def __init__(self, tracker: LandingTracker):
+        self.tracker = tracker
+        self.streams: dict[int, Stream] = {}  # request row -> a joined request whose transfer goes on
+        self.warm_done: set[int] = set()  # request rows whose phase 2 landed
+        self.waits = 0  # steps that waited for a row (a counter for the readout and the tests)
+
+    # -- the transfer queue ----------------------------------------------------------------------------------------
+    def _drain(self, row: int, receiver) -> None:
+        for event in receiver.ess_progress():
+            if event[0] == "phase1":
+                self.tracker.mark_base(row)
+            elif event[0] == "pages":
+                self.tracker.mark_landed(row, event[1], event[2])
+            elif event[0] == "phase2":
+                self.warm_done.add(row)
+
+    def before_pop(self, queue, request_slot) -> list:
+        """Before SGLang polls its transfer queue: the progress of each progressive receiver into the tracker, and a
+        JoinEarly in place of each whose phases 1 and 2 have landed. Returns [(decode request, JoinEarly or None)] of
+        the tracked requests."""
+        swapped = []
+        for dr in queue.queue:
+            receiver, row = dr.kv_receiver, request_slot(dr.req)
+            if receiver is None or row is None or not hasattr(receiver, "ess_progress"):
+                continue
+            if not self.tracker.tracked(row) and not self.tracker.open(row, len(dr.req.origin_input_ids)):
+                continue  # every tracker slot taken: this one waits for its whole transfer
+            self._drain(row, receiver)
+            proxy = None
+            if row in self.warm_done and self.tracker.complete_base(row):
+                dr.kv_receiver = proxy = JoinEarly(receiver)
+            swapped.append((dr, proxy))
+        return swapped
+
+    def after_pop(self, queue, swapped: list, request_slot) -> None:
+        """After SGLang's poll: a request committed early decodes on while its receiver streams; one still queued gets
+        its receiver back; one that left the queue otherwise (its whole transfer landed, or it failed and SGLang
+        released it) is no longer tracked."""
+        queued = {id(dr) for dr in queue.queue}
+        for dr, proxy in swapped:
+            row = request_slot(dr.req)
+            if proxy is not None and proxy.committed and dr.req.finished_reason is None:
+                self.streams[row] = Stream(dr.req, proxy.receiver)
+            elif id(dr) in queued:
+                if proxy is not None:
+                    dr.kv_receiver = proxy.receiver
+            elif row is not None and row not in self.streams:
+                self.tracker.close(row)
+                self.warm_done.discard(row)
+
+    # -- while requests decode -------------------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Between forwards and while a step waits: landings into the tracker; a transfer that landed whole lets its
+        request go untracked; a failed one aborts its request (its rows free on release, as SGLang frees them)."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        for row, s in list(self.streams.items()):
+            self._drain(row, s.receiver)
+            state = s.receiver.poll()
+            if state == KVPoll.Failed:
+                logger.error("ESS progressive PD: the transfer of request %s failed after it joined decode", s.req.rid)
+                s.req.to_finish = FINISH_ABORT("KV transfer failed after the request started decoding")
+                self._drop(row, abort=False)
+            elif state == KVPoll.Success and self.tracker.complete(row):
+                self._drop(row, abort=False)
+
+    def _drop(self, row: int, abort: bool) -> None:
+        s = self.streams.pop(row, None)
+        if s is not None:
+            if abort:
+                s.receiver.abort()  # no write may land in rows about to be handed to another request
+            s.receiver.clear()
+        self.tracker.close(row)
+        self.warm_done.discard(row)
+
+    def release(self, row: int) -> None:
+        """The request's KV is released (finish or abort): its transfer stops, its tracker slot frees."""
+        self._drop(row, abort=True)
+
+    def wait(self, layer: int, req: torch.Tensor, sets: torch.Tensor) -> None:
+        """Before a layer's LRU step of rows `req` selecting positions `sets` [B, X]: until every selected row has
+        landed. A resident row has landed (warm-up loads phase 2, a miss loads after this wait), so asking for the
+        whole set asks exactly for the misses' rows. Host wait: nothing to do while no request is tracked."""
+        if not self.tracker.open_rows():
+            return
+        waited = False
+        while not bool(self.tracker.ready(req, sets, layer).all()):
+            waited = True
+            self.pump()
+            time.sleep(POLL_S)
+        self.waits += waited
