@@ -50,7 +50,7 @@ from ess.analysis.sim.paper import EP, HARDWARE as PAPER_HARDWARE
 from ess.analysis.sim.specs import get_hardware, get_model
 from ess.analysis.synth import SynthOptions, synth_trace
 from ess.analysis.timing import graph_us, median_us
-from ess.core import layout
+from ess.core import flashtrans, layout
 from ess.core.memory import cache_bytes
 from ess.core.settings import PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
 from ess.reference import attention as A
@@ -296,8 +296,9 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
                      "misses": sum(per_layer) / len(per_layer), "modes": list(stack.modes) or None, "diff": diff}
     restore()
     parts = part_times(stack, t, timer, restore)
+    probe = parts.pop("h2d_probe", None) if parts else None
     for m in out.values():
-        m["parts_ms"] = parts
+        m["parts_ms"], m["h2d_probe"] = parts, probe
     return {"hisparse": out["none"]} if hisparse else out
 
 
@@ -332,12 +333,35 @@ def part_times(stack: Stack, t: int, timer, restore=lambda: None) -> dict | None
     restore()
     r = cache.update(li, sel, pos)  # the step's result, for the parts that read it
     out["h2d"] = ms(lambda: cache.fetch(li, r))
+    out["h2d_probe"] = h2d_probe(cache, li, r, out["h2d"], ms)
     cache.store_own(li, r, own)
     out["d2h"] = ms(lambda: cache.streams.wait(cache.backup_own(li, r, pos)))
     pool = cache.serving.gpu[li]
     out["flashmla"] = ms(lambda: sparse_decode(q_nope, q_pe, pool, r.attn_slot, cfg.softmax_scale, s.attention))
     restore()
     return out
+
+
+PROBE_ROWS = 409_600  # the small host buffer of the H2D probe: 256 MiB of rows, about the kit's FlashTrans buffer
+
+
+def h2d_probe(cache, li: int, r, h2d_ms: float, ms) -> dict:
+    """Layer 0's misses' H2D (h2d_ms) against the same lists over a small pinned buffer (their rows modulo
+    PROBE_ROWS): on the H200 the stack's H2D ran at 17.8 GB/s where the kit's FlashTrans moves 46-48 (docs/gpu.md);
+    this separates the host pool's size and spread from the lists' shape. Reads the miss count (a sync, untimed)."""
+    sc = cache.serving
+    rows = sc.miss_rows(li, cache.slots, cache.token_table, r)
+    moved = int(r.n_miss.sum())
+    small = torch.zeros(min(PROBE_ROWS, sc.host[li].shape[0]), layout.LATENT_ROW_BYTES, dtype=torch.uint8)
+    small = small.pin_memory() if rows.is_cuda else small
+    small_rows = torch.where(rows >= 0, rows % small.shape[0], rows)
+    small_ms = ms(lambda: flashtrans.gather_lists(small, small_rows, sc.gpu[li], r.miss_slot, r.n_miss, sc.backend))
+
+    def gbps(t: float):
+        return round(moved * layout.LATENT_ROW_BYTES / (t * 1e-3) / 1e9, 2) if t > 0 else None
+
+    return {"rows": moved, "gbps": gbps(h2d_ms), "small_buffer_ms": small_ms, "small_buffer_gbps": gbps(small_ms),
+            "host_pool_gib": round(sc.host[li].numel() / 2**30, 4)}
 
 
 def hisparse_slots(s: Setup) -> int:
@@ -441,6 +465,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                     row["buffer_tokens"] = hisparse_slots(s)
                 if m.get("parts_ms") is not None:  # layer 0, part by part, beside the modelled rest of a layer
                     row["parts_ms"] = m["parts_ms"] | {"modelled_rest": round(rest_ms, 4)}
+                if m.get("h2d_probe") is not None:
+                    row["h2d_probe"] = m["h2d_probe"]
                 if m.get("diff") is not None:
                     row["max_abs_diff_vs_baseline"] = m["diff"]
                 if m.get("modes"):

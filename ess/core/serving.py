@@ -166,7 +166,7 @@ class ServingLatentCache:
         """The LRU step (token_table: the fused kernel also reads each miss's host row from it)."""
         return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
 
-    def _miss_rows(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> torch.Tensor:
+    def miss_rows(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> torch.Tensor:
         """Each miss's host row [B, K] (the sink row where padded)."""
         if r.miss_row is None:
             return self.host_rows(layer, token_table, req, r.miss_pos)
@@ -175,7 +175,7 @@ class ServingLatentCache:
     def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult, overlapped: bool = False) -> None:
         """H2D of the misses into their GPU slots (FlashTrans over the compacted miss lists, current stream;
         overlapped: on the copy stream, beside compute)."""
-        rows = self._miss_rows(layer, req, token_table, r)
+        rows = self.miss_rows(layer, req, token_table, r)
         flashtrans.gather_lists(self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss, self.backend, overlapped)
 
     # -- DA's Attn1 over the misses only (ess.core.miss_attention; one query row per request) -------------------------
@@ -188,7 +188,7 @@ class ServingLatentCache:
                      q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float):
         """`fetch` and `attend_misses` in one kernel (miss_attention.copy_attend): each missing row read from the host
         pool once, stored in its GPU slot and attended as it lands."""
-        rows = self._miss_rows(layer, req, token_table, r)
+        rows = self.miss_rows(layer, req, token_table, r)
         return miss_attention.copy_attend(q_nope, q_pe, self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss,
                                           scale, self.backend)
 

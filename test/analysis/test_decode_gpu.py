@@ -32,6 +32,9 @@ def test_decode_gpu_smoke_run(tmp_path):
         if r["query_rows"] == 1:
             want = common if r["mode"] == "baseline" else common | {"lru_step", "h2d", "d2h"}
             assert set(r["parts_ms"]) == want and all(v >= 0 for v in r["parts_ms"].values()), r
+            if r["mode"] != "baseline":  # the misses' H2D beside the same lists over a small buffer
+                p = r["h2d_probe"]
+                assert p["rows"] >= 0 and p["small_buffer_ms"] >= 0 and p["host_pool_gib"] > 0, p
     # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
     for r in ess:
         assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r
