@@ -46,6 +46,7 @@ import torch
 
 from ess.analysis.sim import cost
 from ess.analysis.sim.engine import load_calibration, plan_modes
+from ess.analysis.sim.measured import MeasuredError, load_measured
 from ess.analysis.sim.paper import EP, HARDWARE as PAPER_HARDWARE
 from ess.analysis.sim.specs import get_hardware, get_model
 from ess.analysis.synth import SynthOptions, synth_trace
@@ -390,10 +391,11 @@ def requests_in(budget: float, per_request: int, cap: int | None) -> int:
 
 
 def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, accept: float = 1.7,
-        checkpoint=lambda rows, errors: None) -> dict:
+        checkpoint=lambda rows, errors: None, measured=None) -> dict:
     """Every configuration's rows and the summary. A configuration that raises is recorded in "errors" (with its
     message) and the rest still run: one lent GPU session is all there is. checkpoint(rows, errors) runs after each
-    configuration, so a run cut short keeps what it measured."""
+    configuration, so a run cut short keeps what it measured. measured: ESS's terms from a GPU run
+    (ess.analysis.sim.measured) for mode "plan"'s choice; None: the simulator's modelled ones."""
     spec, cal = get_model("dsv32"), load_calibration()
     paper_hw = get_hardware(PAPER_HARDWARE)
     dep = cost.Deployment(ep=EP, tbo=True)
@@ -407,7 +409,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
         return cost.layer_cost(spec, hw, cal, dep, tokens, tokens, context, moe=True)
 
     def plan(per_layer, batch, context):
-        return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer)
+        return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer, measured)
 
     rows, errors = [], []
     for context in s.contexts:
@@ -578,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="also compare every ESS mode's outputs with the baseline's (a second stack: small runs)")
     p.add_argument("--append", action="store_true",
                    help="add the rows to OUT/decode.json (one context per run keeps each run short)")
+    p.add_argument("--measured", nargs="+", metavar="FILE",
+                   help="mode plan chooses each layer's overlap on ESS's terms measured on a GPU: a kit.json, then "
+                   "optionally a bookkeeping.json (e.g. benchmark/results/gpu/h200/); default: the simulator's "
+                   "modelled terms, with which plan lost 6-10%% to none on the H200 (docs/gpu.md)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
                    help="weights and activations of the projections on a GPU (the smoke run: float32 unless given)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
@@ -585,6 +591,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {MODES}")
+    try:  # a bad file fails here, before any stack is built
+        measured = load_measured(args.measured) if args.measured else None
+    except MeasuredError as e:
+        p.error(str(e))
     s = smoke_setup() if args.smoke else gpu_setup(args)
     if args.smoke and "--dtype" in (argv if argv is not None else sys.argv):
         s.dtype = DTYPES[args.dtype]
@@ -610,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
                "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,
                "topk_label": "SYNTHETIC (ess trace synth)" if args.topk_source == "synth" else "computed (random weights)",
                "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "hardware_profile": args.hardware,
+               "plan_costs": measured.describe() if measured else "modelled",
                "complete": done, "rows": every,
                "errors": earlier_errors + errors, **summary(every, dataclasses.replace(s, contexts=contexts))}
         with open(path, "w") as f:
@@ -617,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         return doc
 
     doc = run(s, args.modes, args.topk_source, args.hardware, lambda x: print(x, flush=True), args.accept,
-              lambda rows, errors: write(rows, errors, False))
+              lambda rows, errors: write(rows, errors, False), measured)
     doc = write(doc["rows"], doc["errors"], True)
     plot(doc, os.path.join(args.out, "decode.png"))
     print(f"wrote {args.out}/decode.json and decode.png; gain {doc.get('gain_32k_max_batch')}, "

@@ -89,3 +89,20 @@ def test_a_bf16_stack_stays_lossless_and_a_failing_configuration_is_recorded(tmp
     assert [(e["ratio"], e["batch"], e["query_rows"]) for e in doc["errors"]] == [(0.6, 2, 1), (0.6, 2, 2)]
     assert all("planted" in e["error"] for e in doc["errors"]) and doc["complete"]
     assert {(r["batch"], r["query_rows"]) for r in doc["rows"] if r["mode"] == "none"} == {(1, 1), (3, 1), (1, 2), (3, 2)}
+
+
+def test_plan_on_measured_costs_and_a_bad_file_refused_before_any_stack(tmp_path):
+    """--measured: mode plan chooses on a GPU run's ESS terms (the committed H200 files), and says so; a file that is
+    not there is refused by name before anything runs or is written."""
+    h200 = ROOT / "benchmark" / "results" / "gpu" / "h200"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--modes", "none,plan",
+                          "--measured", str(h200 / "kit.json"), str(h200 / "bookkeeping.json"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert doc["plan_costs"]["device"] == "NVIDIA H200" and any(r["mode"] == "plan" for r in doc["rows"])
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--measured",
+                          str(tmp_path / "nope.json"), "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--measured" in bad.stderr and "nope.json" in bad.stderr
+    assert not (tmp_path / "b").exists()
