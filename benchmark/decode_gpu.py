@@ -101,7 +101,7 @@ def gpu_setup(args) -> Setup:
         raise SystemExit("decode_gpu.py: needs a CUDA device (or --smoke)")
     return Setup(get_config("full", num_layers=args.layers), args.layers, args.contexts, args.ratios, [1, 2],
                  args.warm_steps, args.iters, torch.device("cuda"), "flashmla", args.max_batch, args.query_rows,
-                 args.check, DTYPES[args.dtype])
+                 args.check, DTYPES[args.dtype or "bf16"])
 
 
 class Stack:
@@ -584,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="mode plan chooses each layer's overlap on ESS's terms measured on a GPU: a kit.json, then "
                    "optionally a bookkeeping.json (e.g. benchmark/results/gpu/h200/); default: the simulator's "
                    "modelled terms, with which plan lost 6-10%% to none on the H200 (docs/gpu.md)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="weights and activations of the projections on a GPU (the smoke run: float32 unless given)")
+    p.add_argument("--dtype", choices=sorted(DTYPES),
+                   help="weights and activations of the projections (default: bf16 on a GPU, float32 in the smoke run)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     args = p.parse_args(argv)
     bad = [m for m in args.modes if m not in MODES]
@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     except MeasuredError as e:
         p.error(str(e))
     s = smoke_setup() if args.smoke else gpu_setup(args)
-    if args.smoke and "--dtype" in (argv if argv is not None else sys.argv):
+    if args.smoke and args.dtype:
         s.dtype = DTYPES[args.dtype]
     if args.hardware is None:
         args.hardware = "H200" if s.device.type == "cuda" and "H200" in torch.cuda.get_device_name() else "H100"
