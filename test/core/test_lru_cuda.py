@@ -16,97 +16,55 @@ from ess.core.sparse_pool import SparseMemoryPool
 
 emulation = pytest.mark.skipif(lru_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-FIELDS = ("attn_slot", "hit", "miss_pos", "miss_slot", "own_slot", "n_miss", "n_set")
-
-
-def assert_same_step(a, b, req, sets, own, stamp, token_table, staged=None, num_rows=None):
-    ra = lru_update(*a.layer_state(0), req, sets, own, stamp)
-    rb = lru_update_cuda(*b.layer_state(0), req, sets, own, stamp, token_table, num_rows=num_rows, staged=staged)
-    for f in FIELDS:
-        x, y = getattr(ra, f), getattr(rb, f)
-        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (f, x, y)
-    rows = token_table[req.long().unsqueeze(1), ra.miss_pos.clamp(min=0).long()]
-    assert torch.equal(torch.where(ra.miss_pos >= 0, rows, -1), rb.miss_row)
-    for x, y in zip(a.layer_state(0), b.layer_state(0)):  # the last column is each table's scratch sink
-        assert torch.equal(x[:, :-1], y[:, :-1])
-    return ra
-
-
-def run_trace(steps, C, max_pos, own_of, warm=(), first_stamp=0, device="cpu", seed=0, staged=None, stamps=None):
-    """steps / warm: lists of [R, K] sets; own_of(t) the own positions of step t ([R] or [R, M]); stamps: the steps'
-    stamps (default first_stamp + t)."""
-    R = len(steps[0])
-    a, b = (SparseMemoryPool(1, R, C, max_pos, device, "torch") for _ in range(2))
-    req = torch.tensor(random.Random(seed).sample(range(R), R), device=device)  # rows need not be in slot order
-    gen = torch.Generator().manual_seed(seed)
-    token_table = torch.randint(0, 1 << 20, (R, max_pos), dtype=torch.int32, generator=gen).to(device)
-    none = torch.full((R,), -1, device=device)
-    for w, sets in enumerate(warm):
-        assert_same_step(a, b, req, torch.tensor(sets, device=device), none, first_stamp + w - len(warm), token_table, staged)
-    misses = []
-    for t, sets in enumerate(steps):
-        stamp = first_stamp + t if stamps is None else stamps[t]
-        r = assert_same_step(a, b, req, torch.tensor(sets, device=device), own_of(t).to(device), stamp, token_table, staged)
-        misses.append(r.n_miss)
-    return misses
-
-
-def random_steps(rng, R, steps, K, ctx, M=1, dup=False, pad=0.1):
-    out = []
-    for t in range(steps):
-        row = []
-        for i in range(R):
-            pool = range(0, ctx[i] + (t + 1) * M)
-            sel = [rng.choice(pool) for _ in range(K)] if dup else rng.sample(pool, K)
-            row.append([x if rng.random() > pad else -1 for x in sel])
-        out.append(row)
-    return out
+@pytest.fixture
+def check(kernel_check):
+    return kernel_check(lru_update_cuda)
 
 
 @emulation
 @pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("seed", range(2))
-def test_decode_steps_equal_the_reference(seed, staged):
+def test_decode_steps_equal_the_reference(seed, staged, check, random_steps):
     rng = random.Random(seed)
     R, K, steps = 3, 40, 10  # 40 entries on the emulation's 32 threads: two per thread
     ctx = [rng.randint(60, 120) for _ in range(R)]
     C = rng.choice([K + 1, K + 9, 70])
     warm = random_steps(rng, R, 3, K, [c - 3 for c in ctx]) if seed % 2 else ()
     own = lambda t: torch.tensor([c + t for c in ctx])
-    run_trace(random_steps(rng, R, steps, K, ctx), C, max(ctx) + steps + 1, own, warm, seed=seed, staged=staged)
+    check.trace(random_steps(rng, R, steps, K, ctx), C, max(ctx) + steps + 1, own, warm, seed=seed, staged=staged)
 
 
 @emulation
-def test_adversarial_steps_equal_the_reference():
+def test_adversarial_steps_equal_the_reference(check):
     ctx = [40, 50]
     own = lambda t: torch.tensor([c + t for c in ctx])
     all_new = [[[t * 6 + j for j in range(6)], [t * 6 + j + 1 for j in range(6)]] for t in range(4)]  # every entry a miss
     dups_and_pad = [[[3, 3, 3, -1, -1, 5], [-1] * 6], [[5, 5, 2, 2, -1, 3], [0] * 6]] * 2
     with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(3)]
     for trace in (all_new, dups_and_pad, with_own):
-        run_trace(trace, 7, 60, own)  # capacity exactly K + 1: every slot full from the second step
-    run_trace(all_new, 7, 60, lambda t: torch.tensor([40, 50]))  # a replayed own position: resident, restamped
+        check.trace(trace, 7, 60, own)  # capacity exactly K + 1: every slot full from the second step
+    check.trace(all_new, 7, 60, lambda t: torch.tensor([40, 50]))  # a replayed own position: resident, restamped
     # every resident shares a stamp (a warm-up window): ties break by position
-    run_trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
+    check.trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
     # all stamps equal at every step, slots full, positions spread over a wide range (several select passes)
     rng = random.Random(7)
     wide = [[rng.sample(range(0, 200000, 7), 12) for _ in range(2)] for _ in range(6)]
-    run_trace(wide, 30, 200010, lambda t: torch.tensor([200001 + t, 200005 + t]), stamps=[5] * 6)
+    check.trace(wide, 30, 200010, lambda t: torch.tensor([200001 + t, 200005 + t]), stamps=[5] * 6)
 
 
 @emulation
-def test_ages_spread_over_the_stamp_range():
+def test_ages_spread_over_the_stamp_range(check, random_steps):
     """Stamps far apart (ages near STAMP_MOD): the select's key range spans many histogram passes."""
     rng = random.Random(11)
     ctx = [300, 310]
     stamps = [0, STAMP_MOD // 3, STAMP_MOD // 2, STAMP_MOD - 7, 5, STAMP_MOD // 5, 9, 12]
     steps = random_steps(rng, 2, len(stamps), 10, ctx, pad=0.0)
-    run_trace(steps, 25, 330, lambda t: torch.tensor([c + t for c in ctx]), stamps=stamps)
+    check.trace(steps, 25, 330, lambda t: torch.tensor([c + t for c in ctx]), stamps=stamps)
 
 
 @emulation
 @pytest.mark.parametrize("seed", range(2))
-def test_mtp_verify_steps_equal_the_reference(seed):
+def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps):
     """M own tokens per step and the union of M query rows' sets, duplicates included."""
     rng = random.Random(seed)
     R, K, M, C, steps = 3, 36, 3, 45, 7
@@ -117,21 +75,21 @@ def test_mtp_verify_steps_equal_the_reference(seed):
         o[1, 2] = -1  # a request with fewer verify rows
         return o
 
-    run_trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, own, seed=seed)
+    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, own, seed=seed)
 
 
 @emulation
 @pytest.mark.parametrize("first_stamp", [STAMP_MOD - 5, 2**31 - 5, -3])
-def test_stamps_wrap_like_the_reference(first_stamp):
+def test_stamps_wrap_like_the_reference(first_stamp, check, random_steps):
     rng = random.Random(5)
     R, K, ctx = 2, 6, [30, 35]
     warm = random_steps(rng, R, 3, K, [c - 4 for c in ctx])
     own = lambda t: torch.tensor([c + t for c in ctx])
-    run_trace(random_steps(rng, R, 10, K, ctx), 9, 50, own, warm, first_stamp=first_stamp)
+    check.trace(random_steps(rng, R, 10, K, ctx), 9, 50, own, warm, first_stamp=first_stamp)
 
 
 @emulation
-def test_empty_batch_padding_rows_and_num_rows():
+def test_empty_batch_padding_rows_and_num_rows(check):
     """An empty batch launches nothing; padding rows (no entry, no own token, request slot 0 like SGLang's) and rows
     at or past num_rows come back empty and touch no table."""
     a, b = (SparseMemoryPool(1, 4, 9, 40, "cpu", "torch") for _ in range(2))
@@ -143,7 +101,7 @@ def test_empty_batch_padding_rows_and_num_rows():
     own = torch.tensor([30, -1, 31, -1])
     for t in range(3):
         sets = torch.tensor([[t, t + 1, 5, 5, -1, 7], [-1] * 6, [t + 2, 9, 9, 1, 2, 3], [-1] * 6], dtype=torch.int32)
-        assert_same_step(a, b, req, sets, own + t, t, table)
+        check.step(a, b, req, sets, own + t, t, table)
     # rows past num_rows: the same as empty rows, whatever they hold
     sets = torch.tensor([[1, 2, 3, 4, 5, 6], [11, 12, -1, -1, -1, -1], [7, 8, -1, 9, 10, 11], [3] * 6], dtype=torch.int32)
     own = torch.tensor([33, -1, 34, 35])
@@ -152,7 +110,7 @@ def test_empty_batch_padding_rows_and_num_rows():
     assert (r.attn_slot == -1).all() and (r.miss_pos == -1).all() and not r.hit.any() and (r.own_slot == -1).all()
     assert not r.n_miss.any() and not r.n_set.any()
     assert all(torch.equal(x, y) for x, y in zip(before, b.layer_state(0)))
-    assert_same_step(a, b, req[:1], sets[:1], own[:1], 4, table, num_rows=torch.ones(1, dtype=torch.int32))
+    check.step(a, b, req[:1], sets[:1], own[:1], 4, table, num_rows=torch.ones(1, dtype=torch.int32))
 
 
 def test_bad_arguments_are_named():
@@ -187,7 +145,7 @@ def test_auto_and_cuda_choices(monkeypatch):
 @cuda
 @pytest.mark.parametrize("B,C,M,staged", [(1, 2049, 1, None), (32, 6554, 1, None), (8, 6147, 3, None),
                                            (4, 20000, 1, None), (4, 40000, 1, None), (8, 6554, 1, False)])
-def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M, staged):
+def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M, staged, check):
     K, ctx = 2048, 32768
     rng = random.Random(B)
     steps = []
@@ -198,7 +156,7 @@ def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M, staged):
         own = lambda t: torch.full((B,), ctx + t)
     else:
         own = lambda t: torch.stack([torch.full((B,), ctx + M * t + j) for j in range(M)], 1)
-    misses = run_trace(steps, C, ctx + M * 6 + 1, own, device="cuda", staged=staged)
+    misses = check.trace(steps, C, ctx + M * 6 + 1, own, device="cuda", staged=staged)
     assert int(torch.stack(misses).sum()) > 0
 
 
@@ -232,7 +190,7 @@ def test_replay_with_the_cuda_kernel_counts_the_same_misses(tmp_path, capsys):
 
 
 @emulation
-def test_the_gpus_block_of_512_threads_at_serving_sizes(monkeypatch):
+def test_the_gpus_block_of_512_threads_at_serving_sizes(monkeypatch, check):
     """The emulation with the GPU's 512 threads per block: top-k 2048 (4 entries per thread) and MTP verify's 6,144
     (12 per thread), thousands of slots, a few steps with evictions."""
     monkeypatch.setattr(lru_cuda, "EMULATION", "emulate512")
@@ -241,5 +199,5 @@ def test_the_gpus_block_of_512_threads_at_serving_sizes(monkeypatch):
         steps = [[[rng.randrange(t * 900, t * 900 + 4000) for _ in range(K)] for _ in range(2)] for t in range(3)]
         own = (lambda t: torch.full((2,), 20000 + t)) if M == 1 else (
             lambda t: torch.stack([torch.full((2,), 20000 + 3 * t + j) for j in range(3)], 1))
-        misses = run_trace(steps, C, 20010, own, stamps=[3, 3, 4])
+        misses = check.trace(steps, C, 20010, own, stamps=[3, 3, 4])
         assert int(torch.stack(misses).sum()) > 0

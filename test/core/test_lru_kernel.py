@@ -16,83 +16,44 @@ import torch
 from ess.core import flashtrans
 from ess.core import lru_kernel
 from ess.core.lru_kernel import lru_update_fused
-from ess.core.policy import STAMP_MOD, lru_update
+from ess.core.policy import STAMP_MOD
 from ess.core.sparse_pool import SparseMemoryPool
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-FIELDS = ("attn_slot", "hit", "miss_pos", "miss_slot", "own_slot", "n_miss", "n_set")
-
-
-def assert_same_step(a: SparseMemoryPool, b: SparseMemoryPool, req, sets, own, stamp, token_table):
-    ra = lru_update(*a.layer_state(0), req, sets, own, stamp)
-    rb = lru_update_fused(*b.layer_state(0), req, sets, own, stamp, token_table)
-    for f in FIELDS:
-        x, y = getattr(ra, f), getattr(rb, f)
-        assert x.dtype == y.dtype and torch.equal(x, y), (f, x, y)
-    rows = token_table[req.long().unsqueeze(1), ra.miss_pos.clamp(min=0).long()]
-    assert torch.equal(torch.where(ra.miss_pos >= 0, rows, -1), rb.miss_row)
-    for x, y in zip(a.layer_state(0), b.layer_state(0)):  # the last column is each table's scratch sink
-        assert torch.equal(x[:, :-1], y[:, :-1])
-    return ra
-
-
-def run_trace(steps, C, max_pos, own_of, warm=(), first_stamp=0, device="cpu", seed=0):
-    """steps / warm: lists of [R, K] sets; own_of(t) the own positions of step t ([R] or [R, M])."""
-    R = len(steps[0])
-    a, b = (SparseMemoryPool(1, R, C, max_pos, device) for _ in range(2))
-    req = torch.tensor(random.Random(seed).sample(range(R), R), device=device)  # rows need not be in slot order
-    token_table = torch.randint(0, 1 << 20, (R, max_pos), dtype=torch.int32, generator=torch.Generator().manual_seed(seed)).to(device)
-    none = torch.full((R,), -1, device=device)
-    for w, sets in enumerate(warm):
-        assert_same_step(a, b, req, torch.tensor(sets, device=device), none, first_stamp + w - len(warm), token_table)
-    misses = []
-    for t, sets in enumerate(steps):
-        r = assert_same_step(a, b, req, torch.tensor(sets, device=device), own_of(t).to(device), first_stamp + t, token_table)
-        misses.append(r.n_miss)
-    return misses
-
-
-def random_steps(rng, R, steps, K, ctx, M=1, dup=False, pad=0.1):
-    out = []
-    for t in range(steps):
-        row = []
-        for i in range(R):
-            pool = range(0, ctx[i] + (t + 1) * M)
-            sel = [rng.choice(pool) for _ in range(K)] if dup else rng.sample(pool, K)
-            row.append([x if rng.random() > pad else -1 for x in sel])
-        out.append(row)
-    return out
+@pytest.fixture
+def check(kernel_check):
+    return kernel_check(lru_update_fused)
 
 
 @interpreter
 @pytest.mark.parametrize("seed", range(3))
-def test_decode_steps_equal_the_reference(seed):
+def test_decode_steps_equal_the_reference(seed, check, random_steps):
     rng = random.Random(seed)
     R, K, steps = 3, 8, 14
     ctx = [rng.randint(12, 40) for _ in range(R)]
     C = rng.choice([K + 1, K + 4, 20])
     warm = random_steps(rng, R, 3, K, [c - 3 for c in ctx]) if seed % 2 else ()
     own = lambda t: torch.tensor([c + t for c in ctx])
-    run_trace(random_steps(rng, R, steps, K, ctx), C, max(ctx) + steps + 1, own, warm, seed=seed)
+    check.trace(random_steps(rng, R, steps, K, ctx), C, max(ctx) + steps + 1, own, warm, seed=seed)
 
 
 @interpreter
-def test_adversarial_steps_equal_the_reference():
+def test_adversarial_steps_equal_the_reference(check):
     ctx = [40, 50]
     own = lambda t: torch.tensor([c + t for c in ctx])
     all_new = [[[t * 6 + j for j in range(6)], [t * 6 + j + 1 for j in range(6)]] for t in range(4)]
     dups_and_pad = [[[3, 3, 3, -1, -1, 5], [-1] * 6], [[5, 5, 2, 2, -1, 3], [0] * 6]] * 2
     with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(3)]
     for trace in (all_new, dups_and_pad, with_own):
-        run_trace(trace, 7, 60, own)  # capacity exactly K + 1
+        check.trace(trace, 7, 60, own)  # capacity exactly K + 1
     # every resident shares a stamp (a warm-up window): ties break by position
-    run_trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
+    check.trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
 
 
 @interpreter
 @pytest.mark.parametrize("seed", range(2))
-def test_mtp_verify_steps_equal_the_reference(seed):
+def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps):
     """M own tokens per step and the union of M query rows' sets, duplicates included."""
     rng = random.Random(seed)
     R, K, M, C, steps = 3, 12, 3, 16, 8
@@ -103,26 +64,26 @@ def test_mtp_verify_steps_equal_the_reference(seed):
         o[1, 2] = -1  # a request with fewer verify rows
         return o
 
-    run_trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, own, seed=seed)
+    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, own, seed=seed)
 
 
 @interpreter
 @pytest.mark.parametrize("first_stamp", [STAMP_MOD - 5, 2**31 - 5])
-def test_stamps_wrap_like_the_reference(first_stamp):
+def test_stamps_wrap_like_the_reference(first_stamp, check, random_steps):
     rng = random.Random(5)
     R, K, ctx = 2, 6, [30, 35]
     warm = random_steps(rng, R, 3, K, [c - 4 for c in ctx])
     own = lambda t: torch.tensor([c + t for c in ctx])
-    run_trace(random_steps(rng, R, 10, K, ctx), 9, 50, own, warm, first_stamp=first_stamp)
+    check.trace(random_steps(rng, R, 10, K, ctx), 9, 50, own, warm, first_stamp=first_stamp)
 
 
 @interpreter
-def test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch):
+def test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch, check, random_steps):
     monkeypatch.setattr(lru_kernel, "REGISTER_SLOTS", 4)  # C = 11 slots in chunks of 4
     rng = random.Random(3)
     ctx = [25, 30]
     own = lambda t: torch.tensor([c + t for c in ctx])
-    run_trace(random_steps(rng, 2, 10, 8, ctx), 11, 45, own, warm=random_steps(rng, 2, 2, 8, [20, 24]))
+    check.trace(random_steps(rng, 2, 10, 8, ctx), 11, 45, own, warm=random_steps(rng, 2, 2, 8, [20, 24]))
 
 
 @interpreter
@@ -172,7 +133,7 @@ def serving_case(B, K, C, ctx, seed=0, device="cuda"):
 
 @cuda
 @pytest.mark.parametrize("B,C,M", [(1, 2049, 1), (32, 6554, 1), (8, 6147, 3), (4, 20000, 1)])
-def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M):
+def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M, check):
     K, ctx = 2048, 32768
     rng = random.Random(B)
     steps = []
@@ -183,13 +144,13 @@ def test_gpu_kernel_equals_the_reference_at_serving_sizes(B, C, M):
         own = lambda t: torch.full((B,), ctx + t)
     else:
         own = lambda t: torch.stack([torch.full((B,), ctx + M * t + j) for j in range(M)], 1)
-    misses = run_trace(steps, C, ctx + M * 6 + 1, own, device="cuda")
+    misses = check.trace(steps, C, ctx + M * 6 + 1, own, device="cuda")
     assert int(torch.stack(misses).sum()) > 0
 
 
 @cuda
 @pytest.mark.parametrize("kernel", ["fused", "cuda"])  # the Triton kernel, and sgl-kernel's (test_lru_cuda.py)
-def test_gpu_kernel_in_a_cuda_graph_equals_eager(kernel):
+def test_gpu_kernel_in_a_cuda_graph_equals_eager(kernel, kernel_check):
     B, K, C, ctx = 16, 2048, 6554, 32768
     tables = [SparseMemoryPool(1, B, C, ctx + 8, "cuda", kernel) for _ in range(2)]
     req = torch.arange(B, device="cuda")
@@ -215,7 +176,7 @@ def test_gpu_kernel_in_a_cuda_graph_equals_eager(kernel):
         fill(t)
         graph.replay()
         eager = tables[1].step(0, req, sets, own, stamp, token_table)
-        for f in FIELDS + ("miss_row",):
+        for f in kernel_check.FIELDS + ("miss_row",):
             assert torch.equal(getattr(captured, f), getattr(eager, f)), (t, f)
         for x, y in zip(tables[0].layer_state(0), tables[1].layer_state(0)):
             assert torch.equal(x[:, :-1], y[:, :-1])
@@ -273,13 +234,13 @@ def test_bookkeeping_benchmark_smoke_run(tmp_path):
 
 @interpreter
 @pytest.mark.parametrize("bins", [2048, 8])
-def test_histogram_select_equals_the_reference(bins, monkeypatch):
+def test_histogram_select_equals_the_reference(bins, monkeypatch, check, random_steps):
     """SELECT = "histogram": victims by histograms over the key range instead of the bisection (8 bins: many passes),
     in registers and in chunks, decode and verify, ties and wide stamps."""
     monkeypatch.setattr(lru_kernel, "SELECT", "histogram")
     monkeypatch.setattr(lru_kernel, "HIST_BINS", bins)
-    test_decode_steps_equal_the_reference(1)
-    test_adversarial_steps_equal_the_reference()
-    test_mtp_verify_steps_equal_the_reference(0)
-    test_stamps_wrap_like_the_reference(STAMP_MOD - 5)
-    test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch)
+    test_decode_steps_equal_the_reference(1, check, random_steps)
+    test_adversarial_steps_equal_the_reference(check)
+    test_mtp_verify_steps_equal_the_reference(0, check, random_steps)
+    test_stamps_wrap_like_the_reference(STAMP_MOD - 5, check, random_steps)
+    test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch, check, random_steps)
