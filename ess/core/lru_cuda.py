@@ -116,6 +116,13 @@ def _max_staged_slots(target: str, index: int) -> int:
     return library(target).ess_lru_max_staged_slots(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _limits(target: str) -> tuple[int, int]:
+    """The kernel's most entries and own tokens per row (constants of the build: read once, not every step)."""
+    lib = library(target)
+    return lib.ess_lru_max_entries(), lib.ess_lru_max_own()
+
+
 def lru_update_cuda(
     slot_pos: torch.Tensor,
     slot_stamp: torch.Tensor,
@@ -146,10 +153,11 @@ def lru_update_cuda(
     dev = sets.device
     target = target_of(dev)
     lib = library(target)
-    if K > lib.ess_lru_max_entries():
-        raise ValueError(f"CUDA LRU step: {K} entries per row (query rows x top-k) exceed its {lib.ess_lru_max_entries()}")
-    if M > lib.ess_lru_max_own():
-        raise ValueError(f"CUDA LRU step: {M} own tokens per row (MTP query rows) exceed its {lib.ess_lru_max_own()}")
+    max_entries, max_own = _limits(target)
+    if K > max_entries:
+        raise ValueError(f"CUDA LRU step: {K} entries per row (query rows x top-k) exceed its {max_entries}")
+    if M > max_own:
+        raise ValueError(f"CUDA LRU step: {M} own tokens per row (MTP query rows) exceed its {max_own}")
     stamp = torch.as_tensor(stamp, device=dev)
     if stamp.dtype not in (torch.int32, torch.int64) or stamp.numel() != 1:
         raise ValueError(f"CUDA LRU step: the stamp must be one int32 or int64 value, got {stamp.dtype} {tuple(stamp.shape)}")
