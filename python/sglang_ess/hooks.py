@@ -379,8 +379,6 @@ def reset_on_admit(req_pool, rt: EssRuntime) -> None:
 def before_release_kv_cache(req, *a, **kw):
     rt = state.runtime
     idx = request_slot(req)
-    if rt is not None and idx is not None and rt.progressive is not None:
-        rt.progressive.release(int(idx))  # its transfer stops before SGLang frees the rows it writes
     if rt is not None and idx is not None:
         path = rt.release(int(idx), str(getattr(req, "rid", "")))
         if path:
