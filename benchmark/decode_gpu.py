@@ -53,6 +53,7 @@ from ess.analysis.synth import SynthOptions, synth_trace
 from ess.analysis.timing import graph_us, median_us
 from ess.core import flashtrans, layout
 from ess.core.memory import cache_bytes
+from ess.core.pinned import pinned_zeros
 from ess.core.settings import PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
 from ess.reference import attention as A
 from ess.reference.config import get_config
@@ -353,8 +354,7 @@ def h2d_probe(cache, li: int, r, h2d_ms: float, ms) -> dict:
     sc = cache.serving
     rows = sc.miss_rows(li, cache.slots, cache.token_table, r)
     moved = int(r.n_miss.sum())
-    small = torch.zeros(min(PROBE_ROWS, sc.host[li].shape[0]), layout.LATENT_ROW_BYTES, dtype=torch.uint8)
-    small = small.pin_memory() if rows.is_cuda else small
+    small = pinned_zeros((min(PROBE_ROWS, sc.host[li].shape[0]), layout.LATENT_ROW_BYTES), pin=rows.is_cuda)
     small_rows = torch.where(rows >= 0, rows % small.shape[0], rows)
     small_ms = ms(lambda: flashtrans.gather_lists(small, small_rows, sc.gpu[li], r.miss_slot, r.n_miss, sc.backend))
 
