@@ -302,13 +302,17 @@ def part_miss_kernel(c: Case, s: dict, dev, unsplit: torch.Tensor, t_unsplit: fl
     host = c.host[0]
     streams = Streams(dev)
     rank = torch.cumsum((idx >= 0).int(), 1) - 1  # each entry's rank among its row's valid entries
+
+    def miss_lists(m: int):
+        """The first m valid entries of each row missing: (the miss mask, compacted lists, counts)."""
+        miss = (idx >= 0) & (rank < m)
+        order = torch.sort((~miss).int(), dim=1, stable=True).indices  # the misses first, in entry order
+        return miss, torch.where(torch.gather(miss, 1, order), torch.gather(idx, 1, order), -1).int(), miss.sum(1).int()
+
     miss_rows, fused_rows, worst_err = [], [], 0.0
     for m in miss_counts(s.get("smoke", False), K):
-        miss = (idx >= 0) & (rank < m)
+        miss, lists, counts = miss_lists(m)
         i0 = torch.where(miss, -1, idx)
-        order = torch.sort((~miss).int(), dim=1, stable=True).indices  # the misses first, in entry order
-        lists = torch.where(torch.gather(miss, 1, order), torch.gather(idx, 1, order), -1).int()
-        counts = miss.sum(1).int()
 
         def attn1():
             return MA.miss_attention(c.q_nope, c.q_pe, pool, lists, counts, c.scale, backend)
@@ -365,10 +369,7 @@ def part_miss_kernel(c: Case, s: dict, dev, unsplit: torch.Tensor, t_unsplit: fl
     variants = []  # the kernel's block sizes at 256 misses per request (the issue's goal), GPU only
     if cuda:
         m = min(256, K)
-        miss = (idx >= 0) & (rank < m)
-        order = torch.sort((~miss).int(), dim=1, stable=True).indices
-        lists = torch.where(torch.gather(miss, 1, order), torch.gather(idx, 1, order), -1).int()
-        counts = miss.sum(1).int()
+        _, lists, counts = miss_lists(m)
         for bh, bn, w in ((16, 16, 4), (16, 32, 4), (32, 16, 4), (16, 16, 8), (32, 32, 8), (64, 16, 8), (16, 64, 8)):
             try:
                 us = graph_us(lambda: MA.miss_attention(c.q_nope, c.q_pe, pool, lists, counts, c.scale, block_h=bh,
