@@ -16,6 +16,7 @@ not a measurement), which carries no ranks past the top-k: prefetch does not app
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -50,14 +51,20 @@ def default_traces(smoke: bool) -> list[tuple[str, object]]:
             ("SYNTHETIC (ess trace synth; not a measurement)", synth_trace(syn))]
 
 
-def _h2d_us(rows: float) -> float:
-    """The modelled FlashTrans time (ess.analysis.sim.cost) of one layer's moved rows for H2D_BATCH requests: the
-    link time the rows cost in a DeepSeek-V3.2 step on the simulator's default hardware (656-byte rows)."""
+@functools.cache
+def _modelled_costs():
+    """The simulator's modelled terms for DeepSeek-V3.2 (its calibration read once per run)."""
     from ess.analysis.sim.cost import modelled
     from ess.analysis.sim.engine import load_calibration
     from ess.analysis.sim.specs import get_model
 
-    return modelled(load_calibration(), get_model("dsv32")).h2d(H2D_BATCH * rows) * 1e6
+    return modelled(load_calibration(), get_model("dsv32"))
+
+
+def _h2d_us(rows: float) -> float:
+    """The modelled FlashTrans time (ess.analysis.sim.cost) of one layer's moved rows for H2D_BATCH requests: the
+    link time the rows cost in a DeepSeek-V3.2 step on the simulator's default hardware (656-byte rows)."""
+    return _modelled_costs().h2d(H2D_BATCH * rows) * 1e6
 
 
 def compare(label: str, trace, ratios: list[float], decay_shifts: list[int], warmup_off: bool = False) -> dict:
