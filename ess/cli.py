@@ -582,7 +582,6 @@ def _synth_like(args) -> int:
     """`ess trace synth --like REAL.npz`: the generator fitted to a real trace; the fit and its error reported."""
     import torch
 
-    from ess.analysis.synth import synth_trace
     from ess.analysis.synth_fit import fit_like
     from ess.core.trace import load_trace, save_trace
 
@@ -591,10 +590,9 @@ def _synth_like(args) -> int:
     try:
         real = load_trace(args.like)
         with _Progress(not args.quiet) as progress:
-            opt, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
+            _, trace, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
     finally:
         torch.set_num_threads(threads)
-    trace = synth_trace(opt)
     trace.meta["source"] = f"synthetic (ess trace synth --like {args.like}); NOT a measurement"
     trace.meta["fit"] = {k: v for k, v in report.items() if k != "options"}
     save_trace(_output(args.out), trace)

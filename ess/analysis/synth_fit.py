@@ -96,8 +96,8 @@ def _measured_knobs(trace: Trace) -> dict:
 
 
 def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | None = None,
-             ratios: list[float] = FIT_RATIOS) -> tuple[SynthOptions, dict]:
-    """The generator's options fitted to `real` (its request count kept), and the report."""
+             ratios: list[float] = FIT_RATIOS) -> tuple[SynthOptions, Trace, dict]:
+    """The generator's options fitted to `real` (its request count kept), the trace they make, and the report."""
     R, steps, L, K = real.topk.shape
     context = int(round(float(real.context_len.mean())))
     windows = real.prefill_topk.shape[1] if real.prefill_topk is not None else 0
@@ -181,4 +181,4 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
         "options": dataclasses.asdict(fitted), "measured": k, "evaluations": len(evals),
         "real_stats": trace_stats(real, real_ranks), "synthetic_stats": trace_stats(syn, syn_ranks),
     }
-    return fitted, report
+    return fitted, syn, report

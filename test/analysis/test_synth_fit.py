@@ -62,9 +62,10 @@ def test_pool_by_churn_hands_the_same_pool_sizes_out_in_churn_order():
 def test_fit_like_a_synthetic_trace_lands_within_15_percent():
     """A trace the generator itself made is within its reach: the fit's curve is within 15% at every ratio."""
     like = synth_trace(SMALL)
-    opt, report = fit_like(like, seed=1)
+    opt, trace, report = fit_like(like, seed=1)
     assert report["within_15_percent"], report
     assert opt.topk == 32 and opt.layers == 3 and opt.steps == 16 and opt.requests == 2
+    assert trace.topk.shape == synth_trace(opt).topk.shape  # the trace the fitted options make, returned
     assert len(report["real_stats"]["reentry_gap_shares_and_first_touch"]) == 6
 
 
