@@ -490,8 +490,8 @@ def best_at_largest(ess: list[dict]) -> dict:
 def summary(rows: list[dict], s: Setup) -> dict:
     """gain_32k_max_batch: the best ESS mode at its largest batch over the baseline at its largest batch (hybrid
     tokens/s, the smallest context, decode); ratio_small_batch: ESS's best over the baseline at batch 1 and 2, the
-    smaller; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch: the decode gain at each
-    longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its largest batch."""
+    smaller; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch(_mtp): the decode (MTP
+    verify) gain at each longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its largest batch."""
     out = {}
     ctx = min(r["context"] for r in rows) if rows else None
     for S in sorted({r["query_rows"] for r in rows}):
@@ -518,13 +518,15 @@ def summary(rows: list[dict], s: Setup) -> dict:
             out |= {"gain_vs_hisparse_max_batch": round(best_top["tokens_per_s"] / h_top["tokens_per_s"], 4),
                     "hisparse_max_batch": {k: h_top[k] for k in ("batch", "tokens_per_s", "buffer_tokens")},
                     "hisparse_gain_over_baseline": round(h_top["tokens_per_s"] / base_top["tokens_per_s"], 4)}
-    for other in sorted({r["context"] for r in rows} - {ctx}):  # the longer contexts' decode gains, by name
-        at = [r for r in rows if r["context"] == other and r["query_rows"] == 1]
-        base = [r for r in at if r["mode"] == "baseline"]
-        ess = [r for r in at if r["mode"] not in ("baseline", "hisparse")]
-        if base and ess:
-            base_top = max(base, key=lambda r: r["batch"])
-            out[f"gain_{other // 1024}k_max_batch"] = round(best_at_largest(ess)["tokens_per_s"] / base_top["tokens_per_s"], 4)
+    for other in sorted({r["context"] for r in rows} - {ctx}):  # the longer contexts' gains, by name
+        for S in sorted({r["query_rows"] for r in rows if r["context"] == other}):
+            at = [r for r in rows if r["context"] == other and r["query_rows"] == S]
+            base = [r for r in at if r["mode"] == "baseline"]
+            ess = [r for r in at if r["mode"] not in ("baseline", "hisparse")]
+            if base and ess:
+                base_top = max(base, key=lambda r: r["batch"])
+                key = f"gain_{other // 1024}k_max_batch" + ("" if S == 1 else "_mtp")
+                out[key] = round(best_at_largest(ess)["tokens_per_s"] / base_top["tokens_per_s"], 4)
     return {"gain_context": ctx, **out} if out else {}
 
 

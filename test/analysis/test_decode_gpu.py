@@ -48,15 +48,17 @@ def test_the_summary_names_each_longer_context_and_the_hisparse_gain(monkeypatch
     monkeypatch.setitem(sys.modules, "decode_gpu", D)  # its dataclasses look their module up there
     spec.loader.exec_module(D)
 
-    def row(context, mode, batch, tps, ratio=None):
-        return {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": 1,
+    def row(context, mode, batch, tps, ratio=None, query_rows=1):
+        return {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": query_rows,
                 "tokens_per_s": tps, "buffer_tokens": 4096}
 
     rows = [row(c, "baseline", b, 10.0 * b) for c in (32768, 131072) for b in (1, 2, 4)]
     rows += [row(c, "da", b, 9.0 * b, 0.2) for c in (32768, 131072) for b in (1, 2, 12)]
     rows += [row(32768, "hisparse", b, 8.0 * b) for b in (1, 2, 6)]
+    rows += [row(131072, "baseline", 4, 20.0, query_rows=3), row(131072, "none", 12, 50.0, 0.2, query_rows=3)]
     out = D.summary(rows, D.smoke_setup())
     assert out["gain_32k_max_batch"] == 108 / 40 and out["gain_128k_max_batch"] == 108 / 40
+    assert out["gain_128k_max_batch_mtp"] == 50 / 20  # MTP verify at the longer context, under its own key
     assert out["gain_vs_hisparse_max_batch"] == 108 / 48 and out["hisparse_gain_over_baseline"] == 48 / 40
     assert out["ratio_small_batch"] == 0.9
 
