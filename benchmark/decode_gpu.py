@@ -349,8 +349,8 @@ PROBE_ROWS = 409_600  # the small host buffer of the H2D probe: 256 MiB of rows,
 
 def h2d_probe(cache, li: int, r, h2d_ms: float, ms) -> dict:
     """Layer 0's misses' H2D (h2d_ms) against the same lists over a small pinned buffer (their rows modulo
-    PROBE_ROWS): on the H200 the stack's H2D ran at 17.8 GB/s where the kit's FlashTrans moves 46-48 (docs/gpu.md);
-    this separates the host pool's size and spread from the lists' shape. Reads the miss count (a sync, untimed)."""
+    PROBE_ROWS), with the rows it moves counted: separates the host pool's size and spread from the lists' shape (on
+    the H200 both ran at FlashTrans' rate, docs/gpu.md). Reads the miss count (a sync, untimed)."""
     sc = cache.serving
     rows = sc.miss_rows(li, cache.slots, cache.token_table, r)
     moved = int(r.n_miss.sum())
