@@ -7,6 +7,7 @@
 #   decode32k    benchmark/decode_gpu.py at 32K (decode.json, decode.png)
 #   decode128k   the same at 128K, appended to decode.json
 #   bookkeeping  benchmark/bookkeeping.py (bookkeeping.json)
+#   indexer      benchmark/indexer.py (indexer.json): the indexer kernel and its top-k part by part
 # --smoke: every phase on the CPU at tiny sizes (FlashMLA replaced by its reference, no tests run), as CI checks it.
 # --budget-min M (default 20): the phases share M minutes in order; each runs under what is left, and one the budget
 # cuts is named in OUT_DIR/phases.log (its results are whatever it wrote). PHASE:SECONDS caps that phase as well.
@@ -18,7 +19,7 @@
 # each phase's time on an H200).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ALL=(kit decode32k decode128k bookkeeping)
+ALL=(kit decode32k decode128k bookkeeping indexer)
 smoke="" out="" budget=20 phases=() tests=all decode_args="" tar=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -29,8 +30,8 @@ while [ $# -gt 0 ]; do
       case "$tests" in all|gpu|none) ;; *) echo "run.sh: --tests must be all, gpu or none, got $tests" >&2; exit 2 ;; esac ;;
     --decode-args) decode_args=${2?--decode-args needs arguments}; shift ;;
     --tar) tar=${2:?--tar needs a file}; shift ;;
-    kit|decode32k|decode128k|bookkeeping) phases+=("$1") ;;
-    kit:*|decode32k:*|decode128k:*|bookkeeping:*)
+    kit|decode32k|decode128k|bookkeeping|indexer) phases+=("$1") ;;
+    kit:*|decode32k:*|decode128k:*|bookkeeping:*|indexer:*)
       [[ "${1#*:}" =~ ^[0-9]+$ ]] || { echo "run.sh: $1: the cap must be whole seconds" >&2; exit 2; }
       phases+=("$1") ;;
     -*) echo "run.sh: unknown flag $1" >&2; exit 2 ;;
@@ -79,6 +80,9 @@ phase_decode128k() {
 }
 phase_bookkeeping() {
   "$PY" benchmark/bookkeeping.py $smoke "$out" 2>&1 | tee "$out/bookkeeping.log"
+}
+phase_indexer() {
+  "$PY" benchmark/indexer.py $smoke "$out" 2>&1 | tee "$out/indexer.log"
 }
 
 status=0

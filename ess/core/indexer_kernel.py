@@ -2,6 +2,7 @@
 
     indexer_scores_fp8(q, w, rows, pos, loc=None)     fp32 [N, T]: score[n, t] = sum_h w[n, h] * ReLU(q[n, h] . k[n, t])
     indexer_topk_fp8(q, w, rows, pos, k, loc=None)    int32 [N, k]: the best k positions, best first, -1 padded
+    indexer_keys_fp8(q, w, rows, pos, loc=None)       int64 [N, T]: the score keys the top-k ranks (below)
 equal to ess.core.dsa_math's `index_scores` then `select_topk` (docs/design.md, "Model facts"), up to fp32 summation
 order in the scores, and exactly in the top-k (tie rule below).
 
@@ -34,8 +35,9 @@ are multiplied in fp32, since the interpreter's tl.dot multiplies bf16 as raw in
 "torch" (the reference math of ess.core.dsa_math, for machines without Triton; it dequantises, so it is a check, not
 a fast path). "auto": "triton" for CUDA tensors, else "torch".
 
-GPU timing has NOT been measured: this was written on a CPU-only machine. BLOCK_T and NUM_WARPS are untuned first
-choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32 bits), and the keys take 8
+Timed on a GPU only inside the decode stack so far (docs/gpu.md: with the indexer's projections, 1.91 ms per layer at
+32K, batch 204, on an H200, about 10x the byte floor); benchmark/indexer.py times the parts apart. BLOCK_T and
+NUM_WARPS are untuned first choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32 bits), and the keys take 8
 bytes a position ([N, T] int64; the rows read are 132).
 """
 
@@ -182,21 +184,23 @@ def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
     return torch.where(keep, scores, torch.full_like(scores, -math.inf))
 
 
-def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool) -> torch.Tensor:
+def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t: int = BLOCK_T,
+            num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """The kernel over [N, T] (block_t, num_warps: the launch configuration, for benchmark/indexer.py's sweep)."""
     out = torch.empty(N, T, dtype=torch.int64 if keys else torch.float32, device=q.device)
     if N * T == 0:
         return out
     paged = loc is not None
     loc_arg = loc if paged else pos  # unread when not paged
-    grid = (triton.cdiv(T, BLOCK_T), N)
+    grid = (triton.cdiv(T, block_t), N)
     upcast = interpret and q.dtype == torch.bfloat16  # see the kernel
     _kernel(interpret)[grid](
         q.contiguous(), w.contiguous(), rows, loc_arg, pos.contiguous(), out, T, H,
         0 if paged else rows.stride(0), rows.stride(-2), loc.stride(0) if paged else 0, loc.stride(1) if paged else 0,
-        D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=BLOCK_T,
+        D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=block_t,
         BLOCK_H=max(16, 1 << (H - 1).bit_length()), PAGED=paged, KEYS=keys,
         UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else None,
-        **({} if interpret else {"num_warps": NUM_WARPS}),
+        **({} if interpret else {"num_warps": num_warps}),
     )
     return out
 
@@ -244,3 +248,16 @@ def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
     if backend == "torch":
         return dsa_math.select_topk(_torch_scores(q, w, rows, pos, loc), pos, k)
     return topk_from_keys(_launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=True), k)
+
+
+def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
+                     loc: torch.Tensor | None = None, backend: str = "auto", block_t: int = BLOCK_T,
+                     num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """The kernel's int64 score keys [N, T] (score_keys of indexer_scores_fp8's scores), under a given launch
+    configuration: what indexer_topk_fp8 hands topk_from_keys (benchmark/indexer.py times the two apart)."""
+    N, H, T = _check(q, w, rows, pos, loc)
+    backend = _backend(backend, rows)
+    if backend == "torch":
+        return score_keys(_torch_scores(q, w, rows, pos, loc))
+    return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=True, block_t=block_t,
+                   num_warps=num_warps)

@@ -1,5 +1,5 @@
 """The GPU runs' smoke run (`run.sh --smoke OUT --all`): every phase on the CPU with tiny sizes and the torch reference in
-place of FlashMLA: the kit, decode_gpu.py twice (the second appended), bookkeeping.py."""
+place of FlashMLA: the kit, decode_gpu.py twice (the second appended), bookkeeping.py, indexer.py."""
 
 import json
 import os
@@ -15,10 +15,13 @@ def test_kit_smoke_run_writes_every_key(tmp_path):
     subprocess.run(["bash", str(ROOT / "benchmark" / "gpu" / "run.sh"), "--smoke", str(tmp_path), "--all"], check=True,
                    env=env, timeout=600)
     phases = (tmp_path / "phases.log").read_text().splitlines()
-    assert [line.split(":")[0] for line in phases] == ["kit", "decode32k", "decode128k", "bookkeeping"]
+    assert [line.split(":")[0] for line in phases] == ["kit", "decode32k", "decode128k", "bookkeeping", "indexer"]
     assert all(": exit 0 after" in line for line in phases), phases
     assert len(json.loads((tmp_path / "decode.json").read_text())["commands"]) == 2
     assert json.loads((tmp_path / "bookkeeping.json").read_text())["cases"]
+    indexer = json.loads((tmp_path / "indexer.json").read_text())
+    want = {"scores_kernel_us", "keys_kernel_us", "topk_keys_us", "topk_float_sorted_us", "indexer_topk_us"}
+    assert indexer["cases"] and all(want <= set(c) and c["topk_exact"] for c in indexer["cases"])
     kit = json.loads((tmp_path / "kit.json").read_text())
     for key in ("device", "torch", "date", "flashtrans", "flashmla", "da_split", "cuda_graph",
                 "bookkeeping_us_per_layer", "overlap"):

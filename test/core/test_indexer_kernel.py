@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ess.core import dsa_math, flashtrans, layout
-from ess.core.indexer_kernel import indexer_scores_fp8, indexer_topk_fp8, score_keys, topk_from_keys
+from ess.core.indexer_kernel import indexer_keys_fp8, indexer_scores_fp8, indexer_topk_fp8, score_keys, topk_from_keys
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -131,6 +131,18 @@ def test_topk_equals_select_topk_on_exact_scores(paged):
     for k in (1, 16, 40):  # k = 40 > request 2's 21 positions: -1 padding
         got = indexer_topk_fp8(q, w, table, pos, k, loc=loc, backend="interpret")
         assert got.dtype == torch.int32 and torch.equal(got, dsa_math.select_topk(want, pos, k)), k
+
+
+@interpreter
+@pytest.mark.parametrize("block_t", [16, 64, 256])
+def test_every_launch_configuration_gives_the_same_keys(block_t):
+    """benchmark/indexer.py sweeps the kernel's block of positions: each gives the reference's keys, bit for bit on
+    integer-valued scores, and the torch backend's keys are score_keys of the reference."""
+    q, w, rows = integer_case(2, 8, 300, seed=5)
+    pos = torch.tensor([299, 40])
+    want = score_keys(reference(q, w, rows, pos)[0])
+    assert torch.equal(indexer_keys_fp8(q, w, rows, pos, backend="interpret", block_t=block_t), want)
+    assert torch.equal(indexer_keys_fp8(q, w, rows, pos, backend="torch"), want)
 
 
 @interpreter

@@ -1,0 +1,138 @@
+"""Where the decode indexer's time goes: ESS's indexer kernel (ess.core.indexer_kernel) and its top-k, part by part,
+at the decode stack's shapes, against the byte floor of reading every token's index-K row once.
+
+On the H200 (docs/gpu.md) the indexer and its top-k took 1.91 of about 3.2 ms per layer of ESS's step at 32K, batch
+204: about 10x the floor. This splits that time: the scores kernel (fp32 out), the same kernel writing the int64 keys
+the exact top-k ranks, torch.topk over those keys (what indexer_topk_fp8 runs), and, for comparison only, torch.topk
+over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other launch
+configurations (positions per program, warps) at the largest case. Each figure: the median of CUDA graph replays.
+
+    python benchmark/indexer.py OUT_DIR            # on a GPU: OUT_DIR/indexer.json
+    python benchmark/indexer.py --smoke OUT_DIR    # tiny shapes on the CPU (the kernel in Triton's interpreter where
+                                                   # it runs, else the torch reference): checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from ess.analysis.sim.specs import get_hardware
+from ess.analysis.timing import graph_us
+from ess.core import dsa_math, flashtrans, layout
+from ess.core.indexer_kernel import BLOCK_T, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8, topk_from_keys
+
+HEADS, TOPK = 64, 2048  # DeepSeek-V3.2's indexer: 64 heads of 128, top-2048
+# (context, batch): batch 1, the baseline's memory wall and ESS's largest batch at ratio 0.1 (decode_gpu.py's)
+GPU_CASES = [(32768, 1), (32768, 52), (32768, 204), (131072, 1), (131072, 13), (131072, 51)]
+SWEEP = [(64, 4), (128, 4), (128, 8), (256, 8), (64, 2)]  # (positions per program, warps) at the largest case
+SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK = [(300, 1), (300, 3)], 8, 64
+
+
+def log(msg: str) -> None:
+    print(f"[indexer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def case_inputs(context: int, batch: int, heads: int, device: torch.device, seed: int = 0):
+    """Queries [N, H, 128] bf16 (FP8-exact values, as the model's), head weights [N, H], index-K rows [N, T, 132] of
+    random keys, every request at its last position."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, heads, layout.INDEX_DIM, generator=g, device=device).to(layout.FP8).to(torch.bfloat16)
+    w = torch.randn(batch, heads, generator=g, device=device)
+    rows = layout.quantize_index_k(torch.randn(batch, context, layout.INDEX_DIM, generator=g, device=device))
+    pos = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
+    return q, w, rows, pos
+
+
+def floor_us(rows: torch.Tensor, hbm_tbps: float | None) -> float | None:
+    """Reading every index-K row once at the part's HBM bandwidth (its datasheet's, ess/analysis/sim/data)."""
+    return round(rows.numel() / (hbm_tbps * 1e12) * 1e6, 1) if hbm_tbps else None
+
+
+def time_case(context, batch, heads, k, device, backend, iters, hbm_tbps) -> dict:
+    q, w, rows, pos = case_inputs(context, batch, heads, device)
+    keys = indexer_keys_fp8(q, w, rows, pos, backend=backend)
+    scores = indexer_scores_fp8(q, w, rows, pos, backend=backend)
+    k = min(k, context)
+
+    def us(fn) -> float:
+        return round(graph_us(fn, iters), 1)
+
+    row = {"context": context, "batch": batch, "heads": heads, "topk": k,
+           "index_k_mb": round(rows.numel() / 1e6, 1), "byte_floor_us": floor_us(rows, hbm_tbps),
+           "scores_kernel_us": us(lambda: indexer_scores_fp8(q, w, rows, pos, backend=backend)),
+           "keys_kernel_us": us(lambda: indexer_keys_fp8(q, w, rows, pos, backend=backend)),
+           "topk_keys_us": us(lambda: topk_from_keys(keys, k)),
+           "topk_float_sorted_us": us(lambda: torch.topk(scores, k, dim=1)),
+           "topk_float_unsorted_us": us(lambda: torch.topk(scores, k, dim=1, sorted=False))}
+    row["indexer_topk_us"] = round(row["keys_kernel_us"] + row["topk_keys_us"], 1)
+    if row["byte_floor_us"]:
+        row["over_floor"] = round(row["indexer_topk_us"] / row["byte_floor_us"], 2)
+    # exactness, untimed: the keys' top-k is select_topk's over the kernel's own scores
+    row["topk_exact"] = bool(torch.equal(topk_from_keys(keys, k), dsa_math.select_topk(scores, pos, k)))
+    return row
+
+
+def sweep(context, batch, heads, device, backend, iters) -> list[dict]:
+    q, w, rows, pos = case_inputs(context, batch, heads, device)
+    k = min(TOPK if device.type == "cuda" else SMOKE_TOPK, context)
+    want = topk_from_keys(indexer_keys_fp8(q, w, rows, pos, backend=backend), k)
+    out = []
+    for block_t, warps in SWEEP:
+        def run():
+            return indexer_keys_fp8(q, w, rows, pos, backend=backend, block_t=block_t, num_warps=warps)
+        out.append({"block_t": block_t, "num_warps": warps, "keys_kernel_us": round(graph_us(run, iters), 1),
+                    "same_topk": bool(torch.equal(topk_from_keys(run(), k), want))})  # fp32 sums may differ
+        log(f"sweep {out[-1]}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="folder for indexer.json (created)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU; checks the script, times nothing")
+    p.add_argument("--iters", type=int, default=20, help="timed replays per figure")
+    args = p.parse_args(argv)
+    if args.iters < 1:
+        p.error(f"--iters must be at least 1, got {args.iters}")
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        p.error("needs a CUDA GPU (or --smoke)")
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.init()
+        name = torch.cuda.get_device_name()
+        part = next((h for h in ("H200", "H100") if h in name), None)
+        hbm = get_hardware(part).hbm_tbps if part else None
+        backend, cases, heads, k = "triton", GPU_CASES, HEADS, TOPK
+    else:
+        name, hbm = "CPU (smoke, not a measurement)", None
+        backend = "interpret" if flashtrans.INTERPRETER_OK else "torch"
+        cases, heads, k = SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK
+    os.makedirs(args.out, exist_ok=True)
+    doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "backend": backend,
+           "command": " ".join(["python", "benchmark/indexer.py", *(argv if argv is not None else sys.argv[1:])]),
+           "timing": "median of CUDA graph replays" if cuda else "wall clock (smoke)", "hbm_tbps": hbm,
+           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS}, "cases": [], "sweep": []}
+    path = os.path.join(args.out, "indexer.json")
+    for context, batch in cases:
+        doc["cases"].append(time_case(context, batch, heads, k, device, backend, 1 if args.smoke else args.iters, hbm))
+        log(json.dumps(doc["cases"][-1]))
+        with open(path, "w") as f:  # after every case: a cut run keeps what it measured
+            json.dump(doc, f, indent=1)
+    if backend != "torch":  # launch configurations belong to the kernel
+        context, batch = cases[-1] if not cuda else max(cases, key=lambda c: c[0] * c[1])
+        doc["sweep"] = sweep(context, batch, heads, device, backend, 1 if args.smoke else args.iters)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
