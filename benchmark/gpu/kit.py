@@ -327,7 +327,8 @@ def part_miss_kernel(c: Case, s: dict, dev, unsplit: torch.Tensor, t_unsplit: fl
 
         row = {"misses_per_request": m, "attn0_us": round(graph_us(lambda: c.attend(pool, i0), iters), 1),
                "miss_us": round(graph_us(attn1, iters), 1),
-               "merge_us": round(graph_us(lambda: MA.merge(o0, lse0, o1, lse1), iters), 1),
+               "merge_us": round(graph_us(lambda: MA.merge(o0, lse0, o1, lse1), iters), 1),  # the kernel on a GPU
+               "merge_torch_us": round(graph_us(lambda: MA.merge(o0, lse0, o1, lse1, backend="torch"), iters), 1),
                "total_us": round(graph_us(split, iters), 1), "rel_err_vs_unsplit": rel_err(merged, unsplit)}
         row["ratio_to_one_call"] = round(row["total_us"] / t_unsplit, 3)
         worst_err = max(worst_err, row["rel_err_vs_unsplit"])

@@ -12,7 +12,8 @@ compact kernel over each query row's compacted miss list instead (the LRU step's
         (FlashTrans' H2D, ess.core.flashtrans.gather_lists) and the row is attended, in one kernel that reads each
         missing row from the pinned host pool once (UVA)
     merge(o0, lse0, o1, lse1)
-        Attn0 (FlashMLA over the top-k with the misses set to -1) and Attn1 merged by log-sum-exp
+        Attn0 (FlashMLA over the top-k with the misses set to -1) and Attn1 merged by log-sum-exp (a kernel of its
+        own on a GPU)
 
 Rows are V3.2's 656-byte latent rows (ess.core.layout: 512 FP8 e4m3 values in 4 tiles with 4 float32 scales, 64 bf16
 RoPE values). Output and LSE follow FlashMLA's conventions: o [N, H, 512] (float32 here), lse [N, H] in natural log,
@@ -128,6 +129,29 @@ if triton is not None:
             o = tl.where(seen[:, None], acc / tl.where(seen, l, 1.0)[:, None], 0.0)
             tl.store(o_ptr + qrow * NOPE + c[None, :], o, mask=hm)
             tl.store(lse_ptr + n * H + h, lse, mask=h < H)
+
+
+    def _merge_kernel(o0_ptr, lse0_ptr, o1_ptr, lse1_ptr, o_ptr, lse_ptr, D: tl.constexpr):
+        """One (query row, head) per program: merge's formula on one row of D values, float32."""
+        r = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, D)
+        l0 = tl.load(lse0_ptr + r).to(tl.float32)
+        l1 = tl.load(lse1_ptr + r).to(tl.float32)
+        l0 = tl.where(l0 == float("inf"), float("-inf"), l0)  # FlashMLA's empty row
+        l1 = tl.where(l1 == float("inf"), float("-inf"), l1)
+        m = tl.maximum(l0, l1)
+        empty = m == float("-inf")  # both parts
+        m_safe = tl.where(empty, 0.0, m)
+        total = tl.exp(l0 - m_safe) + tl.exp(l1 - m_safe)
+        lse = m_safe + tl.log(tl.where(empty, 1.0, total))  # logaddexp
+        safe = tl.where(empty, 0.0, lse)
+        w0 = tl.exp(l0 - safe)
+        w1 = tl.exp(l1 - safe)
+        o0 = tl.load(o0_ptr + r * D + d).to(tl.float32)
+        o1 = tl.load(o1_ptr + r * D + d).to(tl.float32)
+        o = tl.where(l0 > float("-inf"), o0 * w0, 0.0) + tl.where(l1 > float("-inf"), o1 * w1, 0.0)
+        tl.store(o_ptr + r * D + d, o.to(o_ptr.dtype.element_ty))
+        tl.store(lse_ptr + r, tl.where(empty, float("-inf"), lse))
 
 
 @functools.lru_cache(maxsize=2)
@@ -266,10 +290,44 @@ def copy_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, host: torch.Tensor, ho
                    backend == "interpret", block_h, block_n, num_warps)
 
 
-def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attn0 and Attn1 over disjoint entries merged by log-sum-exp (ess.core.dsa_math.merge_attention), float32. An
-    lse of +inf (FlashMLA's for a row without a valid entry) counts as empty, like -inf."""
+@functools.lru_cache(maxsize=2)
+def _merge(interpret: bool):
+    if triton is None:
+        raise RuntimeError("miss attention: the triton and interpret backends need the triton package")
+    if interpret:
+        if not INTERPRETER_OK:
+            raise RuntimeError("miss attention: the 'interpret' backend needs Triton >= 3.8's interpreter")
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_merge_kernel)
+    return triton.jit(_merge_kernel)
+
+
+def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, backend: str = "auto",
+          out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attn0 and Attn1 over disjoint entries merged by log-sum-exp (ess.core.dsa_math.merge_attention): o [..., D]
+    and lse [...] each; computed in float32, o written in out_dtype (the serving path's bf16: no extra pass), lse in
+    float32. An lse of +inf (FlashMLA's for a row without a valid entry) counts as empty, like -inf, and an empty
+    part's o is ignored. On a GPU one Triton kernel (one program per row of D values: it reads
+    each input once, where the torch ops took 63-67 us at batch 32 on an H200, docs/gpu.md); "torch" is the
+    reference, "interpret" the kernel in Triton's CPU interpreter; the two agree within float32 rounding."""
+    if o0.shape != o1.shape or lse0.shape != lse1.shape or o0.shape[:-1] != lse0.shape:
+        raise ValueError(f"merge: o0 {tuple(o0.shape)}, o1 {tuple(o1.shape)} must match and lse0 {tuple(lse0.shape)}, "
+                         f"lse1 {tuple(lse1.shape)} must be their leading dimensions")
+    backend = _backend(backend, o0.device)
+    if backend != "torch":
+        D = o0.shape[-1]
+        o = torch.empty(o0.shape, dtype=out_dtype, device=o0.device)
+        lse = torch.empty(lse0.shape, dtype=torch.float32, device=o0.device)
+        rows = lse.numel()
+        if rows:
+            _merge(backend == "interpret")[(rows,)](o0.reshape(rows, D).contiguous(), lse0.reshape(rows).contiguous(),
+                                                    o1.reshape(rows, D).contiguous(), lse1.reshape(rows).contiguous(),
+                                                    o, lse, D=D)
+        return o, lse
     lse0 = torch.where(lse0 == math.inf, -math.inf, lse0.float())
     lse1 = torch.where(lse1 == math.inf, -math.inf, lse1.float())
     o0 = torch.where(torch.isfinite(lse0).unsqueeze(-1), o0.float(), 0.0)  # an empty part's o is whatever the kernel left
-    return dsa_math.merge_attention(o0, lse0, o1.float(), lse1)
+    o1 = torch.where(torch.isfinite(lse1).unsqueeze(-1), o1.float(), 0.0)
+    o, lse = dsa_math.merge_attention(o0, lse0, o1, lse1)
+    return o.to(out_dtype), lse

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from ess.core import layout
+from ess.core import layout, miss_attention
 from ess.core.settings import PAGE_TOKENS
 from ess.reference import attention as A
 
@@ -83,4 +83,4 @@ def split_decode(q_nope, q_pe, pool, idx, hit, scale, before_attn1=lambda: None,
     o0, lse0 = sparse_decode(q_nope, q_pe, pool, torch.where(hit, idx, none), scale, backend)
     before_attn1()
     o1, lse1 = sparse_decode(q_nope, q_pe, pool, torch.where(hit, none, idx), scale, backend)
-    return A.merge_attention(o0, lse0, o1, lse1)
+    return miss_attention.merge(o0, lse0, o1, lse1)

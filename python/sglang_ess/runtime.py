@@ -299,8 +299,8 @@ class EssRuntime:
         o0, lse0 = attn0()
         self.streams.wait(fetched)
         o1, lse1 = part1["o"] if part1 else self.cache.attend_misses(layer, r, q_nope, q_pe, scale)
-        o, lse = miss_attention.merge(o0[:, 0], lse0[:, :, 0], o1, lse1)
-        return o.to(o0.dtype).unsqueeze(1), torch.where(lse == -math.inf, math.inf, lse).unsqueeze(-1)
+        o, lse = miss_attention.merge(o0[:, 0], lse0[:, :, 0], o1, lse1, out_dtype=o0.dtype)
+        return o.unsqueeze(1), torch.where(lse == -math.inf, math.inf, lse).unsqueeze(-1)
 
     def check_split_taken(self) -> None:
         """After the backend's decode call: a pending split means its attention did not go through FlashMLA's

@@ -139,6 +139,40 @@ def test_merge_takes_flashmla_empty_rows_as_empty():
     assert torch.equal(got_o, o) and torch.equal(got_lse, lse)
 
 
+def merge_case(device="cpu"):
+    """FlashMLA-shaped parts ([B, 1, H, 512] bf16 and [B, H, 1] float32, read as views) with every kind of lse: both
+    parts finite, one empty (-inf, or FlashMLA's +inf over a NaN o), both empty."""
+    g = torch.Generator().manual_seed(7)
+    B, H = 3, 16
+    o0 = torch.randn(B, 1, H, 512, generator=g).to(torch.bfloat16)
+    lse0 = torch.randn(B, H, 1, generator=g) * 4
+    o1 = torch.randn(B, H, 512, generator=g)
+    lse1 = torch.randn(B, H, generator=g) * 4
+    lse0[0, :4, 0] = math.inf
+    o0[0, 0, :4] = float("nan")
+    lse1[1, 2:6] = -math.inf
+    lse0[2, 5, 0], lse1[2, 5] = -math.inf, -math.inf
+    return [x.to(device) for x in (o0[:, 0], lse0[:, :, 0], o1, lse1)]
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("interpret", marks=interpreter),
+    pytest.param("triton", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_the_merge_kernel_equals_the_torch_merge(backend):
+    parts = merge_case("cuda" if backend == "triton" else "cpu")
+    o, lse = MA.merge(*parts, backend=backend)
+    want_o, want_lse = MA.merge(*[x.cpu() for x in parts], backend="torch")
+    assert o.dtype == lse.dtype == torch.float32 and torch.isfinite(o).all()
+    torch.testing.assert_close(o.cpu(), want_o, rtol=1e-6, atol=1e-6)  # float32 exp / log of two libraries
+    torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(want_lse))  # both empty: -inf, as the torch merge
+    o16, lse16 = MA.merge(*parts, backend=backend, out_dtype=torch.bfloat16)  # the serving path's: written as bf16
+    assert o16.dtype == torch.bfloat16 and torch.equal(lse16, lse)
+    torch.testing.assert_close(o16.cpu(), want_o.to(torch.bfloat16), rtol=0.01, atol=0.01)
+    with pytest.raises(ValueError, match="lse0"):
+        MA.merge(parts[0], parts[1][:1], parts[2], parts[3], backend=backend)
+
+
 def test_bad_inputs_are_refused_naming_the_argument():
     qn, qp, pool, idx, hit, slots, counts = _case()
     with pytest.raises(ValueError, match="q_nope"):
