@@ -84,14 +84,16 @@ except ImportError:  # pragma: no cover
 INTERPRETER_OK = triton is not None and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
 
 
-@functools.lru_cache(maxsize=4)
-def _kernel(interpret: bool, fn=None):
-    """A kernel (default: the row copy), compiled for the GPU or wrapped for Triton's CPU interpreter (decided per
-    call, not per import)."""
+@functools.lru_cache(maxsize=None)
+def compiled(fn, interpret: bool, what: str):
+    """A Triton kernel function compiled for the GPU, or wrapped for Triton's CPU interpreter (decided per call, not
+    per import, so one process can run both); every kernel of ess.core is launched through it. `what` names the
+    caller in the errors."""
     if triton is None:
-        raise RuntimeError("FlashTrans: the triton backend needs the triton package")
-    fn = fn or _copy_rows_kernel
+        raise RuntimeError(f"{what}: the triton and interpret backends need the triton package")
     if interpret:
+        if not INTERPRETER_OK:
+            raise RuntimeError(f"{what}: the 'interpret' backend needs Triton >= 3.8's interpreter")
         from triton.runtime.interpreter import InterpretedFunction
 
         return InterpretedFunction(fn)
@@ -169,7 +171,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     if programs:
         grid = min(grid, programs)
     iters = -(-n // (grid * rows))
-    _kernel(backend == "interpret")[(grid,)](sw, src_idx, dw, dst_idx, n, iters, WORDS=WORDS, BLOCK=BLOCK, ROWS=rows)
+    compiled(_copy_rows_kernel, backend == "interpret", "FlashTrans")[(grid,)](sw, src_idx, dw, dst_idx, n, iters, WORDS=WORDS, BLOCK=BLOCK, ROWS=rows)
 
 
 def gather_lists(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor, gpu_slots: torch.Tensor,
@@ -196,7 +198,7 @@ def gather_lists(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor,
         sw = _UvaPointer(sw) if not sw.is_cuda else sw
     rows, programs = (OVERLAP_ROWS, OVERLAP_PROGRAMS) if overlapped else (LIST_ROWS, LIST_PROGRAMS)
     grid = min(programs, -(-B * K // rows))
-    _kernel(backend == "interpret", _copy_lists_kernel)[(grid,)](
+    compiled(_copy_lists_kernel, backend == "interpret", "FlashTrans")[(grid,)](
         sw, host_rows.contiguous(), dw, gpu_slots.contiguous(), counts.contiguous(), B, K,
         WORDS=WORDS, BLOCK=BLOCK, ROWS=rows, BLOCK_B=max(2, 1 << (B - 1).bit_length()),
     )

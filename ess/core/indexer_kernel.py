@@ -43,13 +43,12 @@ bytes a position ([N, T] int64; the rows read are 132).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from ess.core import dsa_math, layout
-from ess.core.flashtrans import INTERPRETER_OK, triton
+from ess.core.flashtrans import compiled, triton
 
 BLOCK_T = 128  # positions per program
 NUM_WARPS = 4  # per program (GPU only)
@@ -101,21 +100,8 @@ if triton is not None:
             tl.store(out + n * T + t, key, mask=t < T)
         else:
             tl.store(out + n * T + t, score, mask=t < T)
-
-
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The scores kernel compiled for the GPU or wrapped for Triton's CPU interpreter (decided per call, not per
-    import, as ess.core.flashtrans and ess.core.lru_kernel do)."""
-    if triton is None:
-        raise RuntimeError("indexer: the triton and interpret backends need the triton package")
-    if interpret:
-        if not INTERPRETER_OK:
-            raise RuntimeError("indexer: the 'interpret' backend needs Triton >= 3.8's interpreter")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(_scores_kernel)
-    return triton.jit(_scores_kernel)
+else:  # compiled() refuses these without triton, naming the caller
+    _scores_kernel = None
 
 
 def _got(x) -> str:
@@ -194,7 +180,7 @@ def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t:
     loc_arg = loc if paged else pos  # unread when not paged
     grid = (triton.cdiv(T, block_t), N)
     upcast = interpret and q.dtype == torch.bfloat16  # see the kernel
-    _kernel(interpret)[grid](
+    compiled(_scores_kernel, interpret, "indexer")[grid](
         q.contiguous(), w.contiguous(), rows, loc_arg, pos.contiguous(), out, T, H,
         0 if paged else rows.stride(0), rows.stride(-2), loc.stride(0) if paged else 0, loc.stride(1) if paged else 0,
         D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=block_t,

@@ -20,11 +20,10 @@ The kernel needs Triton (the GPU, or its CPU interpreter from Triton 3.8 on: how
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
-from ess.core.flashtrans import INTERPRETER_OK, triton
+from ess.core.flashtrans import compiled, triton
 from ess.core.policy import STAMP_MOD, PolicyResult, check_capacity, check_step_tables
 
 REGISTER_SLOTS = 8192  # up to this many slots a program keeps the victim keys in registers; beyond, it re-reads them
@@ -250,19 +249,9 @@ if triton is not None:
         tl.store(n_set_out + b, n_set)
         if PROFILE:
             _tick(prof, b, 6)
-
-
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    if triton is None:
-        raise RuntimeError("the fused LRU step needs the triton package")
-    if interpret:
-        if not INTERPRETER_OK:
-            raise RuntimeError("the fused LRU step on a CPU needs Triton >= 3.8's interpreter")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(_lru_step_kernel), InterpretedFunction(_victim_keys)
-    return triton.jit(_lru_step_kernel), triton.jit(_victim_keys)
+else:  # compiled() refuses these without triton, naming the caller
+    _lru_step_kernel = None
+    _victim_keys = None
 
 
 def _pow2(n: int) -> int:
@@ -305,7 +294,7 @@ def lru_update_fused(
     if B == 0:
         return out
     block_c = min(_pow2(C), REGISTER_SLOTS)
-    kernel, keys = _kernel(dev.type != "cuda")
+    kernel, keys = (compiled(fn, dev.type != "cuda", "the fused LRU step") for fn in (_lru_step_kernel, _victim_keys))
     global LAST_LAUNCH
     LAST_LAUNCH = kernel[(B,)](
         slot_pos, slot_stamp, pos_slot, req.contiguous(), sets.contiguous(), own, stamp, token_table, tt_stride,

@@ -40,13 +40,12 @@ untuned first choices; benchmark/gpu/kit.py's DA split sweeps a few (docs/gpu.md
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from ess.core import dsa_math, flashtrans, layout
-from ess.core.flashtrans import INTERPRETER_OK, triton
+from ess.core.flashtrans import compiled, triton
 
 BLOCK_H = 16  # heads per block (tl.dot's minimum)
 BLOCK_N = 16  # entries per chunk of the online softmax
@@ -152,21 +151,9 @@ if triton is not None:
         o = tl.where(l0 > float("-inf"), o0 * w0, 0.0) + tl.where(l1 > float("-inf"), o1 * w1, 0.0)
         tl.store(o_ptr + r * D + d, o.to(o_ptr.dtype.element_ty))
         tl.store(lse_ptr + r, tl.where(empty, float("-inf"), lse))
-
-
-@functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The kernel compiled for the GPU or wrapped for Triton's CPU interpreter (decided per call, not per import, as
-    ess.core.flashtrans does)."""
-    if triton is None:
-        raise RuntimeError("miss attention: the triton and interpret backends need the triton package")
-    if interpret:
-        if not INTERPRETER_OK:
-            raise RuntimeError("miss attention: the 'interpret' backend needs Triton >= 3.8's interpreter")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(_miss_kernel)
-    return triton.jit(_miss_kernel)
+else:  # compiled() refuses these without triton, naming the caller
+    _miss_kernel = None
+    _merge_kernel = None
 
 
 def _got(x) -> str:
@@ -243,7 +230,7 @@ def _launch(q_nope, q_pe, src, src_idx, dst, dst_idx, counts, scale, N, H, W, fu
         raise ValueError("miss attention: the GPU pool must be a CUDA tensor")
     if not interpret and not src.is_cuda:
         src = flashtrans._UvaPointer(src)  # pinned host memory, read in place over UVA
-    _kernel(interpret)[grid](
+    compiled(_miss_kernel, interpret, "miss attention")[grid](
         q_nope.contiguous(), q_pe.contiguous(), src, src_idx.contiguous(), dst, dst_idx.contiguous(), counts.contiguous(),
         o, lse, float(scale), W, H,
         HEAD_BLOCKS=blocks if fused else 1, FUSED=fused, BLOCK_H=bh, BLOCK_N=bn,
@@ -290,19 +277,6 @@ def copy_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, host: torch.Tensor, ho
                    backend == "interpret", block_h, block_n, num_warps)
 
 
-@functools.lru_cache(maxsize=2)
-def _merge(interpret: bool):
-    if triton is None:
-        raise RuntimeError("miss attention: the triton and interpret backends need the triton package")
-    if interpret:
-        if not INTERPRETER_OK:
-            raise RuntimeError("miss attention: the 'interpret' backend needs Triton >= 3.8's interpreter")
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(_merge_kernel)
-    return triton.jit(_merge_kernel)
-
-
 def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Tensor, backend: str = "auto",
           out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Attn0 and Attn1 over disjoint entries merged by log-sum-exp (ess.core.dsa_math.merge_attention): o [..., D]
@@ -321,7 +295,7 @@ def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Te
         lse = torch.empty(lse0.shape, dtype=torch.float32, device=o0.device)
         rows = lse.numel()
         if rows:
-            _merge(backend == "interpret")[(rows,)](o0.reshape(rows, D).contiguous(), lse0.reshape(rows).contiguous(),
+            compiled(_merge_kernel, backend == "interpret", "merge")[(rows,)](o0.reshape(rows, D).contiguous(), lse0.reshape(rows).contiguous(),
                                                     o1.reshape(rows, D).contiguous(), lse1.reshape(rows).contiguous(),
                                                     o, lse, D=D)
         return o, lse
