@@ -4,6 +4,7 @@ tables go to stdout without --json, progress to stderr."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -557,21 +558,27 @@ def cmd_trace_record(args) -> int:
     return 0
 
 
-def _record_real(args) -> int:
-    """`ess trace record --model NAME`: a pretrained model's attention top-k over real texts."""
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's CPU threads set to n for the block, then restored."""
     import torch
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _record_real(args) -> int:
+    """`ess trace record --model NAME`: a pretrained model's attention top-k over real texts."""
     from ess.analysis.real_traces import record_real_trace
     from ess.core.trace import save_trace
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        with _Progress(not args.quiet) as progress:
-            trace = record_real_trace(args.model, args.text_paths, args.context, args.steps, args.topk,
-                                      args.lookahead, progress, text_set=args.texts, token_lists=args.token_lists)
-    finally:
-        torch.set_num_threads(threads)
+    with _torch_threads(args.threads), _Progress(not args.quiet) as progress:
+        trace = record_real_trace(args.model, args.text_paths, args.context, args.steps, args.topk,
+                                  args.lookahead, progress, text_set=args.texts, token_lists=args.token_lists)
     save_trace(_output(args.out), trace)
     ext = f", topk_ext {list(trace.topk_ext.shape)}" if trace.topk_ext is not None else ""
     say(f"wrote {args.out}: {args.model} trace of {len(args.text_paths)} texts, topk {list(trace.topk.shape)}{ext}")
@@ -580,19 +587,13 @@ def _record_real(args) -> int:
 
 def _synth_like(args) -> int:
     """`ess trace synth --like REAL.npz`: the generator fitted to a real trace; the fit and its error reported."""
-    import torch
-
     from ess.analysis.synth_fit import fit_like
     from ess.core.trace import load_trace, save_trace
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many small replays: on a shared machine one thread is the fast choice
-    try:
-        real = load_trace(args.like)
-        with _Progress(not args.quiet) as progress:
-            _, trace, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
-    finally:
-        torch.set_num_threads(threads)
+    real = load_trace(args.like)
+    # many small replays: on a shared machine one thread is the fast choice
+    with _torch_threads(1), _Progress(not args.quiet) as progress:
+        _, trace, report = fit_like(real, args.seed, lambda d, t: progress("fit (candidate traces)", d, t))
     trace.meta["source"] = f"synthetic (ess trace synth --like {args.like}); NOT a measurement"
     trace.meta["fit"] = {k: v for k, v in report.items() if k != "options"}
     save_trace(_output(args.out), trace)
