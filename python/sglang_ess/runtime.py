@@ -134,12 +134,11 @@ class EssRuntime:
         if self._pending:
             logger.warning("ESS: %d overlap step(s) started at the indexer were never consumed; dropped", len(self._pending))
             for (layer, _, _), (r, fetched, req) in self._pending.items():
-                if fetched is None:  # a fused step's misses are resident in the tables: their rows must land
-                    self.cache.fetch(layer, req, self.token_table, r)
+                self._land_unfetched(layer, req, r, fetched)
             self._pending.clear()
-        if self._split is not None and self._split[3] is None:  # a fused split never taken: its rows too
-            layer, req, r, _ = self._split
-            self.cache.fetch(layer, req, self.token_table, r)
+        if self._split is not None:  # a split never taken
+            layer, req, r, fetched = self._split
+            self._land_unfetched(layer, req, r, fetched)
         self._split = None
         self.apply_admissions()
         if self.ring is not None:
@@ -266,10 +265,16 @@ class EssRuntime:
                 self._split = (layer, req_pool_indices, r, fetched)
                 return torch.where(r.hit, r.attn_slot, -1).reshape(top_k.shape).to(torch.int32)
             if fetched is None:  # fused, but this call attends in one piece: the copy first, here
-                self.cache.fetch(layer, req_pool_indices, self.token_table, r)
+                self._land_unfetched(layer, req_pool_indices, r, fetched)
             else:
                 self.streams.wait(fetched)
         return r.attn_slot.reshape(top_k.shape).to(torch.int32)
+
+    def _land_unfetched(self, layer: int, req: torch.Tensor, r, fetched) -> None:
+        """A fused step (fetched None) leaves its misses resident in the tables with no copy started, the fused miss
+        kernel's to make: where that kernel does not run, the rows are copied here."""
+        if fetched is None:
+            self.cache.fetch(layer, req, self.token_table, r)
 
     @property
     def split_pending(self) -> bool:
