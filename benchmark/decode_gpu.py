@@ -491,7 +491,8 @@ def summary(rows: list[dict], s: Setup) -> dict:
     """gain_32k_max_batch: the best ESS mode at its largest batch over the baseline at its largest batch (hybrid
     tokens/s, the smallest context, decode); ratio_small_batch: ESS's best over the baseline at batch 1 and 2, the
     smaller; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch(_mtp): the decode (MTP
-    verify) gain at each longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its largest batch."""
+    verify) gain at each longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its
+    largest batch."""
     out = {}
     ctx = min(r["context"] for r in rows) if rows else None
     for S in sorted({r["query_rows"] for r in rows}):

@@ -171,7 +171,8 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     if programs:
         grid = min(grid, programs)
     iters = -(-n // (grid * rows))
-    compiled(_copy_rows_kernel, backend == "interpret", "FlashTrans")[(grid,)](sw, src_idx, dw, dst_idx, n, iters, WORDS=WORDS, BLOCK=BLOCK, ROWS=rows)
+    compiled(_copy_rows_kernel, backend == "interpret", "FlashTrans")[(grid,)](
+        sw, src_idx, dw, dst_idx, n, iters, WORDS=WORDS, BLOCK=BLOCK, ROWS=rows)
 
 
 def gather_lists(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor, gpu_slots: torch.Tensor,

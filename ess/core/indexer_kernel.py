@@ -37,8 +37,8 @@ a fast path). "auto": "triton" for CUDA tensors, else "torch".
 
 Timed on a GPU only inside the decode stack so far (docs/gpu.md: with the indexer's projections, 1.91 ms per layer at
 32K, batch 204, on an H200, about 10x the byte floor); benchmark/indexer.py times the parts apart. BLOCK_T and
-NUM_WARPS are untuned first choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32 bits), and the keys take 8
-bytes a position ([N, T] int64; the rows read are 132).
+NUM_WARPS are untuned first choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32
+bits), and the keys take 8 bytes a position ([N, T] int64; the rows read are 132).
 """
 
 from __future__ import annotations

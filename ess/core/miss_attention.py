@@ -282,22 +282,24 @@ def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Te
     """Attn0 and Attn1 over disjoint entries merged by log-sum-exp (ess.core.dsa_math.merge_attention): o [..., D]
     and lse [...] each; computed in float32, o written in out_dtype (the serving path's bf16: no extra pass), lse in
     float32. An lse of +inf (FlashMLA's for a row without a valid entry) counts as empty, like -inf, and an empty
-    part's o is ignored. On a GPU one Triton kernel (one program per row of D values: it reads
-    each input once, where the torch ops took 63-67 us at batch 32 on an H200, docs/gpu.md); "torch" is the
-    reference, "interpret" the kernel in Triton's CPU interpreter; the two agree within float32 rounding."""
+    part's o is ignored. On a GPU one Triton kernel, one program per row of D values, reading each input once (the
+    torch ops took 63-67 us at batch 32 on an H200, docs/gpu.md); "torch" is the reference, "interpret" the kernel in
+    Triton's CPU interpreter; the two agree within float32 rounding."""
     if o0.shape != o1.shape or lse0.shape != lse1.shape or o0.shape[:-1] != lse0.shape:
         raise ValueError(f"merge: o0 {tuple(o0.shape)}, o1 {tuple(o1.shape)} must match and lse0 {tuple(lse0.shape)}, "
                          f"lse1 {tuple(lse1.shape)} must be their leading dimensions")
     backend = _backend(backend, o0.device)
+    D = o0.shape[-1]
+    if backend != "torch" and D & (D - 1):
+        raise ValueError(f"merge: the kernel takes a power-of-two last dimension (512 in V3.2), got {D}")
     if backend != "torch":
-        D = o0.shape[-1]
         o = torch.empty(o0.shape, dtype=out_dtype, device=o0.device)
         lse = torch.empty(lse0.shape, dtype=torch.float32, device=o0.device)
-        rows = lse.numel()
-        if rows:
-            compiled(_merge_kernel, backend == "interpret", "merge")[(rows,)](o0.reshape(rows, D).contiguous(), lse0.reshape(rows).contiguous(),
-                                                    o1.reshape(rows, D).contiguous(), lse1.reshape(rows).contiguous(),
-                                                    o, lse, D=D)
+        R = lse.numel()
+        if R:
+            compiled(_merge_kernel, backend == "interpret", "merge")[(R,)](
+                o0.reshape(R, D).contiguous(), lse0.reshape(R).contiguous(), o1.reshape(R, D).contiguous(),
+                lse1.reshape(R).contiguous(), o, lse, D=D)
         return o, lse
     lse0 = torch.where(lse0 == math.inf, -math.inf, lse0.float())
     lse1 = torch.where(lse1 == math.inf, -math.inf, lse1.float())
