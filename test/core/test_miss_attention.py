@@ -171,6 +171,8 @@ def test_the_merge_kernel_equals_the_torch_merge(backend):
     torch.testing.assert_close(o16.cpu(), want_o.to(torch.bfloat16), rtol=0.01, atol=0.01)
     with pytest.raises(ValueError, match="lse0"):
         MA.merge(parts[0], parts[1][:1], parts[2], parts[3], backend=backend)
+    with pytest.raises(ValueError, match="power-of-two last dimension"):
+        MA.merge(parts[0][..., :500], parts[1], parts[2][..., :500], parts[3], backend=backend)
 
 
 def test_bad_inputs_are_refused_naming_the_argument():
