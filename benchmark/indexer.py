@@ -5,7 +5,9 @@ On the H200 (docs/gpu.md) the indexer and its top-k took 1.91 of about 3.2 ms pe
 204: about 10x the floor. This splits that time: the scores kernel (fp32 out), the same kernel writing the int64 keys
 the exact top-k ranks, torch.topk over those keys (what indexer_topk_fp8 runs), and, for comparison only, torch.topk
 over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other launch
-configurations (positions per program, warps) at the largest case. Each figure: the median of CUDA graph replays.
+configurations (positions per program, warps, and how rows are loaded: bytes, or 4-byte words unpacked in
+registers, since a 132-byte row is not 16-byte aligned) at the largest case. Each figure: the median of CUDA graph
+replays.
 
     python benchmark/indexer.py OUT_DIR            # on a GPU: OUT_DIR/indexer.json
     python benchmark/indexer.py --smoke OUT_DIR    # tiny shapes on the CPU (the kernel in Triton's interpreter where
@@ -25,12 +27,14 @@ import torch
 from ess.analysis.sim.specs import get_hardware
 from ess.analysis.timing import graph_us
 from ess.core import dsa_math, flashtrans, layout
-from ess.core.indexer_kernel import BLOCK_T, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8, topk_from_keys
+from ess.core.indexer_kernel import BLOCK_T, LOADS, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8, topk_from_keys
 
 HEADS, TOPK = 64, 2048  # DeepSeek-V3.2's indexer: 64 heads of 128, top-2048
 # (context, batch): batch 1, the baseline's memory wall and ESS's largest batch at ratio 0.1 (decode_gpu.py's)
 GPU_CASES = [(32768, 1), (32768, 52), (32768, 204), (131072, 1), (131072, 13), (131072, 51)]
-SWEEP = [(64, 4), (128, 4), (128, 8), (256, 8), (64, 2)]  # (positions per program, warps) at the largest case
+# (positions per program, warps, row loads) at the largest case; "words": 4-byte loads unpacked in registers
+SWEEP = [(64, 4, "bytes"), (128, 4, "bytes"), (128, 8, "bytes"), (256, 8, "bytes"), (64, 2, "bytes"),
+         (64, 4, "words"), (128, 4, "words"), (128, 8, "words"), (256, 8, "words")]
 SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK = [(300, 1), (300, 3)], 8, 64
 
 
@@ -83,10 +87,11 @@ def sweep(context, batch, heads, device, backend, iters) -> list[dict]:
     k = min(TOPK if device.type == "cuda" else SMOKE_TOPK, context)
     want = topk_from_keys(indexer_keys_fp8(q, w, rows, pos, backend=backend), k)
     out = []
-    for block_t, warps in SWEEP:
+    for block_t, warps, loads in SWEEP:
         def run():
-            return indexer_keys_fp8(q, w, rows, pos, backend=backend, block_t=block_t, num_warps=warps)
-        out.append({"block_t": block_t, "num_warps": warps, "keys_kernel_us": round(graph_us(run, iters), 1),
+            return indexer_keys_fp8(q, w, rows, pos, backend=backend, block_t=block_t, num_warps=warps, loads=loads)
+        out.append({"block_t": block_t, "num_warps": warps, "loads": loads,
+                    "keys_kernel_us": round(graph_us(run, iters), 1),
                     "same_topk": bool(torch.equal(topk_from_keys(run(), k), want))})  # fp32 sums may differ
         log(f"sweep {out[-1]}")
     return out
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "backend": backend,
            "command": " ".join(["python", "benchmark/indexer.py", *(argv if argv is not None else sys.argv[1:])]),
            "timing": "median of CUDA graph replays" if cuda else "wall clock (smoke)", "hbm_tbps": hbm,
-           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS}, "cases": [], "sweep": []}
+           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS}, "cases": [], "sweep": []}
     path = os.path.join(args.out, "indexer.json")
     for context, batch in cases:
         doc["cases"].append(time_case(context, batch, heads, k, device, backend, 1 if args.smoke else args.iters, hbm))

@@ -38,7 +38,9 @@ a fast path). "auto": "triton" for CUDA tensors, else "torch".
 Timed on a GPU only inside the decode stack so far (docs/gpu.md: with the indexer's projections, 1.91 ms per layer at
 32K, batch 204, on an H200, about 10x the byte floor); benchmark/indexer.py times the parts apart. BLOCK_T and
 NUM_WARPS are untuned first choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32
-bits), and the keys take 8 bytes a position ([N, T] int64; the rows read are 132).
+bits), and the keys take 8 bytes a position ([N, T] int64; the rows read are 132). A 132-byte row is 4-byte but
+not 16-byte aligned, so the FP8 values may be loaded byte by byte; LOADS = "words" reads them as 32 aligned 4-byte
+words unpacked in registers instead (equal keys, tested; which is faster waits for benchmark/indexer.py on a GPU).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from ess.core.flashtrans import compiled, triton
 
 BLOCK_T = 128  # positions per program
 NUM_WARPS = 4  # per program (GPU only)
+LOADS = "bytes"  # how a program reads its rows' FP8 values: "bytes", or "words" (4-byte loads; untimed on a GPU)
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOW_WORD = 0xFFFFFFFF
 NEG_INF_KEY = -2139095041  # the high word of -inf's key: int32 of 0xFF800000 ^ 0x7FFFFFFF
@@ -65,7 +68,8 @@ if triton is not None:
 
     def _scores_kernel(q_ptr, w_ptr, rows, loc, pos_ptr, out, T, H, row_n, row_t, loc_n, loc_t,
                        D: tl.constexpr, SCALE_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                       PAGED: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                       PAGED: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                       WORDS: tl.constexpr):
         n = tl.program_id(1).to(tl.int64)
         t0 = tl.program_id(0) * BLOCK_T
         t = t0 + tl.arange(0, BLOCK_T)
@@ -84,7 +88,14 @@ if triton is not None:
             if UPCAST:  # the interpreter's tl.dot multiplies bf16 as raw integers; in fp32 the products are the same
                 q = q.to(tl.float32)
             w = tl.load(w_ptr + n * H + h, mask=h < H, other=0.0).to(tl.float32)
-            kb = tl.load(rows + base[:, None] + d[None, :], mask=valid[:, None], other=0)
+            if WORDS:  # the 128 FP8 bytes as 32 aligned 4-byte words (a 132-byte row is 4-, not 16-byte aligned)
+                wi = tl.arange(0, D // 4)
+                kw = tl.load((rows + base).to(tl.pointer_type(tl.int32))[:, None] + wi[None, :], mask=valid[:, None],
+                             other=0)
+                shift = tl.arange(0, 4) * 8  # little-endian: byte j of word i is value 4 i + j
+                kb = tl.reshape(((kw[:, :, None] >> shift[None, None, :]) & 0xFF).to(tl.uint8), (BLOCK_T, D))
+            else:
+                kb = tl.load(rows + base[:, None] + d[None, :], mask=valid[:, None], other=0)
             k = kb.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # exact: every e4m3 value is a bf16 / fp16 value
             scale = tl.load((rows + base + SCALE_OFFSET).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T], fp32 accumulation
@@ -171,8 +182,10 @@ def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
 
 
 def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t: int = BLOCK_T,
-            num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """The kernel over [N, T] (block_t, num_warps: the launch configuration, for benchmark/indexer.py's sweep)."""
+            num_warps: int = NUM_WARPS, loads: str = LOADS) -> torch.Tensor:
+    """The kernel over [N, T] (block_t, num_warps, loads: the launch configuration, for benchmark/indexer.py)."""
+    if loads not in ("bytes", "words"):
+        raise ValueError(f"indexer: loads must be 'bytes' or 'words', got {loads!r}")
     out = torch.empty(N, T, dtype=torch.int64 if keys else torch.float32, device=q.device)
     if N * T == 0:
         return out
@@ -185,7 +198,7 @@ def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t:
         0 if paged else rows.stride(0), rows.stride(-2), loc.stride(0) if paged else 0, loc.stride(1) if paged else 0,
         D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=block_t,
         BLOCK_H=max(16, 1 << (H - 1).bit_length()), PAGED=paged, KEYS=keys,
-        UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else None,
+        UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else None, WORDS=loads == "words",
         **({} if interpret else {"num_warps": num_warps}),
     )
     return out
@@ -238,7 +251,7 @@ def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
 
 def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                      loc: torch.Tensor | None = None, backend: str = "auto", block_t: int = BLOCK_T,
-                     num_warps: int = NUM_WARPS) -> torch.Tensor:
+                     num_warps: int = NUM_WARPS, loads: str = LOADS) -> torch.Tensor:
     """The kernel's int64 score keys [N, T] (score_keys of indexer_scores_fp8's scores), under a given launch
     configuration: what indexer_topk_fp8 hands topk_from_keys (benchmark/indexer.py times the two apart)."""
     N, H, T = _check(q, w, rows, pos, loc)
@@ -246,4 +259,4 @@ def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
     if backend == "torch":
         return score_keys(_torch_scores(q, w, rows, pos, loc))
     return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=True, block_t=block_t,
-                   num_warps=num_warps)
+                   num_warps=num_warps, loads=loads)

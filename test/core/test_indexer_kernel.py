@@ -134,15 +134,21 @@ def test_topk_equals_select_topk_on_exact_scores(paged):
 
 
 @interpreter
-@pytest.mark.parametrize("block_t", [16, 64, 256])
-def test_every_launch_configuration_gives_the_same_keys(block_t):
-    """benchmark/indexer.py sweeps the kernel's block of positions: each gives the reference's keys, bit for bit on
-    integer-valued scores, and the torch backend's keys are score_keys of the reference."""
-    q, w, rows = integer_case(2, 8, 300, seed=5)
-    pos = torch.tensor([299, 40])
-    want = score_keys(reference(q, w, rows, pos)[0])
-    assert torch.equal(indexer_keys_fp8(q, w, rows, pos, backend="interpret", block_t=block_t), want)
-    assert torch.equal(indexer_keys_fp8(q, w, rows, pos, backend="torch"), want)
+@pytest.mark.parametrize("block_t,loads", [(16, "bytes"), (64, "bytes"), (256, "bytes"), (16, "words"), (128, "words")])
+@pytest.mark.parametrize("paged", [False, True])
+def test_every_launch_configuration_gives_the_same_keys(block_t, loads, paged):
+    """benchmark/indexer.py sweeps the kernel's block of positions and how it loads the rows (bytes, or 4-byte
+    words unpacked in registers): each gives the reference's keys, bit for bit on integer-valued scores, and the torch
+    backend's keys are score_keys of the reference."""
+    q, w, rows = integer_case(3, 8, 300, seed=5)
+    pos = torch.tensor([299, 40, 150])
+    table, loc = table_layout(rows, seed=5) if paged else (rows, None)
+    want = score_keys(reference(q, w, table, pos, loc)[0])
+    got = indexer_keys_fp8(q, w, table, pos, loc=loc, backend="interpret", block_t=block_t, loads=loads)
+    assert torch.equal(got, want)
+    assert torch.equal(indexer_keys_fp8(q, w, table, pos, loc=loc, backend="torch"), want)
+    with pytest.raises(ValueError, match="loads"):
+        indexer_keys_fp8(q, w, table, pos, loc=loc, backend="interpret", loads="halves")
 
 
 @interpreter
