@@ -90,10 +90,14 @@ def sweep(context, batch, heads, device, backend, iters) -> list[dict]:
     for block_t, warps, loads in SWEEP:
         def run():
             return indexer_keys_fp8(q, w, rows, pos, backend=backend, block_t=block_t, num_warps=warps, loads=loads)
-        out.append({"block_t": block_t, "num_warps": warps, "loads": loads,
-                    "keys_kernel_us": round(graph_us(run, iters), 1),
-                    "same_topk": bool(torch.equal(topk_from_keys(run(), k), want))})  # fp32 sums may differ
-        log(f"sweep {out[-1]}")
+        row = {"block_t": block_t, "num_warps": warps, "loads": loads}
+        try:  # a configuration that fails to compile or run is recorded, and the others still run
+            row |= {"keys_kernel_us": round(graph_us(run, iters), 1),
+                    "same_topk": bool(torch.equal(topk_from_keys(run(), k), want))}  # fp32 sums may differ
+        except Exception as e:  # noqa: BLE001 (Triton's compile errors have no common base)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        out.append(row)
+        log(f"sweep {row}")
     return out
 
 
