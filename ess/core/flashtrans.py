@@ -198,7 +198,9 @@ def gather_lists(host: torch.Tensor, host_rows: torch.Tensor, gpu: torch.Tensor,
     if backend == "triton":
         sw = _UvaPointer(sw) if not sw.is_cuda else sw
     rows, programs = (OVERLAP_ROWS, OVERLAP_PROGRAMS) if overlapped else (LIST_ROWS, LIST_PROGRAMS)
-    grid = min(programs, -(-B * K // rows))
+    grid = -(-B * K // rows)
+    if programs:  # 0: one program per `rows` pairs, as copy_rows reads it
+        grid = min(grid, programs)
     compiled(_copy_lists_kernel, backend == "interpret", "FlashTrans")[(grid,)](
         sw, host_rows.contiguous(), dw, gpu_slots.contiguous(), counts.contiguous(), B, K,
         WORDS=WORDS, BLOCK=BLOCK, ROWS=rows, BLOCK_B=max(2, 1 << (B - 1).bit_length()),

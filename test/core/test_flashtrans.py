@@ -48,6 +48,24 @@ def test_triton_kernel_equals_torch_byte_for_byte_in_interpreter(grid):
     assert torch.equal(ha[:-1], hb[:-1])
 
 
+@pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton < 3.8: its interpreter cannot run the kernel's loop")
+@pytest.mark.parametrize("overlapped", [False, True])
+@pytest.mark.parametrize("grid", GRIDS)
+def test_list_copies_move_every_listed_row_on_every_grid(grid, overlapped, monkeypatch):
+    """gather_lists over per-request lists, on each grid the kit sweeps for copies beside compute (programs 0: one per
+    `rows` pairs; it once launched no program at all, so a kit variant timed DA without its copy)."""
+    name = ("OVERLAP_ROWS", "OVERLAP_PROGRAMS") if overlapped else ("LIST_ROWS", "LIST_PROGRAMS")
+    monkeypatch.setattr(flashtrans, name[0], grid[0])
+    monkeypatch.setattr(flashtrans, name[1], grid[1])
+    host, rows, slots = _case(3)
+    rows, slots = rows.view(4, 16), slots.view(4, 16)
+    counts = torch.tensor([16, 0, 9, 13])
+    want, got = (torch.zeros(128, 656, dtype=torch.uint8) for _ in range(2))
+    flashtrans.gather_lists(host, rows, want, slots, counts, "torch")
+    flashtrans.gather_lists(host, rows, got, slots, counts, "interpret", overlapped=overlapped)
+    assert torch.equal(got[:-1], want[:-1]) and int(got[:-1].sum()) > 0  # all but the torch path's sink row
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("grid", GRIDS)
 def test_triton_uva_equals_torch_on_cuda(grid):
