@@ -64,9 +64,37 @@ def steps_at_random(rng, R, steps, K, ctx, M=1, dup=False, pad=0.1):
     return out
 
 
+def adversarial_traces():
+    """Two requests (contexts 40 and 50), K = 6: every entry a miss, duplicates and -1 padding, the own position in
+    the set; with the own positions of each step."""
+    all_new = [[[t * 6 + j for j in range(6)], [t * 6 + j + 1 for j in range(6)]] for t in range(4)]
+    dups_and_pad = [[[3, 3, 3, -1, -1, 5], [-1] * 6], [[5, 5, 2, 2, -1, 3], [0] * 6]] * 2
+    with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(3)]
+    return (all_new, dups_and_pad, with_own), lambda t: torch.tensor([40 + t, 50 + t])
+
+
+def verify_own(ctx, M):
+    """Own positions of MTP verify step t ([R, M]; request 1 verifies one row fewer)."""
+    def own(t):
+        o = torch.tensor([[c + M * t + j for j in range(M)] for c in ctx])
+        o[1, M - 1] = -1
+        return o
+    return own
+
+
 @pytest.fixture
 def kernel_check():
     return KernelCheck
+
+
+@pytest.fixture
+def adversarial():
+    return adversarial_traces()
+
+
+@pytest.fixture
+def mtp_own():
+    return verify_own
 
 
 @pytest.fixture

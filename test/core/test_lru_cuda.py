@@ -35,15 +35,11 @@ def test_decode_steps_equal_the_reference(seed, staged, check, random_steps):
 
 
 @emulation
-def test_adversarial_steps_equal_the_reference(check):
-    ctx = [40, 50]
-    own = lambda t: torch.tensor([c + t for c in ctx])
-    all_new = [[[t * 6 + j for j in range(6)], [t * 6 + j + 1 for j in range(6)]] for t in range(4)]  # every entry a miss
-    dups_and_pad = [[[3, 3, 3, -1, -1, 5], [-1] * 6], [[5, 5, 2, 2, -1, 3], [0] * 6]] * 2
-    with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(3)]
-    for trace in (all_new, dups_and_pad, with_own):
+def test_adversarial_steps_equal_the_reference(check, adversarial):
+    traces, own = adversarial
+    for trace in traces:
         check.trace(trace, 7, 60, own)  # capacity exactly K + 1: every slot full from the second step
-    check.trace(all_new, 7, 60, lambda t: torch.tensor([40, 50]))  # a replayed own position: resident, restamped
+    check.trace(traces[0], 7, 60, lambda t: torch.tensor([40, 50]))  # a replayed own position: resident, restamped
     # every resident shares a stamp (a warm-up window): ties break by position
     check.trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
     # all stamps equal at every step, slots full, positions spread over a wide range (several select passes)
@@ -64,18 +60,13 @@ def test_ages_spread_over_the_stamp_range(check, random_steps):
 
 @emulation
 @pytest.mark.parametrize("seed", range(2))
-def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps):
+def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps, mtp_own):
     """M own tokens per step and the union of M query rows' sets, duplicates included."""
     rng = random.Random(seed)
     R, K, M, C, steps = 3, 36, 3, 45, 7
     ctx = [rng.randint(40, 80) for _ in range(R)]
-
-    def own(t):
-        o = torch.tensor([[c + M * t + j for j in range(M)] for c in ctx])
-        o[1, 2] = -1  # a request with fewer verify rows
-        return o
-
-    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, own, seed=seed)
+    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, mtp_own(ctx, M),
+                seed=seed)
 
 
 @emulation

@@ -39,13 +39,9 @@ def test_decode_steps_equal_the_reference(seed, check, random_steps):
 
 
 @interpreter
-def test_adversarial_steps_equal_the_reference(check):
-    ctx = [40, 50]
-    own = lambda t: torch.tensor([c + t for c in ctx])
-    all_new = [[[t * 6 + j for j in range(6)], [t * 6 + j + 1 for j in range(6)]] for t in range(4)]
-    dups_and_pad = [[[3, 3, 3, -1, -1, 5], [-1] * 6], [[5, 5, 2, 2, -1, 3], [0] * 6]] * 2
-    with_own = [[[40 + t, 1, 2, 3, -1, -1], [50 + t, 50 + t, 4, -1, -1, -1]] for t in range(3)]
-    for trace in (all_new, dups_and_pad, with_own):
+def test_adversarial_steps_equal_the_reference(check, adversarial):
+    traces, own = adversarial
+    for trace in traces:
         check.trace(trace, 7, 60, own)  # capacity exactly K + 1
     # every resident shares a stamp (a warm-up window): ties break by position
     check.trace([[[10, 11, 12, 13]], [[20, 21, 22, 23]]], 5, 40, lambda t: torch.tensor([30 + t]), warm=[[[0, 5, 3, 4]]])
@@ -53,18 +49,13 @@ def test_adversarial_steps_equal_the_reference(check):
 
 @interpreter
 @pytest.mark.parametrize("seed", range(2))
-def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps):
+def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps, mtp_own):
     """M own tokens per step and the union of M query rows' sets, duplicates included."""
     rng = random.Random(seed)
     R, K, M, C, steps = 3, 12, 3, 16, 8
     ctx = [rng.randint(20, 40) for _ in range(R)]
-
-    def own(t):
-        o = torch.tensor([[c + M * t + j for j in range(M)] for c in ctx])
-        o[1, 2] = -1  # a request with fewer verify rows
-        return o
-
-    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, own, seed=seed)
+    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, mtp_own(ctx, M),
+                seed=seed)
 
 
 @interpreter
@@ -234,13 +225,13 @@ def test_bookkeeping_benchmark_smoke_run(tmp_path):
 
 @interpreter
 @pytest.mark.parametrize("bins", [2048, 8])
-def test_histogram_select_equals_the_reference(bins, monkeypatch, check, random_steps):
+def test_histogram_select_equals_the_reference(bins, monkeypatch, check, random_steps, adversarial, mtp_own):
     """SELECT = "histogram": victims by histograms over the key range instead of the bisection (8 bins: many passes),
     in registers and in chunks, decode and verify, ties and wide stamps."""
     monkeypatch.setattr(lru_kernel, "SELECT", "histogram")
     monkeypatch.setattr(lru_kernel, "HIST_BINS", bins)
     test_decode_steps_equal_the_reference(1, check, random_steps)
-    test_adversarial_steps_equal_the_reference(check)
-    test_mtp_verify_steps_equal_the_reference(0, check, random_steps)
+    test_adversarial_steps_equal_the_reference(check, adversarial)
+    test_mtp_verify_steps_equal_the_reference(0, check, random_steps, mtp_own)
     test_stamps_wrap_like_the_reference(STAMP_MOD - 5, check, random_steps)
     test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch, check, random_steps)
