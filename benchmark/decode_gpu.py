@@ -54,7 +54,7 @@ from ess.analysis.timing import graph_us, median_us
 from ess.core import flashtrans, layout
 from ess.core.memory import cache_bytes
 from ess.core.pinned import pinned_zeros
-from ess.core.settings import PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
+from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
 from ess.reference import attention as A
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
@@ -90,6 +90,7 @@ class Setup:
     query_rows: list[int] = dataclasses.field(default_factory=lambda: [1])  # 1: decode; 1 + draft tokens: MTP verify
     check: bool = False  # compare every ESS mode's outputs with the baseline's (a second stack: small runs only)
     dtype: torch.dtype = torch.float32  # weights and activations of the projections (bf16 on a GPU, as a server's)
+    attn1: str = DA_ATTN1  # DA / DBA's Attn1 in decode rows (verify rows: two FlashMLA calls)
 
 
 def smoke_setup() -> Setup:
@@ -168,7 +169,7 @@ class Stack:
             elif self.S == 1:
                 layer_mode = self.modes[li] if mode == "plan" else mode
                 o, _ = ess_layer_attention(layer_mode, self.w, cfg, h, q_lora, pos, self.index_k, self.cache, li,
-                                           s.attention, selected=sel)
+                                           s.attention, selected=sel, attn1=s.attn1)
             else:
                 o = self.verify_layer(self.modes[li] if mode == "plan" else mode, li, h, q_lora, pos, sel)
             out.append(o)
@@ -589,6 +590,9 @@ def main(argv: list[str] | None = None) -> int:
                    "modelled terms, with which plan lost 6-10%% to none on the H200 (docs/gpu.md)")
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="weights and activations of the projections (default: bf16 on a GPU, float32 in the smoke run)")
+    p.add_argument("--attn1", choices=DA_ATTN1_KINDS, default=DA_ATTN1,
+                   help="DA / DBA's Attn1 in decode rows: the miss kernel, the fused copy-attend, or a second FlashMLA "
+                   "call (the plugin's default); verify rows always make two calls")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     args = p.parse_args(argv)
     bad = [m for m in args.modes if m not in MODES]
@@ -601,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     s = smoke_setup() if args.smoke else gpu_setup(args)
     if args.smoke and args.dtype:
         s.dtype = DTYPES[args.dtype]
+    s.attn1 = args.attn1
     if args.hardware is None:
         args.hardware = "H200" if s.device.type == "cuda" and "H200" in torch.cuda.get_device_name() else "H100"
     get_hardware(args.hardware)  # an unknown name fails here, before any stack is built
@@ -622,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                "machine": torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU ({platform.machine()}), smoke",
                "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,
                "topk_label": "SYNTHETIC (ess trace synth)" if args.topk_source == "synth" else "computed (random weights)",
-               "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "hardware_profile": args.hardware,
+               "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "attn1": s.attn1,
+               "hardware_profile": args.hardware,
                "plan_costs": measured.describe() if measured else "modelled",
                "complete": done, "rows": every,
                "errors": earlier_errors + errors, **summary(every, dataclasses.replace(s, contexts=contexts))}

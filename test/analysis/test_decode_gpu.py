@@ -108,3 +108,16 @@ def test_plan_on_measured_costs_and_a_bad_file_refused_before_any_stack(tmp_path
                          timeout=120)
     assert bad.returncode == 2 and "--measured" in bad.stderr and "nope.json" in bad.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_da_with_each_attn1_stays_lossless(tmp_path):
+    """--attn1: DA's Attn1 in decode rows as the fused copy-attend or a second FlashMLA call (the plugin's default),
+    not only the miss kernel: the smoke run's check still finds the baseline's outputs, and decode.json names it."""
+    for kind in ("fused", "calls"):
+        run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--attn1", kind,
+                              "--modes", "baseline,da", "--out", str(tmp_path / kind)],
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        doc = json.loads((tmp_path / kind / "decode.json").read_text())
+        assert doc["attn1"] == kind and doc["errors"] == []
+        assert all(r["max_abs_diff_vs_baseline"] <= 1e-4 for r in doc["rows"] if r["mode"] == "da")
