@@ -58,11 +58,12 @@ def floor_us(rows: torch.Tensor, hbm_tbps: float | None) -> float | None:
     return round(rows.numel() / (hbm_tbps * 1e12) * 1e6, 1) if hbm_tbps else None
 
 
-def time_case(context, batch, heads, k, device, backend, iters, hbm_tbps) -> dict:
-    q, w, rows, pos = case_inputs(context, batch, heads, device)
+def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
+    """One case's parts; inputs from case_inputs, k already at most the context."""
+    q, w, rows, pos = inputs
+    (batch, heads, _), context = q.shape, rows.shape[1]
     keys = indexer_keys_fp8(q, w, rows, pos, backend=backend)
     scores = indexer_scores_fp8(q, w, rows, pos, backend=backend)
-    k = min(k, context)
 
     def us(fn) -> float:
         return round(graph_us(fn, iters), 1)
@@ -82,9 +83,9 @@ def time_case(context, batch, heads, k, device, backend, iters, hbm_tbps) -> dic
     return row
 
 
-def sweep(context, batch, heads, device, backend, iters) -> list[dict]:
-    q, w, rows, pos = case_inputs(context, batch, heads, device)
-    k = min(TOPK if device.type == "cuda" else SMOKE_TOPK, context)
+def sweep(inputs, k, backend, iters) -> list[dict]:
+    """The keys kernel under each of SWEEP's launch configurations, on one case's inputs."""
+    q, w, rows, pos = inputs
     want = topk_from_keys(indexer_keys_fp8(q, w, rows, pos, backend=backend), k)
     out = []
     for block_t, warps, loads in SWEEP:
@@ -129,16 +130,16 @@ def main(argv: list[str] | None = None) -> int:
            "timing": "median of CUDA graph replays" if cuda else "wall clock (smoke)", "hbm_tbps": hbm,
            "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS}, "cases": [], "sweep": []}
     path = os.path.join(args.out, "indexer.json")
+    iters = 1 if args.smoke else args.iters
+    largest = max(cases, key=lambda c: c[0] * c[1])  # where the launch configurations are swept
     for context, batch in cases:
-        doc["cases"].append(time_case(context, batch, heads, k, device, backend, 1 if args.smoke else args.iters, hbm))
+        inputs = case_inputs(context, batch, heads, device)
+        doc["cases"].append(time_case(inputs, min(k, context), backend, iters, hbm))
         log(json.dumps(doc["cases"][-1]))
+        if (context, batch) == largest and backend != "torch":  # launch configurations belong to the kernel
+            doc["sweep"] = sweep(inputs, min(k, context), backend, iters)
         with open(path, "w") as f:  # after every case: a cut run keeps what it measured
             json.dump(doc, f, indent=1)
-    if backend != "torch":  # launch configurations belong to the kernel
-        context, batch = cases[-1] if not cuda else max(cases, key=lambda c: c[0] * c[1])
-        doc["sweep"] = sweep(context, batch, heads, device, backend, 1 if args.smoke else args.iters)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
     log(f"wrote {path}")
     return 0
 

@@ -20,7 +20,6 @@ The kernel needs Triton (the GPU, or its CPU interpreter from Triton 3.8 on: how
 
 from __future__ import annotations
 
-
 import torch
 
 from ess.core.flashtrans import compiled, triton

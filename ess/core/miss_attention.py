@@ -290,10 +290,10 @@ def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Te
         raise ValueError(f"merge: o0 {tuple(o0.shape)}, o1 {tuple(o1.shape)} must match and lse0 {tuple(lse0.shape)}, "
                          f"lse1 {tuple(lse1.shape)} must be their leading dimensions")
     backend = _backend(backend, o0.device)
-    D = o0.shape[-1]
-    if backend != "torch" and D & (D - 1):
-        raise ValueError(f"merge: the kernel takes a power-of-two last dimension (512 in V3.2), got {D}")
     if backend != "torch":
+        D = o0.shape[-1]
+        if D & (D - 1):
+            raise ValueError(f"merge: the kernel takes a power-of-two last dimension (512 in V3.2), got {D}")
         o = torch.empty(o0.shape, dtype=out_dtype, device=o0.device)
         lse = torch.empty(lse0.shape, dtype=torch.float32, device=o0.device)
         R = lse.numel()
