@@ -504,7 +504,7 @@ def cmd_sim_pd(args) -> int:
     rows = pd_rows(args.link_gbps, args.contexts, args.progressive, args.tokens, args.hardware, args.mtp, args.accept,
                    args.batch_size, args.sparse_ratio, args.tbo, args.ep, profiles)
     title = (f"dsv32 on {args.hardware}, MTP {args.mtp} (accept {args.accept}), ratio {args.sparse_ratio}, "
-             f"{'full against progressive transfer (SIMULATED: the plugin sends in full)' if args.progressive else 'full transfer'}")
+             f"{'full against progressive transfer (simulated; the plugin over Mooncake, not timed)' if args.progressive else 'full transfer'}")
     if args.plot:
         plot_pd(rows, _output(args.plot), args.tokens, title)
     for r in rows:

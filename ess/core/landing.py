@@ -93,6 +93,17 @@ class LandingTracker:
         t = self._open.get(row)
         return t is None or bool(self.base[t]) and bool(self.pages_landed(row).all())
 
+    def unlanded_pages(self, row: int, positions: torch.Tensor, layer: int) -> torch.Tensor:
+        """The pages of `row`'s prompt among positions [n] (-1 padded) not landed at `layer`, ascending (host side:
+        a step waiting on the host asks for them)."""
+        t = self._open.get(row)
+        if t is None:
+            return torch.zeros(0, dtype=torch.long)
+        pos = positions.long().to(self.landed.device)
+        pos = pos[(pos >= 0) & (pos < self.length[t])]
+        pages = torch.unique(pos // self.page)
+        return pages[~self.landed[t, layer, pages]].cpu()
+
     # -- device side, inside a step ---------------------------------------------------------------------------------
     def ready(self, req: torch.Tensor, miss_pos: torch.Tensor, layer: int) -> torch.Tensor:
         """req [B] request-table rows, miss_pos [B, M] positions the step reads from the host pool at `layer` (-1

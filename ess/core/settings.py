@@ -35,6 +35,12 @@ TIER_HEAT_HALF_LIFE_STEPS = 8  # placement "frequency": a page's access count ha
 # all their latent rows have landed (each holds a landed bitmap of layers x context bytes on the device, 1/656 of the
 # rows it tracks); more wait for their whole transfer, as without the flag.
 PROGRESSIVE_REQUESTS = 16
+# A prefill node sends a progressive request's phase 3 (the latent pages no warm-up row names) in slices of this many
+# pages, each reported when it has landed; the blocks a waiting decode step names go next, after the slice in flight,
+# once per layer that waits: 4 pages of 64 tokens are 10.2 MB over DeepSeek-V3.2's 61 layers (0.8 ms at 100 Gb/s),
+# 512 slices at 128K (one Mooncake batch transfer and one message each). Chosen in the model (docs/simulator.md:
+# 16 pages lose at 32K, the first step waiting half a slice at each of 61 layers); per-slice costs not measured.
+PROGRESSIVE_SLICE_PAGES = 4
 HOST_PINNABLE_FRACTION = 0.8  # of a machine's memory, ESS's host pools may pin at most this share (the OS, the
 # serving processes and the page cache keep the rest)
 KERNELS = ("auto", "cuda", "fused", "torch")  # the LRU step: ess.core.lru_cuda's CUDA kernel (sgl-kernel/), ess.core.lru_kernel's

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from sglang_ess import args as ess_args_mod
-from sglang_ess import cpu, pd_warmup, progressive, sizing
+from sglang_ess import cpu, mooncake_progressive, pd_warmup, progressive, sizing
 from ess.core.landing import LandingTracker
 from ess.core.settings import PROGRESSIVE_REQUESTS
 from sglang_ess.args import EssArgs
@@ -33,8 +33,12 @@ PREFILL_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 METADATA_BUFFERS = "sglang.srt.disaggregation.utils.MetadataBuffers"
 DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
 NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+MOONCAKE_MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+MOONCAKE_REGISTRATION = "sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo"
 MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
 INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
+DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+DECODE_GRAPH_VOTE = "sglang.srt.managers.scheduler_components.dp_attn._local_decode_cuda_graph_vote"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 FLASH_MLA = "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"  # imported per call by the backend
 RESOLUTION_STEP = "handle_other_validations"
@@ -48,6 +52,7 @@ class ProcessState:
     sender: pd_warmup.WarmupSender | None = None  # a PD prefill node's, instead of a runtime
     sender_pool: object = None  # the target model's KV pool on that node (its MTP draft worker has another)
     wire: tuple[int, int] | None = None  # (layers, top-k) of the PD warm-up rows, once this process has ESS
+    warmup_rows: torch.Tensor | None = None  # the PD metadata buffers' warm-up rows [slots, ints] (sglang_ess.pd_warmup)
     stage_tokens: int | None = None  # the prefill staging rows sizing charged; the scheduler keeps batches within
     tier_spec: sizing.DiskTierSpec | None = None  # the disk tier sizing resolved, for the pool (--ess-disk-dir)
     lost_readers: list = dataclasses.field(default_factory=list)  # Reqs aborted for reading lost rows, not yet let go
@@ -441,7 +446,8 @@ def after_metadata_buffers_init(result, buffers, size, *a, **kw):
     rest of a request's metadata."""
     if state.wire is not None:
         ints = pd_warmup.row_ints(*state.wire)
-        buffers.ess_warmup = torch.zeros((size, ints), dtype=torch.int32, device=buffers.output_ids.device)
+        buffers.ess_warmup = state.warmup_rows = torch.zeros((size, ints), dtype=torch.int32,
+                                                             device=buffers.output_ids.device)
         logger.info("ESS PD warm-up metadata: %d slots x %.2f MB", size, ints * 4 / 2**20)
 
 
@@ -490,6 +496,93 @@ def around_pop_transferred(original, queue, *a, **kw):
         return original(queue, *a, **kw)
     finally:
         prog.after_pop(queue, swapped, request_slot)
+
+
+# -- --ess-progressive-pd with decode CUDA graphs: a batch holding a request still landing runs eagerly ------------
+def _streaming() -> bool:
+    rt = state.runtime
+    return rt is not None and rt.progressive is not None and rt.progressive.streaming()
+
+
+def after_can_run_graph(result, runner, *a, **kw):
+    """A decode batch replays its CUDA graph only when no joined request's transfer is still landing: a step may then
+    wait for a row, a host wait no graph holds (docs/plugin.md, "Progressive PD transfer")."""
+    if result and _streaming():
+        return False
+    return None
+
+
+def after_decode_graph_vote(result, *a, **kw):
+    """Under DP attention the ranks agree on graph or eager by a min-reduce of each rank's vote: a rank with a
+    request still landing votes eager, so every rank runs eagerly with it (their collectives stay paired)."""
+    if result and _streaming():
+        return False
+    return None
+
+
+# -- PD over Mooncake, --ess-progressive-pd: ordered sends and progress reports (sglang_ess.mooncake_progressive) ----
+def _warmup_pages(mgr, chunk, prefix_pages: int):
+    """Prefill node: the warm-up pages of a chunk's request, hottest first, from its metadata row."""
+    rows, page = state.warmup_rows, mgr.kv_args.page_size
+    if rows is None or state.wire is None or chunk.prefill_aux_index is None:
+        return mooncake_progressive.hot_pages(None, 0, page)
+    entries = pd_warmup.read_row(rows[chunk.prefill_aux_index], chunk.room, *state.wire)
+    return mooncake_progressive.hot_pages(entries, (prefix_pages + chunk.index_slice.stop) * page, page)
+
+
+def around_transfer_worker(original, mgr, queue, executor, *a, **kw):
+    """Prefill node with ESS: the worker takes its chunks through OrderedQueue, which sends a progressive room's last
+    chunk in phases and reports each (a room no decode peer asked that of passes through unchanged)."""
+    if state.sender is None:
+        return original(mgr, queue, executor, *a, **kw)
+    return original(mgr, mooncake_progressive.OrderedQueue(queue, mgr, executor, _warmup_pages), executor, *a, **kw)
+
+
+def around_conclude_transfer(original, mgr, *a, **kw):
+    """A phase1 part's Success is held back until the room's last part (the decode node hears of phase 1 from ESS)."""
+    if mooncake_progressive.hold_conclusion(kw.get("bootstrap_room"), kw.get("status")):
+        return None
+    return original(mgr, *a, **kw)
+
+
+def around_send_aux(original, mgr, *a, **kw):
+    """The last part of a progressive room sends no metadata: phase 1 did, and the decode node may have reused the
+    slot since the request joined."""
+    if mooncake_progressive.skip_metadata():
+        return 0
+    return original(mgr, *a, **kw)
+
+
+def after_registration_message(result, mgr, *a, **kw):
+    """Decode node with --ess-progressive-pd: its Mooncake registration asks prefill nodes for progressive sends (one
+    frame more, past every field SGLang reads)."""
+    if state.runtime is not None and state.runtime.progressive is not None:
+        return [*result, mooncake_progressive.REGISTRATION]
+    return None
+
+
+def after_registration_info(result, cls, msg, *a, **kw):
+    """Prefill node: whether a decode rank's registration asked for progressive sends."""
+    result.ess_progressive = bool(msg) and msg[-1] == mooncake_progressive.REGISTRATION
+    return None
+
+
+def around_abort_notification(original, mgr, msg, *a, **kw):
+    """Prefill node: a decode node's NEED (the pages a step waits for) into the notes its transfer workers read; every
+    other message goes on to SGLang (its abort notifications, then its bootstrap messages)."""
+    if mooncake_progressive.note_need(msg):
+        return True
+    return original(mgr, msg, *a, **kw)
+
+
+def around_handle_chunk_ready(original, mgr, msg, *a, **kw):
+    """Decode node: ESS's progress reports are taken into the inbox (dropped without --ess-progressive-pd); every
+    other message goes on to SGLang."""
+    if msg and msg[0] == mooncake_progressive.TAG:
+        if state.runtime is not None and state.runtime.progressive is not None:
+            return mooncake_progressive.take(msg, mgr.request_status)
+        return True
+    return original(mgr, msg, *a, **kw)
 
 
 # -- PD transfer engines: ESS's latent layers are pinned host memory ------------------------------------------------
@@ -546,6 +639,15 @@ def _hook_table():
         (f"{DECODE_TRANSFER_QUEUE}.pop_transferred", HookType.AROUND, around_pop_transferred),
         (f"{NIXL_MANAGER}.__init__", HookType.BEFORE, before_nixl_manager),
         (f"{MOONCAKE_ENGINE}.batch_register", HookType.AFTER, after_mooncake_register),
+        (f"{DECODE_GRAPH_RUNNER}.can_run_graph", HookType.AFTER, after_can_run_graph),
+        (DECODE_GRAPH_VOTE, HookType.AFTER, after_decode_graph_vote),
+        (f"{MOONCAKE_MANAGER}.transfer_worker", HookType.AROUND, around_transfer_worker),
+        (f"{MOONCAKE_MANAGER}.conclude_transfer", HookType.AROUND, around_conclude_transfer),
+        (f"{MOONCAKE_MANAGER}.send_aux", HookType.AROUND, around_send_aux),
+        (f"{MOONCAKE_MANAGER}.build_receiver_registration_message", HookType.AFTER, after_registration_message),
+        (f"{MOONCAKE_REGISTRATION}.from_zmq", HookType.AFTER, after_registration_info),
+        (f"{MOONCAKE_MANAGER}.handle_chunk_ready", HookType.AROUND, around_handle_chunk_ready),
+        (f"{MOONCAKE_MANAGER}._handle_abort_notification", HookType.AROUND, around_abort_notification),
     ]
 
 
@@ -577,6 +679,15 @@ EXPECTED_PARAMS = {
     f"{DECODE_TRANSFER_QUEUE}.pop_transferred": ["self", "rids_to_check"],
     f"{NIXL_MANAGER}.__init__": ["self", "args"],
     f"{MOONCAKE_ENGINE}.batch_register": ["self", "ptrs", "lengths"],
+    f"{DECODE_GRAPH_RUNNER}.can_run_graph": ["self", "forward_batch"],
+    DECODE_GRAPH_VOTE: ["local_batch", "disable_cuda_graph"],
+    f"{MOONCAKE_MANAGER}.transfer_worker": ["self", "queue", "executor"],
+    f"{MOONCAKE_MANAGER}.conclude_transfer": ["self", "bootstrap_room", "status", "targets", "failure_reason"],
+    f"{MOONCAKE_MANAGER}.send_aux": ["self", "req", "prefill_aux_index", "dst_aux_ptrs"],
+    f"{MOONCAKE_MANAGER}.build_receiver_registration_message": ["self"],
+    f"{MOONCAKE_REGISTRATION}.from_zmq": ["cls", "msg"],
+    f"{MOONCAKE_MANAGER}.handle_chunk_ready": ["self", "msg"],
+    f"{MOONCAKE_MANAGER}._handle_abort_notification": ["self", "msg"],
 }
 
 

@@ -4,10 +4,10 @@ A request joins decode once its phase 1 (index-K rows, warm-up state and SGLang'
 set's latent pages) have landed, while phase 3 streams on; a step that needs a row not landed yet waits for it
 (`wait`, called by the runtime before each layer's LRU step). What has landed is `ess.core.landing.LandingTracker`'s.
 
-A receiver takes part when it reports its progress: `ess_progress()` returns the events since the last call,
-("phase1",), ("pages", page indices [n], layers [m] or None) and ("phase2",). SGLang 0.5.23's Mooncake and NIXL
-receivers report nothing of the kind (their poll says Success after the last chunk's metadata), so over them a
-request joins after its whole transfer, as without the flag; the loopback engine of the tests reports it.
+A receiver takes part when it reports its progress: the events since the last call, ("phase1",), ("pages", page
+indices [n], layers [m] or None) and ("phase2",). A Mooncake receiver's come from its prefill node's reports
+(sglang_ess.mooncake_progressive); the tests' loopback engine has `ess_progress()`. A receiver that reports nothing
+(a prefill node without ESS, NIXL) lets its request join after its whole transfer, as without the flag.
 """
 
 from __future__ import annotations
@@ -19,10 +19,39 @@ import time
 import torch
 
 from ess.core.landing import LandingTracker
+from sglang_ess import mooncake_progressive
 
 logger = logging.getLogger("sglang_ess")
 
 POLL_S = 0.0005  # between two polls of the receivers while a step waits for a row (host wait)
+
+
+def reports(receiver) -> bool:
+    """Whether a receiver's progress is read: the tests' loopback engine, or a Mooncake receiver served by one
+    prefill rank."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+
+    return hasattr(receiver, "ess_progress") or (isinstance(receiver, MooncakeKVReceiver)
+                                                 and mooncake_progressive.reports(receiver))
+
+
+def progress(receiver) -> list:
+    if hasattr(receiver, "ess_progress"):
+        return receiver.ess_progress()
+    return mooncake_progressive.events(receiver)
+
+
+def ask(receiver, layer: int, pages: torch.Tensor) -> None:
+    """Ask a receiver's sender for these request pages of `layer` ahead of the rest (a Mooncake receiver's; the
+    tests' loopback engine sends in its fixed order)."""
+    if not hasattr(receiver, "ess_progress"):
+        mooncake_progressive.ask(receiver, layer, pages)
+
+
+def forget(receiver) -> None:
+    """Its events not read yet are dropped (a request no longer tracked)."""
+    if receiver is not None and not hasattr(receiver, "ess_progress"):
+        mooncake_progressive.forget(getattr(receiver, "bootstrap_room", None))
 
 
 class JoinEarly:
@@ -64,7 +93,7 @@ class ProgressiveDecode:
 
     # -- the transfer queue ----------------------------------------------------------------------------------------
     def _drain(self, row: int, receiver) -> None:
-        for event in receiver.ess_progress():
+        for event in progress(receiver):
             if event[0] == "phase1":
                 self.tracker.mark_base(row)
             elif event[0] == "pages":
@@ -79,10 +108,11 @@ class ProgressiveDecode:
         swapped = []
         for dr in queue.queue:
             receiver, row = dr.kv_receiver, request_slot(dr.req)
-            if receiver is None or row is None or not hasattr(receiver, "ess_progress"):
+            if receiver is None or row is None or not reports(receiver):
                 continue
             if not self.tracker.tracked(row) and not self.tracker.open(row, len(dr.req.origin_input_ids)):
-                continue  # every tracker slot taken: this one waits for its whole transfer
+                forget(receiver)  # every tracker slot taken: this one waits for its whole transfer
+                continue
             self._drain(row, receiver)
             proxy = None
             if row in self.warm_done and self.tracker.complete_base(row):
@@ -105,6 +135,11 @@ class ProgressiveDecode:
             elif row is not None and row not in self.streams:
                 self.tracker.close(row)
                 self.warm_done.discard(row)
+                forget(proxy.receiver if proxy is not None else dr.kv_receiver)
+
+    def streaming(self) -> bool:
+        """A joined request's transfer is still landing: its steps may wait (host waits; no CUDA graph replay)."""
+        return bool(self.streams)
 
     # -- while requests decode -------------------------------------------------------------------------------------
     def pump(self) -> None:
@@ -129,6 +164,7 @@ class ProgressiveDecode:
             if abort:
                 s.receiver.abort()  # no write may land in rows about to be handed to another request
             s.receiver.clear()
+            forget(s.receiver)
         self.tracker.close(row)
         self.warm_done.discard(row)
 
@@ -139,12 +175,23 @@ class ProgressiveDecode:
     def wait(self, layer: int, req: torch.Tensor, sets: torch.Tensor) -> None:
         """Before a layer's LRU step of rows `req` selecting positions `sets` [B, X]: until every selected row has
         landed. A resident row has landed (warm-up loads phase 2, a miss loads after this wait), so asking for the
-        whole set asks exactly for the misses' rows. Host wait: nothing to do while no request is tracked."""
+        whole set asks exactly for the misses' rows. Host wait: nothing to do while no request is tracked. The pages it
+        waits for are asked of their senders once, ahead of the rest of phase 3."""
         if not self.tracker.open_rows():
             return
         waited = False
         while not bool(self.tracker.ready(req, sets, layer).all()):
+            if not waited:  # the pages this step waits for, named to their senders: they go ahead of the rest
+                self._ask(layer, req, sets)
             waited = True
             self.pump()
             time.sleep(POLL_S)
         self.waits += waited
+
+    def _ask(self, layer: int, req: torch.Tensor, sets: torch.Tensor) -> None:
+        for i, row in enumerate(req.tolist()):
+            s = self.streams.get(row)
+            if s is not None:
+                pages = self.tracker.unlanded_pages(row, sets[i], layer)
+                if len(pages):
+                    ask(s.receiver, layer, pages)

@@ -151,35 +151,29 @@ DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "lay
 GRAPH_PHASES = ("decode", "prefill")  # SGLang's cuda_graph_config phases
 
 
-# Transfer backends whose decode-side receiver reports a request's KV chunk by chunk as it lands, in the order the
-# prefill node sent it: what a decode node needs to start early. None of SGLang 0.5.23's: Mooncake and NIXL queue a
-# room's chunks FIFO to one worker (`MooncakeKVManager.transfer_worker`, `NixlKVManager`'s worker), but their receivers
-# report success only after the last chunk, which also carries index-K and the metadata; mori and Ascend are not
-# audited; "fake" transfers nothing. The decode side is built and tested with a loopback engine (docs/plugin.md).
-PROGRESSIVE_BACKENDS: tuple[str, ...] = ()
+# Transfer backends over which a decode node hears of a request's KV as it lands, in the order the prefill node sent
+# it: Mooncake, through ESS's hooks on both nodes (sglang_ess.mooncake_progressive: the prefill worker sends the last
+# chunk in phases and reports each). NIXL's worker sends a room's last chunk as one unit and ESS does not hook it;
+# mori and Ascend are not audited; "fake" transfers nothing.
+PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake",)
 
 
 def _check_progressive_pd(cfg: Any) -> None:
-    """--ess-progressive-pd (docs/plugin.md, "Progressive PD transfer"): a decode node's flag, without CUDA graphs (the
-    wait for a row not landed yet is a host wait), over a backend that reports chunks as they land."""
+    """--ess-progressive-pd (docs/plugin.md, "Progressive PD transfer"): a decode node's flag, over a backend whose
+    prefill node sends in the progressive order and reports it (decode CUDA graphs may stay on: a batch holding a
+    request still landing runs eagerly, sglang_ess.hooks.after_can_run_graph)."""
     mode = cfg.disaggregation_mode
     if mode != "decode":
         node = "a co-located node (--disaggregation-mode null)" if mode in (None, "null") else \
             f"a {mode} node (--disaggregation-mode {mode})"
         raise EssArgsError(f"--ess-progressive-pd starts decode before a request's KV has all arrived: a PD decode "
                            f"node's flag (--disaggregation-mode decode), not {node}")
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
-    graphs = getattr(cfg, "cuda_graph_config", None)
-    if graphs is not None and graphs.decode.backend != Backend.DISABLED:
-        raise EssArgsError("--ess-progressive-pd waits on the host for a row that has not landed (the device-side wait "
-                           "is not built yet), which a CUDA graph cannot hold: add --cuda-graph-backend-decode disabled")
     backend = str(getattr(cfg, "disaggregation_transfer_backend", "") or "")
     if backend not in PROGRESSIVE_BACKENDS:
-        raise EssArgsError(f"--ess-progressive-pd needs a transfer backend that reports a request's KV chunk by chunk as "
-                           f"it lands; --disaggregation-transfer-backend {backend} does not (in SGLang 0.5.23 none does: "
-                           f"Mooncake and NIXL report a request only after its last chunk, which carries index-K), so "
-                           f"the flag cannot start a request early yet (docs/plugin.md, \"Progressive PD transfer\")")
+        raise EssArgsError(f"--ess-progressive-pd needs a transfer backend whose prefill node sends a request's KV in "
+                           f"the progressive order and reports it as it lands: --disaggregation-transfer-backend "
+                           f"{' or '.join(PROGRESSIVE_BACKENDS)}, not {backend} (docs/plugin.md, \"Progressive PD "
+                           f"transfer\")")
 
 
 def _check_disk_tier(cfg: Any) -> None:

@@ -48,6 +48,10 @@ def test_ready_equals_a_brute_force_check_over_random_landings():
         for layer in range(L):
             got = tr.ready(torch.tensor(req, dtype=torch.int32), torch.tensor(miss, dtype=torch.int32), layer)
             assert got.dtype == torch.bool and got.tolist() == brute_ready(landed, base, lengths, page, req, miss, layer), trial
+            for r, ms in zip(req, miss):  # the pages a waiting step names to the prefill node
+                want = sorted({p // page for p in ms if 0 <= p < lengths.get(r, 0)} - {q for ly, q in landed.get(r, ())
+                                                                                       if ly == layer})
+                assert tr.unlanded_pages(r, torch.tensor(ms), layer).tolist() == want, trial
 
 
 def test_a_request_becomes_ready_as_its_pages_land_and_its_slot_is_reused_clean():

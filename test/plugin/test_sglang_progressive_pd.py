@@ -3,6 +3,12 @@ SGLang's real transfer queue (`DecodeTransferQueue.pop_transferred`, its metadat
 `Req`, `MetadataBuffers`, `ReqToMetadataIdxAllocator`, `ReqToTokenPool` and `KVPoll` states, with a loopback transfer
 engine that lands a request's chunks in the progressive order with delays."""
 
+import ctypes
+import dataclasses
+import os
+import socket
+import sys
+import threading
 import time
 import types
 
@@ -129,12 +135,15 @@ def transfer_queue(meta: MetadataBuffers, alloc: ReqToMetadataIdxAllocator, gloo
     return q
 
 
-def decode_node(progressive: bool):
+def decode_node(progressive: bool, host=None, query_rows=1):
     pool = ReqToTokenPool(5, CTX + STEPS + 1, "cpu", False)
     pool.req_to_token[SLOT] = torch.randperm(64 * 8)[: CTX + STEPS + 1].int()  # scattered, as an allocator's
-    facts = EssFacts("pd-decode", K, L, CTX + STEPS, C)
-    ess = EssArgs(enable=True, buffer_tokens=C, warmup_windows=0, progressive_pd=progressive)
-    host = torch.zeros(L, 64 * 8 + 1, 656, dtype=torch.uint8)  # nothing landed yet
+    buffer = C * query_rows  # MTP verify: the union of S top-k sets in one LRU step
+    facts = EssFacts("pd-decode", K, L, CTX + STEPS, buffer, query_rows=query_rows)
+    ess = EssArgs(enable=True, buffer_tokens=buffer, warmup_windows=0, progressive_pd=progressive)
+    if host is None:
+        host = torch.zeros(L, 64 * 8 + 1, 656, dtype=torch.uint8)  # nothing landed yet
+    host.zero_()
     rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend="torch", kernel="torch")
     if progressive:
         rt.progressive = ProgressiveDecode(LandingTracker(L, CTX + STEPS, 2, 5, "cpu", page=PAGE))
@@ -163,6 +172,22 @@ def decode(rt, pool, steps=STEPS) -> list:
     return out
 
 
+def verify(rt, pool, steps=STEPS // 2) -> list:
+    """MTP target-verify steps (S = 2 query rows per request: two new positions per step), as the DSA backend asks
+    the runtime: [B, S, K] top-k, the union one LRU step."""
+    out, req = [], torch.tensor([SLOT])
+    for t in range(steps):
+        p = CTX + 2 * t
+        top_k = torch.cat([topk_of(2 * t), topk_of(2 * t + 1)]).unsqueeze(0)
+        for layer in range(L):
+            loc = pool.req_to_token[SLOT, p:p + 2]
+            rt.cache.host[layer][loc.long()] = rows_of(loc, layer)
+            rt.keep_own_rows(layer, rows_of(loc, layer))
+            slots = rt.swap_in_selected_pages(req, torch.tensor([p + 1, p + 2]), top_k, layer)
+            out.append(rt.latent_buffer(layer)[slots.long().flatten(), 0].clone())
+    return out
+
+
 def hot_and_rest():
     """The prefill node's order for a warm-up state naming the newest rows (pages 9, 8 hottest)."""
     positions = torch.tensor([[39, 38, 33, 30], [36, 35, 34, 32]])
@@ -170,8 +195,8 @@ def hot_and_rest():
     return send_order(positions, windows, CTX, PAGE)
 
 
-def join(plugin, monkeypatch, gloo, delay=2, fail_after=None):
-    rt, pool = decode_node(True)
+def join(plugin, monkeypatch, gloo, delay=2, fail_after=None, query_rows=1):
+    rt, pool = decode_node(True, query_rows=query_rows)
     monkeypatch.setattr(plugin.state, "runtime", rt)
     meta = MetadataBuffers(4, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16)
     alloc = ReqToMetadataIdxAllocator(4)
@@ -225,6 +250,46 @@ def test_a_request_joins_after_the_hot_pages_and_decodes_the_full_transfers_rows
     assert order == [9, 8, 7, 0, 1, 2, 3, 4, 5, 6]  # the priority order, as the engine landed it
 
 
+def test_mtp_verify_steps_wait_and_read_the_full_transfers_rows(plugin, monkeypatch, gloo):
+    """MTP target-verify under progressive PD: the union of a step's S top-k sets waits for its unlanded page as a
+    decode step does, and every step reads the rows a full transfer's node reads."""
+    full, full_pool = decode_node(False, query_rows=2)
+    loc = full_pool.req_to_token[SLOT, :CTX].long()
+    for layer in range(L):
+        full.cache.host[layer][loc] = rows_of(loc, layer)
+    want = verify(full, full_pool)
+    rt, pool, q, req, rcv, _, _, _ = join(plugin, monkeypatch, gloo, query_rows=2)
+    pool.req_to_token[SLOT] = full_pool.req_to_token[SLOT]
+    rcv.locs = pool.req_to_token[SLOT, :CTX]
+    while not q.pop_transferred():
+        pass
+    got = verify(rt, pool)
+    assert rt.progressive.waits >= 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_decode_graphs_wait_out_a_request_still_landing(plugin, monkeypatch, gloo):
+    """While a joined request's transfer is still landing, decode batches run eagerly (their steps may wait on the
+    host): SGLang's own DP-attention vote (`_local_decode_cuda_graph_vote`, min-reduced across ranks) says eager, and
+    so does the decode graph runner's `can_run_graph` (the hook alone: a DecodeCudaGraphRunner needs CUDA to build).
+    Graphs come back once the transfer has landed whole."""
+    from sglang.srt.managers.scheduler_components import dp_attn
+
+    def graphs() -> tuple:
+        return (dp_attn._local_decode_cuda_graph_vote(local_batch=None, disable_cuda_graph=False),
+                plugin.after_can_run_graph(True, None, None) is not False)
+
+    rt, pool, q, req, rcv, alloc, _, _ = join(plugin, monkeypatch, gloo)
+    assert graphs() == (True, True)  # tracked, not joined yet: not in a batch
+    while not q.pop_transferred():
+        pass
+    assert graphs() == (False, False)
+    deadline = time.monotonic() + 5
+    while rt.progressive.streams and time.monotonic() < deadline:
+        rt.progressive.pump()
+    assert graphs() == (True, True)
+
+
 def test_an_untracked_request_never_waits(plugin, monkeypatch, gloo):
     rt, pool = decode_node(True)
     loc = pool.req_to_token[SLOT, :CTX].long()
@@ -257,3 +322,377 @@ def test_abort_mid_transfer_frees_everything(plugin, monkeypatch, gloo):
     assert req.to_finish is not None and "transfer failed" in req.to_finish.message
     assert rt.progressive.tracker.open_rows() == []  # a step that would wait on it goes on (its output is dropped)
     decode(rt, pool, 1)
+
+
+# -- over SGLang's real Mooncake objects ------------------------------------------------------------------------------
+# Both nodes in this process: SGLang's MooncakeKVBootstrapServer (HTTP), a prefill and a decode MooncakeKVManager (their
+# ZMQ sockets and threads), MooncakeKVSender, MooncakeKVReceiver and SGLang's MooncakeTransferEngine wrapper, with
+# ESS's hooks on them. Only the native engine under that wrapper is the tests' (below).
+HOST_ROWS, IDX_K = 64 * 8 + 1, 132  # the decode node's host pool rows (128 pages of 4), index-K bytes per token
+
+
+class LoopbackEngine:
+    """mooncake.engine.TransferEngine, the native RDMA engine (not installed here; it needs an RDMA NIC), for one
+    process: a write copies the bytes (ctypes.memmove) between registered regions, refusing one outside them as the
+    native engine does. A write whose destination `hold` names waits until `go` is set, so a test sees a request join
+    while part of its KV is in flight; one `fail` names then fails, as a broken link would; `log` keeps every
+    destination in writing order."""
+
+    sessions: dict = {}
+
+    def __init__(self):
+        self.regions, self.log, self.lock = {}, [], threading.Lock()
+        self.hold, self.fail, self.go = (lambda dst: False), (lambda dst: False), threading.Event()
+
+    def initialize(self, hostname, metadata_server, protocol, device_name):
+        self.port = 40000 + len(LoopbackEngine.sessions)
+        LoopbackEngine.sessions[self.port] = self
+        return 0
+
+    def get_rpc_port(self):
+        return self.port
+
+    def get_engine(self):
+        return self
+
+    def register_memory(self, ptr, length):
+        self.regions[int(ptr)] = int(length)
+        return 0
+
+    def batch_register_memory(self, ptrs, lengths):
+        return min([self.register_memory(p, n) for p, n in zip(ptrs, lengths)] + [0])
+
+    def unregister_memory(self, ptr):
+        return 0 if self.regions.pop(int(ptr), None) is not None else -1
+
+    def batch_unregister_memory(self, ptrs):
+        return min([self.unregister_memory(p) for p in ptrs] + [0])
+
+    def _inside(self, engine, addr, n):
+        return any(b <= addr and addr + n <= b + size for b, size in engine.regions.items())
+
+    def batch_transfer_sync_write(self, session_id, srcs, dsts, lengths):
+        peer = LoopbackEngine.sessions.get(int(str(session_id).rsplit(":", 1)[1]))
+        if peer is None or not all(self._inside(self, s, n) and self._inside(peer, d, n)
+                                   for s, d, n in zip(srcs, dsts, lengths)):
+            return -1
+        for s, d, n in zip(srcs, dsts, lengths):
+            if self.hold(d):
+                self.go.wait(20)
+            if self.fail(d):
+                return -1
+            ctypes.memmove(d, s, n)
+            with self.lock:
+                self.log.append(d)
+        return 0
+
+    def transfer_sync_write(self, session_id, src, dst, length):
+        return self.batch_transfer_sync_write(session_id, [src], [dst], [length])
+
+    def send_probe(self, session_id):
+        return 0
+
+
+def kv_args(kv: torch.Tensor, index_k: torch.Tensor, meta: MetadataBuffers, prefill: bool):
+    """KVArgs as SGLang's bootstrap and prealloc queues fill them for a DSA model's paged MLA pool (no draft model)."""
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.mooncake.conn import KVArgs
+    from sglang.srt.disaggregation.utils import append_state_component
+
+    a = KVArgs()
+    a.engine_rank = a.pp_rank = a.system_dp_rank = 0
+    a.kv_cache_dtype_str, a.kv_layout, a.page_size, a.ib_device, a.gpu_id = "fp8_e4m3", None, PAGE, None, None
+    if prefill:
+        a.rust_http_port, a.prefill_start_layer, a.prefill_end_layer = None, 0, L
+    a.kv_data_ptrs = [t.data_ptr() for t in kv]
+    a.kv_data_lens = [t.nbytes for t in kv]
+    a.kv_item_lens = [kv[0][0].nbytes * PAGE] * L
+    a.num_draft_entries, a.kv_layer_ids = 0, []
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
+    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+    a.state_dim_per_tensor, a.state_slice_outer_counts, a.state_layer_ids, a.state_conv_shard_groups = [], [], [], []
+    a.is_hybrid_mla_backend, a.swa_kv_cache_layout, a.mla_compression_ratios = False, None, None
+    append_state_component(a, StateType.DSA, [t.data_ptr() for t in index_k], [t.nbytes for t in index_k],
+                           [IDX_K * PAGE] * L)
+    return a
+
+
+@pytest.fixture(scope="module")
+def mooncake(plugin, gloo):
+    """The two nodes (see above). ESS's process state holds both roles' parts: a prefill node's sender and warm-up
+    rows, a decode node's runtime (each test's)."""
+    from sglang.srt.disaggregation.mooncake import conn
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang_ess import pd_warmup
+
+    env, modules = dict(os.environ), {m: sys.modules.get(m) for m in ("mooncake", "mooncake.engine")}
+    saved = dataclasses.replace(plugin.state)
+    os.environ.update(SGLANG_HOST_IP="127.0.0.1", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="30",
+                      SGLANG_DISAGGREGATION_WAITING_TIMEOUT="30")
+    native = types.ModuleType("mooncake.engine")
+    native.TransferEngine = LoopbackEngine
+    sys.modules.update({"mooncake": types.ModuleType("mooncake"), "mooncake.engine": native})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sa = ServerArgs(model_path="dummy", device="cpu", host="127.0.0.1", disaggregation_mode="prefill",
+                    disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=port)
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(pp_group=None)  # no torch.distributed groups here; read only when pp > 1
+    mte._mooncake_transfer_engine = None  # the process's one engine, as SGLang's shared-engine start makes it
+    mte.init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+    conn.MooncakeKVBootstrapServer(host="127.0.0.1", port=port)
+    addr = f"127.0.0.1:{port}"
+    plugin.state.wire = (L, K)
+    d_meta = meta_buffers()
+    p_meta = meta_buffers()  # the prefill node's warm-up rows (state.warmup_rows: the last built)
+    plugin.state.sender = pd_warmup.WarmupSender(L, K, 4, torch.zeros(5, CTX, dtype=torch.int32), CTX)
+    host = torch.zeros(L, HOST_ROWS, 656, dtype=torch.uint8)
+    p_kv = torch.zeros(L, HOST_ROWS - 1, 656, dtype=torch.uint8)
+    p_idx, d_idx = (torch.zeros(L, HOST_ROWS - 1, IDX_K, dtype=torch.uint8) for _ in range(2))
+    p_mgr = conn.MooncakeKVManager(kv_args(p_kv, p_idx, p_meta, True), DisaggregationMode.PREFILL, sa,
+                                   is_mla_backend=True)
+    d_mgr = conn.MooncakeKVManager(kv_args(host, d_idx, d_meta, False), DisaggregationMode.DECODE, sa,
+                                   is_mla_backend=True)
+    deadline = time.monotonic() + 20
+    while not d_mgr.try_ensure_parallel_info(addr):
+        assert time.monotonic() < deadline, "the bootstrap server did not answer"
+        time.sleep(0.05)
+    yield types.SimpleNamespace(addr=addr, p_mgr=p_mgr, d_mgr=d_mgr, p_meta=p_meta, d_meta=d_meta, host=host,
+                                p_kv=p_kv, p_idx=p_idx, d_idx=d_idx, engine=mte._mooncake_transfer_engine.engine,
+                                conn=conn)
+    for f in dataclasses.fields(saved):
+        setattr(plugin.state, f.name, getattr(saved, f.name))
+    os.environ.clear()
+    os.environ.update(env)
+    for m, mod in modules.items():
+        sys.modules.pop(m) if mod is None else sys.modules.__setitem__(m, mod)
+
+
+def meta_buffers() -> MetadataBuffers:
+    return MetadataBuffers(4, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16)
+
+
+ROOMS = iter(range(7000, 8000))
+PROMPT_PAGES = CTX // PAGE  # 10: pages 0, 1 go in an earlier chunk, 2 .. 9 in the last
+
+
+def warmup_entries() -> torch.Tensor:
+    """The warm-up state of hot_and_rest: its rows are on pages 9, 8, 7."""
+    from sglang_ess import pd_warmup
+
+    positions = torch.tensor([[39, 38, 33, 30], [36, 35, 34, 32]])
+    windows = torch.tensor([[31, 31, 30, 20], [31, 30, 30, 29]])
+    return pd_warmup.compact((positions << pd_warmup.WINDOW_BITS) | windows, pd_warmup.entries_per_layer(K))
+
+
+def send_over_mooncake(mc, rt, pool, gloo, hold=frozenset(), prefix=0, fail=False):
+    """A request's prefill-to-decode transfer through SGLang's sender and receiver: its decode pages and token table
+    rows, the prefill node's rows of its prompt (each row the one a full transfer's node holds), the receiver's
+    metadata, then SGLang's two sends (2 pages, then the rest with index-K and the metadata), the engine holding back
+    the request's pages in `hold`. The decode node's radix cache holds the first `prefix` pages already (SGLang's
+    decode_prefix_len): they are not sent. Returns the transfer queue, the request, its receiver and sender, its decode
+    pages and the metadata allocator."""
+    from sglang_ess import pd_warmup
+
+    room = next(ROOMS)
+    g = torch.Generator().manual_seed(room)
+    d_pages = torch.randperm(HOST_ROWS // PAGE - 1, generator=g)[:-(-(CTX + STEPS + 1) // PAGE)] + 1
+    s_pages = torch.randperm(HOST_ROWS // PAGE - 1, generator=g)[:PROMPT_PAGES] + 1
+    t = torch.arange(CTX + STEPS + 1)
+    pool.req_to_token[SLOT] = (d_pages[t // PAGE] * PAGE + t % PAGE).int()
+    s_loc, d_loc = s_pages[t[:CTX] // PAGE] * PAGE + t[:CTX] % PAGE, pool.req_to_token[SLOT, :CTX].long()
+    for layer in range(L):
+        mc.p_kv[layer][s_loc] = rows_of(d_loc, layer)
+        mc.p_idx[layer][s_loc] = (t[:CTX, None] + layer + room).to(torch.uint8)
+        mc.host[layer][d_loc[:prefix * PAGE]] = rows_of(d_loc[:prefix * PAGE], layer)  # the decode node's cache
+    meta = mc.d_meta
+    meta.bootstrap_room.zero_()
+    alloc = ReqToMetadataIdxAllocator(4)
+    q = transfer_queue(meta, alloc, gloo)
+    sender = mc.conn.MooncakeKVSender(mc.p_mgr, mc.addr, room)
+    with mc.d_mgr.connection_lock:  # the decode node registers anew, as a newly launched one would (its flags)
+        mc.d_mgr.connection_pool.clear()
+    receiver = mc.conn.MooncakeKVReceiver(mc.d_mgr, mc.addr, room)
+    receiver.init(prefill_dp_rank=0)
+    d_slot = alloc.alloc()
+    dst = d_pages[prefix:PROMPT_PAGES].numpy().astype("int32")
+    receiver.send_metadata(dst, aux_index=d_slot, state_indices=[dst], decode_prefix_len=prefix * PAGE)
+    deadline = time.monotonic() + 20
+    while sender.poll() != KVPoll.WaitingForInput:
+        assert time.monotonic() < deadline, "the prefill node never heard of the decode node's metadata"
+        time.sleep(0.01)
+    p_slot = 1
+    mc.p_meta.output_ids[p_slot][0] = FIRST_TOKEN  # what SGLang's set_buf writes for the request
+    mc.p_meta.bootstrap_room[p_slot, 0] = room
+    pd_warmup.write_row(mc.p_meta.ess_warmup[p_slot], L, pd_warmup.entries_per_layer(K), warmup_entries(), 4, room)
+    req = Req("r", "", [1] * CTX, SamplingParams(max_new_tokens=8), bootstrap_room=room)
+    req.kv.req_pool_idx = SLOT
+    req.bootstrap_host = "127.0.0.1"
+    q.queue.append(DecodeRequest(req=req, kv_receiver=receiver, metadata_buffer_index=d_slot))
+    src = s_pages[prefix:].numpy().astype("int32")
+    hold_pages(mc, d_pages, hold, fail)
+    mc.engine.log.clear()
+    sender.init(len(src), aux_index=p_slot)
+    sender.send(src[:2])
+    sender.send(src[2:], state_indices=[src])
+    return q, req, receiver, sender, d_pages, alloc
+
+
+def page_of(mc, dst: int, d_pages) -> int | None:
+    """The request's page a decode-node KV write went to, or None (metadata, index-K)."""
+    for layer in range(L):
+        off = dst - mc.host[layer].data_ptr()
+        if 0 <= off < mc.host[layer].nbytes:
+            hit = (d_pages == off // (656 * PAGE)).nonzero()
+            return int(hit[0]) if len(hit) else None
+    return None
+
+
+def hold_pages(mc, d_pages, pages, fail=False):
+    """The engine holds every write to these request pages (any layer) until mc.engine.go is set; fail: the write
+    then fails."""
+    mc.engine.go.clear()
+    mc.engine.hold = lambda dst: page_of(mc, dst, d_pages) in pages
+    mc.engine.fail = lambda dst: fail and page_of(mc, dst, d_pages) in pages
+
+
+def pop_until_joined(q, req, seconds=20) -> None:
+    deadline = time.monotonic() + seconds
+    while q.pop_transferred() != [req]:
+        assert time.monotonic() < deadline, "the request never joined decode"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("prefix", [0, 1], ids=["no-prefix", "decode-radix-prefix"])
+def test_mooncake_sends_in_the_progressive_order_and_the_request_joins_early(plugin, monkeypatch, gloo, mooncake,
+                                                                             prefix):
+    """A progressive decode node registers as such; the prefill node's worker then sends index-K and the metadata,
+    the warm-up pages, then the rest, reporting each. SGLang's poll admits the request once the warm-up pages
+    have landed (the rest held back by the engine), with the first token and index-K of every page sent; its decode
+    steps wait for the held pages and read what a full transfer's node reads; the room then concludes and leaves the
+    tracker. With a prefix in the decode node's radix cache, the pages before it count as landed."""
+    mc = mooncake
+    full, full_pool = decode_node(False)
+    rt, pool = decode_node(True, host=mc.host)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
+    last = prefix + 2  # the last chunk's first page; the warm-up pages are 9, 8, 7
+    q, req, receiver, sender, d_pages, alloc = send_over_mooncake(mc, rt, pool, gloo, set(range(last, 7)), prefix)
+    pop_until_joined(q, req)
+    landed = rt.progressive.tracker.pages_landed(SLOT)
+    assert landed.all(dim=0).tolist() == [p < last or p in (7, 8, 9) for p in range(PROMPT_PAGES)]
+    assert list(req.output_ids) == [FIRST_TOKEN] and alloc.available_size() == 4
+    assert receiver.poll() not in (KVPoll.Success, KVPoll.Failed)  # SGLang's own state: the room has not concluded
+    sent = torch.arange(prefix * PAGE, CTX)
+    for layer in range(L):  # index-K of every page sent landed with phase 1
+        got = mc.d_idx[layer][pool.req_to_token[SLOT, sent].long()]
+        assert torch.equal(got, (sent[:, None] + layer + req.bootstrap_room).to(torch.uint8).expand_as(got))
+
+    full_pool.req_to_token[SLOT] = pool.req_to_token[SLOT]
+    loc = full_pool.req_to_token[SLOT, :CTX].long()
+    for layer in range(L):
+        full.cache.host[layer][loc] = rows_of(loc, layer)
+    for node in (full, rt):  # the warm-up state the prefill node sent, loaded at the next forward
+        node.admit_transferred(SLOT, warmup_entries())
+        node.start_forward()
+    want = decode(full, full_pool)
+    threading.Timer(0.3, mc.engine.go.set).start()
+    got = decode(rt, pool)
+    assert rt.progressive.waits >= 1  # step 0 reads page 3, held back
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    deadline = time.monotonic() + 20
+    while rt.progressive.streams and time.monotonic() < deadline:
+        rt.progressive.pump()
+        time.sleep(0.005)
+    assert rt.progressive.streams == {} and rt.progressive.tracker.open_rows() == []
+    assert sender.poll() == KVPoll.Success
+    order = [page_of(mc, d, d_pages) for d in mc.engine.log]
+    order = [p for p in order if p is not None]
+    phase = [0 if p < last else 1 if p in (7, 8, 9) else 2 for p in order]  # earlier chunk, phase 2, phase 3
+    assert sorted(set(order)) == list(range(prefix, PROMPT_PAGES)) and phase == sorted(phase)
+    assert plugin.mooncake_progressive.INBOX == {}
+
+
+def test_mooncake_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, mooncake):
+    """A step that waits for a phase-3 page names it to the prefill node, whose worker sends that page of the waiting
+    layer alone right after the part in flight (phase 3 in slices of one page here), ahead of the pages before it;
+    the page's part later sends it whole."""
+    mc = mooncake
+    monkeypatch.setattr(plugin.mooncake_progressive, "SLICE_PAGES", 1)
+    rt, pool = decode_node(True, host=mc.host)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
+    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo, hold={2})
+    pop_until_joined(q, req)
+    threading.Timer(0.3, mc.engine.go.set).start()
+    rt.progressive.wait(0, torch.tensor([SLOT]), torch.tensor([[6 * PAGE + 1, 39, -1]]))  # page 6 (and 9, landed)
+    assert rt.progressive.waits == 1
+    deadline = time.monotonic() + 20
+    while rt.progressive.streams and time.monotonic() < deadline:
+        rt.progressive.pump()
+        time.sleep(0.005)
+    pages = [p for p in (page_of(mc, d, d_pages) for d in mc.engine.log) if p is not None]  # a write per layer
+    assert list(dict.fromkeys(pages))[-5:] == [2, 6, 3, 4, 5]  # page 2 was in flight; 6 went before 3, 4, 5
+    assert pages[:pages.index(3)].count(6) == 1 and pages.count(6) == 1 + L  # layer 0 alone, then the whole page
+    assert sender.poll() == KVPoll.Success
+
+
+def test_mooncake_abort_mid_transfer_stops_the_prefill_nodes_sends(plugin, monkeypatch, gloo, mooncake):
+    """A request aborted after joining: its receiver tells the prefill node, whose worker skips the parts not sent
+    yet (phase 3 in slices of 2 pages here); the tracker slot is free."""
+    mc = mooncake
+    monkeypatch.setattr(plugin.mooncake_progressive, "SLICE_PAGES", 2)
+    rt, pool = decode_node(True, host=mc.host)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
+    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo, hold={2})
+    pop_until_joined(q, req)
+    plugin.before_release_kv_cache(req)
+    assert rt.progressive.tracker.open_rows() == [] and rt.progressive.streams == {}
+    deadline = time.monotonic() + 20
+    while mc.p_mgr.check_status(req.bootstrap_room) != KVPoll.Failed:
+        assert time.monotonic() < deadline, "the prefill node never heard of the abort"
+        time.sleep(0.01)
+    mc.engine.go.set()
+    while sender.poll() != KVPoll.Failed:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)  # the worker has had time to send what it would
+    loc = pool.req_to_token[SLOT, 4 * PAGE:7 * PAGE].long()
+    assert all(int(mc.host[layer][loc].sum()) == 0 for layer in range(L))  # pages 4, 5, 6 never sent
+    assert plugin.mooncake_progressive.INBOX == {}
+
+
+def test_mooncake_failure_after_the_join_aborts_the_request(plugin, monkeypatch, gloo, mooncake):
+    """A phase-3 write that fails after the request joined: the prefill node concludes the room Failed, SGLang's
+    decode thread records it, and the next pump aborts the request and frees its tracker slot."""
+    mc = mooncake
+    rt, pool = decode_node(True, host=mc.host)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
+    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo, hold={3}, fail=True)
+    pop_until_joined(q, req)
+    mc.engine.go.set()
+    deadline = time.monotonic() + 20
+    while SLOT in rt.progressive.streams:
+        assert time.monotonic() < deadline, "the failure never reached the decode node"
+        rt.progressive.pump()
+        time.sleep(0.005)
+    assert req.to_finish is not None and "transfer failed" in req.to_finish.message
+    assert rt.progressive.tracker.open_rows() == [] and sender.poll() == KVPoll.Failed
+    mc.engine.fail = lambda dst: False
+
+
+def test_mooncake_without_progressive_decode_sends_as_sglang_does(plugin, monkeypatch, gloo, mooncake):
+    """A decode node without --ess-progressive-pd registers as SGLang does: the prefill node sends the last chunk
+    whole, reports nothing, and the request joins after its whole transfer."""
+    mc = mooncake
+    rt, pool = decode_node(False, host=mc.host)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
+    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo)
+    assert not mc.p_mgr.decode_kv_args_table[mc.d_mgr.get_session_id()].ess_progressive
+    pop_until_joined(q, req)
+    assert receiver.poll() == KVPoll.Success and list(req.output_ids) == [FIRST_TOKEN]
+    loc = pool.req_to_token[SLOT, :CTX].long()
+    assert all(torch.equal(mc.host[layer][loc], rows_of(loc, layer)) for layer in range(L))
+    assert plugin.mooncake_progressive.INBOX == {}

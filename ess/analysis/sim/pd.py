@@ -1,10 +1,11 @@
-"""Progressive PD transfer (issue 36), simulated: the plugin's decode side exists (docs/plugin.md, "Progressive PD
-transfer"), the prefill node's ordered sends through Mooncake / NIXL are not built yet.
+"""Progressive PD transfer (issue 36), simulated: what the plugin runs over Mooncake (docs/plugin.md, "Progressive PD
+transfer"), not timed on a cluster.
 
-A decode node today waits for a request's whole cache before its first step. Progressive transfer sends, in order,
-(1) every token's index-K rows and the LRU-Warmup state, (2) the latent rows of the warm-up set, (3) the other
-latent rows; decode starts once (1) and (2) have landed, and a step whose misses include a row not yet landed waits
-for that row. The model and every term's source: docs/simulator.md, "Progressive PD transfer (issue 36)".
+Without it a decode node waits for a request's whole cache before its first step. Progressive transfer sends, in
+order, (1) every token's index-K rows and the LRU-Warmup state, (2) the latent pages of the warm-up set, (3) the other
+latent pages in slices; decode starts once (1) and (2) have landed, and a step whose misses include a row not yet
+landed waits: its decode node names the (layer, page) blocks, which the prefill node sends after the slice in flight.
+The model and every term's source: docs/simulator.md, "Progressive PD transfer (issue 36)".
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from ess.analysis.sim import cost
 from ess.analysis.sim.engine import HARDWARE, EP, layer_misses, load_calibration, profile_for, simulate
 from ess.analysis.sim.profile import ProfileError
 from ess.analysis.sim.specs import ModelSpec, get_hardware, get_model
-from ess.core.settings import DEFAULT_SPARSE_RATIO, capacity
+from ess.core.settings import DEFAULT_SPARSE_RATIO, PROGRESSIVE_SLICE_PAGES, capacity
 
 LINK_GBPS = (25.0, 50.0, 100.0, 200.0, 400.0)  # the issue's range
 CONTEXTS = (32768, 131072)
 TOKENS = 64  # time to the k-th decode token
 GOAL = {"context": 131072, "link_gbps": 100.0, "first_token_speedup": 2.0}  # the issue's goal
+PAGE_TOKENS = 64  # SGLang's KV page for DeepSeek-V3.2 (FlashMLA's FP8 sparse decode): a row asked for brings its page
 
 
 def warmup_state_bytes(spec: ModelSpec) -> int:
@@ -65,14 +67,17 @@ ORDERS = ("full", "demand", "stream")  # a full transfer; progressive with a ste
 
 
 def timeline(link_gbps: float, ph: dict, row_bytes: int, join_s: float, step_s: float, misses: list[float],
-             accept: float, tokens: int, order: str) -> dict:
+             accept: float, tokens: int, order: str, layers: int = 61, block_rows: int = 1,
+             slice_bytes: float = 0.0) -> dict:
     """One request's first decode steps after its prefill (t = 0: the prefill node starts sending). The link is the
     request's alone and never idles until the last byte lands. full: the first step waits for the whole transfer.
     Progressive: decode starts when phases 1 and 2 have landed; phase 3 streams on in an order unrelated to the rows
     decode reads, so a step's miss finds its row not landed yet with the share of phase 3 still to come (every miss
     taken for a first touch, a row outside the warm-up set: an upper bound). demand: those rows are sent ahead of the
-    stream, and the step waits for their bytes; stream: nothing is reordered, and the step waits until the last of
-    them lands (expected: the rest of phase 3 x n / (n + 1) for n such rows)."""
+    stream, each as a block of `block_rows` rows of its layer (the plugin: a page), after the slice of the stream in
+    flight (half of `slice_bytes` expected, once per layer that waits, its misses spread evenly over the `layers`),
+    and the step waits for that; the blocks take the link from the stream. stream: nothing is reordered, and the step
+    waits until the last of them lands (expected: the rest of phase 3 x n / (n + 1) for n such rows)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     rate = link_gbps * 1e9 / 8  # bytes per second; inf: the floor
@@ -81,16 +86,20 @@ def timeline(link_gbps: float, ph: dict, row_bytes: int, join_s: float, step_s: 
     phase3_rows = 0.0 if order == "full" else ph["phase3_bytes"] / row_bytes
     steps = math.ceil(tokens / accept)
     t = ready + join_s  # the warm-up gather into the GPU slots, then the first step
-    demanded = wait_s = waiting = first_wait_rows = first = 0.0
+    demanded = demand_bytes = wait_s = waiting = first_wait_rows = first = 0.0
     for s in range(steps):
-        sent = min(phase3_rows, (t - ready) * rate / row_bytes) if phase3_rows else 0.0
+        streamed = max(0.0, (t - ready) * rate - demand_bytes) / row_bytes  # the link's time less the blocks'
+        sent = min(phase3_rows, streamed) if phase3_rows else 0.0
         untouched = phase3_rows - demanded  # phase-3 rows no step has asked for
         unlanded = (phase3_rows - sent) / untouched if untouched > 0 else 0.0  # their share not landed yet
         rows = min(misses[s] * unlanded, phase3_rows - sent)  # expected; never more than are still to come
         waiting += 1 - (1 - unlanded) ** misses[s]  # chance the step misses at least one unlanded row
         if order == "demand":
             demanded += rows
-            wait = rows * row_bytes / rate
+            blocks = rows * block_rows * row_bytes
+            demand_bytes += blocks
+            waiting_layers = layers * (1 - (1 - unlanded) ** (misses[s] / layers)) if rows > 0 else 0.0
+            wait = (blocks + waiting_layers * slice_bytes / 2) / rate
         else:
             wait = (phase3_rows - sent) * row_bytes / rate * rows / (rows + 1)
         wait_s += wait
@@ -127,6 +136,8 @@ def pd_rows(link_gbps: list[float] = LINK_GBPS, contexts: list[int] = CONTEXTS, 
         per_layer = layer_misses(spec, mtp, profile, sparse_ratio)[:spec.layers]  # the MTP layer's cache: not sent
         misses = step_misses(profile, per_layer, math.ceil(tokens / accept))
         floor = join_s + step_s
+        slice_bytes = PROGRESSIVE_SLICE_PAGES * PAGE_TOKENS * spec.layers * spec.latent_row_bytes
+        plugin = {"layers": spec.layers, "block_rows": PAGE_TOKENS, "slice_bytes": slice_bytes}
         for gbps in link_gbps:
             full = timeline(gbps, ph, spec.latent_row_bytes, join_s, step_s, misses, accept, tokens, "full")
             row = {"context": context, "link_gbps": gbps, "batch_size": b, "sparse_ratio": sparse_ratio,
@@ -140,7 +151,10 @@ def pd_rows(link_gbps: list[float] = LINK_GBPS, contexts: list[int] = CONTEXTS, 
                    "misses_per_step": round(sum(misses) / len(misses), 1),
                    "profile": (profile or {}).get("source", "synthetic default")}
             if progressive:
-                p = timeline(gbps, ph, spec.latent_row_bytes, join_s, step_s, misses, accept, tokens, "demand")
+                p = timeline(gbps, ph, spec.latent_row_bytes, join_s, step_s, misses, accept, tokens, "demand",
+                             **plugin)
+                rows_first = timeline(gbps, ph, spec.latent_row_bytes, join_s, step_s, misses, accept, tokens,
+                                      "demand")  # rows sent alone, with no slice to wait for: the bound
                 q = timeline(gbps, ph, spec.latent_row_bytes, join_s, step_s, misses, accept, tokens, "stream")
                 row |= {"progressive_ready_s": round(p["ready_s"], 6),
                         "progressive_first_token_s": round(p["first_token_s"], 6),
@@ -150,6 +164,8 @@ def pd_rows(link_gbps: list[float] = LINK_GBPS, contexts: list[int] = CONTEXTS, 
                         "first_step_wait_rows": round(p["first_step_wait_rows"], 1),
                         "progressive_wait_ms": round(p["wait_s"] * 1e3, 3),
                         "steps_waiting": round(p["steps_waiting"], 2),
+                        "rows_first_token_s": round(rows_first["first_token_s"], 6),
+                        "slice_bytes": slice_bytes, "page_tokens": PAGE_TOKENS,
                         "stream_first_token_s": round(q["first_token_s"], 6),
                         f"stream_token{tokens}_s": round(q["token_k_s"], 6)}
             rows.append(row)
@@ -183,7 +199,7 @@ def plot_pd(rows: list[dict], path: str, tokens: int, title: str) -> None:
             if f"progressive_{what}" in mine[0]:
                 ax.plot(x, [r[f"progressive_{what}"] for r in mine], f"C{i}--^", ms=4, label=f"{name} progressive")
                 ax.plot(x, [r[f"stream_{what}"] for r in mine], f"C{i}:", lw=1,
-                        label=f"{name} progressive, unlanded rows not sent first")
+                        label=f"{name} progressive, waited-for blocks not sent first")
         ax.set_xscale("log")
         ax.set_xticks(sorted({r["link_gbps"] for r in rows}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
