@@ -560,6 +560,21 @@ def hold_pages(mc, d_pages, pages, fail=False):
     mc.engine.fail = lambda dst: fail and page_of(mc, dst, d_pages) in pages
 
 
+def over_mooncake(plugin, monkeypatch, mc, gloo, progressive=True, **send):
+    """A decode node's runtime over the module's host pool, and a request sent to it (send_over_mooncake)."""
+    rt, pool = decode_node(progressive, host=mc.host)
+    monkeypatch.setattr(plugin.state, "runtime", rt)
+    return (rt, pool, *send_over_mooncake(mc, rt, pool, gloo, **send))
+
+
+def drain(rt, seconds=20) -> None:
+    """Pump the joined requests' transfers, as SGLang's loop does between forwards, until none is landing."""
+    deadline = time.monotonic() + seconds
+    while rt.progressive.streams and time.monotonic() < deadline:
+        rt.progressive.pump()
+        time.sleep(0.005)
+
+
 def pop_until_joined(q, req, seconds=20) -> None:
     deadline = time.monotonic() + seconds
     while q.pop_transferred() != [req]:
@@ -577,10 +592,9 @@ def test_mooncake_sends_in_the_progressive_order_and_the_request_joins_early(plu
     tracker. With a prefix in the decode node's radix cache, the pages before it count as landed."""
     mc = mooncake
     full, full_pool = decode_node(False)
-    rt, pool = decode_node(True, host=mc.host)
-    monkeypatch.setattr(plugin.state, "runtime", rt)
     last = prefix + 2  # the last chunk's first page; the warm-up pages are 9, 8, 7
-    q, req, receiver, sender, d_pages, alloc = send_over_mooncake(mc, rt, pool, gloo, set(range(last, 7)), prefix)
+    rt, pool, q, req, receiver, sender, d_pages, alloc = over_mooncake(plugin, monkeypatch, mc, gloo,
+                                                                       hold=set(range(last, 7)), prefix=prefix)
     pop_until_joined(q, req)
     landed = rt.progressive.tracker.pages_landed(SLOT)
     assert landed.all(dim=0).tolist() == [p < last or p in (7, 8, 9) for p in range(PROMPT_PAGES)]
@@ -603,10 +617,7 @@ def test_mooncake_sends_in_the_progressive_order_and_the_request_joins_early(plu
     got = decode(rt, pool)
     assert rt.progressive.waits >= 1  # step 0 reads page 3, held back
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    deadline = time.monotonic() + 20
-    while rt.progressive.streams and time.monotonic() < deadline:
-        rt.progressive.pump()
-        time.sleep(0.005)
+    drain(rt)
     assert rt.progressive.streams == {} and rt.progressive.tracker.open_rows() == []
     assert sender.poll() == KVPoll.Success
     order = [page_of(mc, d, d_pages) for d in mc.engine.log]
@@ -622,17 +633,12 @@ def test_mooncake_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, 
     the page's part later sends it whole."""
     mc = mooncake
     monkeypatch.setattr(plugin.mooncake_progressive, "SLICE_PAGES", 1)
-    rt, pool = decode_node(True, host=mc.host)
-    monkeypatch.setattr(plugin.state, "runtime", rt)
-    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo, hold={2})
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, hold={2})
     pop_until_joined(q, req)
     threading.Timer(0.3, mc.engine.go.set).start()
     rt.progressive.wait(0, torch.tensor([SLOT]), torch.tensor([[6 * PAGE + 1, 39, -1]]))  # page 6 (and 9, landed)
     assert rt.progressive.waits == 1
-    deadline = time.monotonic() + 20
-    while rt.progressive.streams and time.monotonic() < deadline:
-        rt.progressive.pump()
-        time.sleep(0.005)
+    drain(rt)
     pages = [p for p in (page_of(mc, d, d_pages) for d in mc.engine.log) if p is not None]  # a write per layer
     assert list(dict.fromkeys(pages))[-5:] == [2, 6, 3, 4, 5]  # page 2 was in flight; 6 went before 3, 4, 5
     assert pages[:pages.index(3)].count(6) == 1 and pages.count(6) == 1 + L  # layer 0 alone, then the whole page
@@ -644,9 +650,7 @@ def test_mooncake_abort_mid_transfer_stops_the_prefill_nodes_sends(plugin, monke
     yet (phase 3 in slices of 2 pages here); the tracker slot is free."""
     mc = mooncake
     monkeypatch.setattr(plugin.mooncake_progressive, "SLICE_PAGES", 2)
-    rt, pool = decode_node(True, host=mc.host)
-    monkeypatch.setattr(plugin.state, "runtime", rt)
-    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo, hold={2})
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, hold={2})
     pop_until_joined(q, req)
     plugin.before_release_kv_cache(req)
     assert rt.progressive.tracker.open_rows() == [] and rt.progressive.streams == {}
@@ -668,16 +672,10 @@ def test_mooncake_failure_after_the_join_aborts_the_request(plugin, monkeypatch,
     """A phase-3 write that fails after the request joined: the prefill node concludes the room Failed, SGLang's
     decode thread records it, and the next pump aborts the request and frees its tracker slot."""
     mc = mooncake
-    rt, pool = decode_node(True, host=mc.host)
-    monkeypatch.setattr(plugin.state, "runtime", rt)
-    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo, hold={3}, fail=True)
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, hold={3}, fail=True)
     pop_until_joined(q, req)
     mc.engine.go.set()
-    deadline = time.monotonic() + 20
-    while SLOT in rt.progressive.streams:
-        assert time.monotonic() < deadline, "the failure never reached the decode node"
-        rt.progressive.pump()
-        time.sleep(0.005)
+    drain(rt)
     assert req.to_finish is not None and "transfer failed" in req.to_finish.message
     assert rt.progressive.tracker.open_rows() == [] and sender.poll() == KVPoll.Failed
     mc.engine.fail = lambda dst: False
@@ -687,9 +685,7 @@ def test_mooncake_without_progressive_decode_sends_as_sglang_does(plugin, monkey
     """A decode node without --ess-progressive-pd registers as SGLang does: the prefill node sends the last chunk
     whole, reports nothing, and the request joins after its whole transfer."""
     mc = mooncake
-    rt, pool = decode_node(False, host=mc.host)
-    monkeypatch.setattr(plugin.state, "runtime", rt)
-    q, req, receiver, sender, d_pages, _ = send_over_mooncake(mc, rt, pool, gloo)
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, progressive=False)
     assert not mc.p_mgr.decode_kv_args_table[mc.d_mgr.get_session_id()].ess_progressive
     pop_until_joined(q, req)
     assert receiver.poll() == KVPoll.Success and list(req.output_ids) == [FIRST_TOKEN]
