@@ -692,3 +692,48 @@ def test_mooncake_without_progressive_decode_sends_as_sglang_does(plugin, monkey
     loc = pool.req_to_token[SLOT, :CTX].long()
     assert all(torch.equal(mc.host[layer][loc], rows_of(loc, layer)) for layer in range(L))
     assert plugin.mooncake_progressive.INBOX == {}
+
+
+def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(plugin):
+    """The parts of a last chunk against brute force: phase 1 and end carry no page; phase 2 the chunk's warm-up
+    pages in heat order; phase 3 the rest ascending in slices; every page once. SGLang's chunk fields follow."""
+    import random
+
+    import numpy as np
+    from sglang.srt.disaggregation.common.utils import TransferKVChunk
+
+    mp = plugin.mooncake_progressive
+    rng = random.Random(3)
+    for _ in range(200):
+        first, count, step = rng.randrange(0, 9), rng.randrange(1, 30), rng.randrange(1, 6)
+        hot = np.array(rng.sample(range(40), rng.randrange(0, 12)))
+        got = mp.parts(first, count, hot, step)
+        kinds = [k for k, _ in got]
+        assert kinds[0] == "phase1" and kinds[1] == "phase2" and kinds[-1] == "end" and not len(got[0][1] + got[-1][1])
+        warm = [p for p in hot.tolist() if first <= p < first + count]
+        rest = [p for p in range(first, first + count) if p not in warm]
+        assert got[1][1].tolist() == warm
+        assert [p for _, pages in got[2:-1] for p in pages.tolist()] == rest
+        assert all(k == "phase3" and 0 < len(p) <= step for k, p in got[2:-1])
+    kv = np.arange(100, 110, dtype=np.int32)  # the prefill pages of send indices 4 .. 13
+    chunk = TransferKVChunk(room=5, prefill_kv_indices=kv, index_slice=slice(4, 14), is_last_chunk=True,
+                            prefill_aux_index=2, state_indices=[[1, 2]])
+    parts = mp.split(chunk, prefix_pages=1, hot=np.array([12, 9, 3]))  # the chunk is pages 5 .. 14
+    slices = -(-8 // mp.SLICE_PAGES)  # phase 3: the chunk's 8 other pages
+    assert [p.ess.kind for p in parts] == ["phase1", "phase2", *["phase3"] * slices, "end"]
+    assert parts[1].ess.pages.tolist() == [12, 9] and parts[1].prefill_kv_indices.tolist() == [107, 104]
+    assert parts[1].index_slice.tolist() == [11, 8]
+    assert [p.is_last_chunk for p in parts] == [True, *[False] * (1 + slices), True]
+    assert [p.prefill_aux_index for p in parts] == [2, *[None] * (1 + slices), 2]
+    assert parts[0].state_indices == [[1, 2]] and all(p.state_indices is None for p in parts[1:])
+
+
+def test_malformed_progress_and_need_messages_are_dropped(plugin):
+    """A bad message costs nothing but itself: the threads that read them go on, nothing is recorded."""
+    mp = plugin.mooncake_progressive
+    assert mp.take([mp.TAG, b"not a room", b"phase1", b"3"], {1: None}) is True
+    assert mp.take([mp.TAG, b"1", b"phase9", b""], {1: None}) is True
+    assert mp.take([mp.TAG, b"1"], {1: None}) is True and mp.INBOX == {}
+    assert mp.take([b"other"], {}) is False
+    assert mp.note_need([mp.NEED, b"7", b"x", b""]) is True and mp.take_need(7) is None
+    assert mp.note_need([b"ROOM"]) is False
