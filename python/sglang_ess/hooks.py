@@ -381,13 +381,44 @@ def reset_on_admit(req_pool, rt: EssRuntime) -> None:
         req_pool._on_alloc_rows = admit
 
 
-def before_release_kv_cache(req, *a, **kw):
-    rt = state.runtime
-    idx = request_slot(req)
+def around_release_kv_cache(original, req, *a, **kw):
+    """SGLang releases a request's KV (finish, abort, retract): ESS lets go of its rows first. Under
+    --ess-progressive-pd a request whose transfer still lands keeps its KV until the transfer has ended
+    (sglang_ess.progressive.ProgressiveDecode.hold); SGLang's queue then reports a pending release
+    (after_has_pending_releases), so the scheduler neither idles nor checks for leaks meanwhile."""
+    rt, idx = state.runtime, request_slot(req)
+    prog = rt.progressive if rt is not None else None
+    if prog is not None and idx is not None and prog.landing(int(idx)):
+        prog.hold(int(idx), lambda: _release(original, req, a, kw))
+        return None
+    return _release(original, req, a, kw)
+
+
+def _release(original, req, a, kw):
+    rt, idx = state.runtime, request_slot(req)
     if rt is not None and idx is not None:
         path = rt.release(int(idx), str(getattr(req, "rid", "")))
         if path:
             logger.info("ESS trace written: %s", path)
+    return original(req, *a, **kw)
+
+
+def after_has_pending_releases(result, queue, *a, **kw):
+    """SGLang's decode transfer queue: a KV release ESS holds is pending too (the scheduler stays awake to run it,
+    and skips its idle leak check, as for its own deferred releases)."""
+    rt = state.runtime
+    if not result and rt is not None and rt.progressive is not None and rt.progressive.holding():
+        return True
+    return None
+
+
+def after_resolve_releases(result, queue, *a, **kw):
+    """Every scheduler iteration (SGLang resolves its deferred releases there, before any gate): ESS's streams are
+    pumped, so a release held for a transfer that has ended runs."""
+    rt = state.runtime
+    if rt is not None and rt.progressive is not None and rt.progressive.streams:
+        rt.progressive.pump()
+    return None
 
 
 # -- a disk-tier page that fails its checksum: its readers aborted, the prefix cache let go ------------------------------
@@ -570,7 +601,7 @@ def after_registration_info(result, cls, msg, *a, **kw):
 def around_abort_notification(original, mgr, msg, *a, **kw):
     """Prefill node: a decode node's NEED (the pages a step waits for) into the notes its transfer workers read; every
     other message goes on to SGLang (its abort notifications, then its bootstrap messages)."""
-    if mooncake_progressive.note_need(msg):
+    if mooncake_progressive.note_need(msg, mgr.transfer_infos):
         return True
     return original(mgr, msg, *a, **kw)
 
@@ -580,7 +611,7 @@ def around_handle_chunk_ready(original, mgr, msg, *a, **kw):
     other message goes on to SGLang."""
     if msg and msg[0] == mooncake_progressive.TAG:
         if state.runtime is not None and state.runtime.progressive is not None:
-            return mooncake_progressive.take(msg, mgr.request_status)
+            return mooncake_progressive.take(msg, mgr)
         return True
     return original(mgr, msg, *a, **kw)
 
@@ -627,7 +658,7 @@ def _hook_table():
         (f"{DSA_BACKEND}.forward_decode", HookType.AROUND, around_forward_decode),
         (FLASH_MLA, HookType.AROUND, around_flash_mla),
         (f"{DSA_BACKEND}.forward_extend", HookType.AROUND, around_forward_extend),
-        (RELEASE_KV, HookType.BEFORE, before_release_kv_cache),
+        (RELEASE_KV, HookType.AROUND, around_release_kv_cache),
         (f"{PREFILL_ADDER}.add_one_req", HookType.AROUND, around_add_one_req),
         (f"{INTERNAL_STATE}.get_internal_state", HookType.AFTER, after_get_internal_state),
         (f"{SCHEDULER}.run_batch", HookType.AFTER, after_run_batch),
@@ -637,6 +668,8 @@ def _hook_table():
         (f"{METADATA_BUFFERS}.set_buf", HookType.AFTER, after_set_buf),
         (f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req", HookType.AFTER, after_commit_transfer),
         (f"{DECODE_TRANSFER_QUEUE}.pop_transferred", HookType.AROUND, around_pop_transferred),
+        (f"{DECODE_TRANSFER_QUEUE}.has_pending_deferred_releases", HookType.AFTER, after_has_pending_releases),
+        (f"{DECODE_TRANSFER_QUEUE}.resolve_deferred_releases", HookType.AFTER, after_resolve_releases),
         (f"{NIXL_MANAGER}.__init__", HookType.BEFORE, before_nixl_manager),
         (f"{MOONCAKE_ENGINE}.batch_register", HookType.AFTER, after_mooncake_register),
         (f"{DECODE_GRAPH_RUNNER}.can_run_graph", HookType.AFTER, after_can_run_graph),
@@ -677,6 +710,8 @@ EXPECTED_PARAMS = {
     f"{METADATA_BUFFERS}.set_buf": ["self", "req"],
     f"{DECODE_TRANSFER_QUEUE}._commit_transfer_to_req": ["self", "decode_req"],
     f"{DECODE_TRANSFER_QUEUE}.pop_transferred": ["self", "rids_to_check"],
+    f"{DECODE_TRANSFER_QUEUE}.has_pending_deferred_releases": ["self"],
+    f"{DECODE_TRANSFER_QUEUE}.resolve_deferred_releases": ["self"],
     f"{NIXL_MANAGER}.__init__": ["self", "args"],
     f"{MOONCAKE_ENGINE}.batch_register": ["self", "ptrs", "lengths"],
     f"{DECODE_GRAPH_RUNNER}.can_run_graph": ["self", "forward_batch"],

@@ -56,9 +56,14 @@ SLICE_PAGES = PROGRESSIVE_SLICE_PAGES
 
 def parts(first: int, count: int, hot: np.ndarray, slice_pages: int) -> list:
     """A request's last chunk, its pages first .. first + count - 1, as [(kind, request page numbers int64)] in
-    sending order; `hot` the pages of the warm-up set, hottest first (pages outside the chunk are skipped)."""
+    sending order; `hot` the pages of the warm-up set, hottest first (pages outside the chunk are skipped). The
+    prompt's last page goes in phase 2 too: the decode node writes its first own rows into it, which a later write of
+    the whole page would overwrite."""
     hot = np.asarray(hot, dtype=np.int64)
-    warm = hot[(hot >= first) & (hot < first + count)]
+    last = first + count - 1
+    warm = hot[(hot >= first) & (hot <= last)]
+    if last not in warm:
+        warm = np.append(warm, last)
     rest = np.setdiff1d(np.arange(first, first + count, dtype=np.int64), warm)  # ascending
     none = np.zeros(0, dtype=np.int64)
     slices = [("phase3", rest[i:i + slice_pages]) for i in range(0, len(rest), slice_pages)]
@@ -118,11 +123,11 @@ def progressive_room(mgr, chunk) -> bool:
     if chunk is None or not chunk.is_last_chunk or not isinstance(chunk.index_slice, slice):
         return False
     if getattr(mgr, "enable_staging", False) or getattr(mgr, "kv_shard_size", 1) != 1 or not mgr.is_mla_backend \
-            or getattr(mgr, "pp_size", 1) != 1:
+            or getattr(mgr, "pp_size", 1) != 1 or getattr(mgr, "enable_all_cp_ranks_for_transfer", False):
         return False
     infos = list(mgr.transfer_infos.get(chunk.room, {}).values())
-    if not infos or any(i.is_dummy for i in infos):
-        return False
+    if not infos or any(i.is_dummy or chunk.index_slice.stop > len(i.dst_kv_indices) for i in infos):
+        return False  # (a destination list shorter than the chunk: SGLang's worker trims a slice, not an index array)
     regs = [mgr.decode_kv_args_table.get(i.mooncake_session_id) for i in infos]
     return all(r is not None and getattr(r, "ess_progressive", False) and not r.requires_dcp_relayout for r in regs)
 
@@ -144,6 +149,8 @@ class OrderedQueue:
             self._report(self.sent)
         except Exception:
             logger.exception("ESS progressive PD: a progress report failed; the decode node waits for the room's end")
+        if getattr(self.sent, "ess", None) is not None and self.sent.ess.kind == "end":
+            take_need(self.sent.room)  # the room has concluded: a NEED that came late is dropped
         if self.pending:
             try:
                 self._urgent(self.pending[0].room)
@@ -159,8 +166,6 @@ class OrderedQueue:
                 logger.exception("ESS progressive PD: the last chunk of room %s goes unsplit", chunk.room)
         self.sent = chunk
         _worker.part = getattr(chunk, "ess", None)
-        if _worker.part is not None and _worker.part.kind == "end":
-            take_need(chunk.room)  # every page has been sent
         return chunk
 
     def _split(self, chunk):
@@ -187,16 +192,17 @@ class OrderedQueue:
         landed or is the part just sent, reported before this). The part still sends them with their page later."""
         needs = take_need(room)
         later = [c for c in self.pending if c.room == room and c.ess.kind == "phase3"]
-        if not needs or not later or not self._live(room):
+        if not needs or not later:
             return
         pages = np.concatenate([c.ess.pages for c in later])
         kv = np.concatenate([c.prefill_kv_indices for c in later])
         idx = np.concatenate([c.index_slice for c in later])
         mgr = self.mgr
-        # counted as SGLang counts a chunk in flight: an abort's deferred ack waits for these writes too
+        # counted before the status check, as SGLang counts a chunk: an abort's deferred ack waits for these writes
         mgr._staging_outstanding[room] += 1
         try:
-            self._send_blocks(room, needs, pages, kv, idx)
+            if self._live(room):
+                self._send_blocks(room, needs, pages, kv, idx)
         finally:
             mgr._staging_outstanding[room] -= 1
             if mgr.enable_deferred_decode_kv_release:
@@ -206,7 +212,7 @@ class OrderedQueue:
         mgr = self.mgr
         for layer, want in sorted(needs.items()):
             pick = np.isin(pages, want)
-            if not pick.any() or not 0 <= layer < len(mgr.kv_args.kv_data_ptrs):
+            if not pick.any() or not 0 <= layer < len(mgr.kv_args.kv_data_ptrs) or not self._live(room):
                 continue
             ok = True
             for info in mgr.transfer_infos.get(room, {}).values():
@@ -216,7 +222,9 @@ class OrderedQueue:
                     dst_data_ptrs=[reg.dst_kv_ptrs[layer]], item_lens=[mgr.kv_args.kv_item_lens[layer]],
                     prefill_data_indices=kv[pick], dst_data_indices=info.dst_kv_indices[idx[pick]],
                     executor=self.executor) == 0
-            if ok and self._live(room):  # else the part sends them (or fails the room), as without the request
+            if not ok:  # a failed write may still be landing: no drain ack (SGLang's rule); the part sends them again
+                mgr._poison_unsettled_send(room)
+            elif self._live(room):
                 self._send(room, b"layer", np.concatenate([[layer], pages[pick]]).astype(np.int32).tobytes())
 
     def _report(self, chunk) -> None:
@@ -264,8 +272,9 @@ _needs: dict[int, dict] = {}  # bootstrap room -> {layer: pages} decode steps wa
 _needs_lock = threading.Lock()
 
 
-def note_need(msg: list) -> bool:
-    """A message of the prefill node's bootstrap thread: a decode node's NEED into the notes (True), or not one."""
+def note_need(msg: list, transfer_infos) -> bool:
+    """A message of the prefill node's bootstrap thread: a decode node's NEED into the notes (True), or not one. A
+    room the node no longer sends (its transfer_infos gone) is dropped."""
     if not msg or msg[0] != NEED:
         return False
     try:
@@ -274,7 +283,8 @@ def note_need(msg: list) -> bool:
         logger.warning("ESS progressive PD: a malformed NEED message dropped")
         return True
     with _needs_lock:
-        _needs.setdefault(room, {}).setdefault(layer, set()).update(pages)
+        if room in transfer_infos:
+            _needs.setdefault(room, {}).setdefault(layer, set()).update(pages)
     return True
 
 
@@ -290,8 +300,9 @@ INBOX: dict[int, list] = {}  # bootstrap room -> its progress events not yet rea
 _inbox_lock = threading.Lock()
 
 
-def take(msg: list, request_status) -> bool:
-    """A message of the decode node's Mooncake thread: a progress report into INBOX (True), or not one (False)."""
+def take(msg: list, mgr) -> bool:
+    """A message of the decode node's Mooncake thread: a progress report into INBOX (True), or not one (False). Kept
+    only for a room still open and served by one prefill rank (the rooms `reports` reads)."""
     if not msg or msg[0] != TAG:
         return False
     try:
@@ -310,8 +321,8 @@ def take(msg: list, request_status) -> bool:
     except (IndexError, ValueError, UnicodeDecodeError):
         logger.warning("ESS progressive PD: a malformed progress message dropped")
         return True
-    if room in request_status:  # a cleared room's late report is dropped
-        with _inbox_lock:
+    with _inbox_lock:  # checked under the lock: forget() runs after SGLang's clear()
+        if room in mgr.request_status and mgr.required_prefill_response_num_table.get(room) == 1:
             INBOX.setdefault(room, []).extend(got)
     return True
 

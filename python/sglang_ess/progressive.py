@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -89,6 +90,8 @@ class ProgressiveDecode:
         self.tracker = tracker
         self.streams: dict[int, Stream] = {}  # request row -> a joined request whose transfer goes on
         self.warm_done: set[int] = set()  # request rows whose phase 2 landed
+        self.early: dict[int, JoinEarly] = {}  # request row -> its stand-in, during one pop_transferred call
+        self.held: dict[int, Callable] = {}  # request row -> SGLang's release of its KV, run once the transfer ends
         self.waits = 0  # steps that waited for a row (a counter for the readout and the tests)
 
     # -- the transfer queue ----------------------------------------------------------------------------------------
@@ -116,18 +119,19 @@ class ProgressiveDecode:
             self._drain(row, receiver)
             proxy = None
             if row in self.warm_done and self.tracker.complete_base(row):
-                dr.kv_receiver = proxy = JoinEarly(receiver)
+                dr.kv_receiver = proxy = self.early[row] = JoinEarly(receiver)
             swapped.append((dr, proxy))
         return swapped
 
     def after_pop(self, queue, swapped: list, request_slot) -> None:
-        """After SGLang's poll: a request committed early decodes on while its receiver streams; one still queued gets
-        its receiver back; one that left the queue otherwise (its whole transfer landed, or it failed and SGLang
-        released it) is no longer tracked."""
+        """After SGLang's poll: a request committed early decodes on while its receiver streams (and one SGLang's
+        commit refused, its KV release held until the transfer ends); one still queued gets its receiver back; one
+        that left the queue otherwise (its whole transfer landed, or it failed and SGLang released it) is no longer
+        tracked."""
         queued = {id(dr) for dr in queue.queue}
         for dr, proxy in swapped:
             row = request_slot(dr.req)
-            if proxy is not None and proxy.committed and dr.req.finished_reason is None:
+            if proxy is not None and proxy.committed:
                 self.streams[row] = Stream(dr.req, proxy.receiver)
             elif id(dr) in queued:
                 if proxy is not None:
@@ -136,15 +140,33 @@ class ProgressiveDecode:
                 self.tracker.close(row)
                 self.warm_done.discard(row)
                 forget(proxy.receiver if proxy is not None else dr.kv_receiver)
+        self.early.clear()
 
     def streaming(self) -> bool:
         """A joined request's transfer is still landing: its steps may wait (host waits; no CUDA graph replay)."""
         return bool(self.streams)
 
+    # -- a request's KV while its transfer lands -------------------------------------------------------------------
+    def landing(self, row: int) -> bool:
+        """The prefill node may still write `row`'s pages: its request joined early (or SGLang is committing it now)
+        and its transfer has not ended."""
+        proxy = self.early.get(row)
+        return row in self.streams or (proxy is not None and proxy.committed)
+
+    def hold(self, row: int, release: Callable) -> None:
+        """SGLang releases the KV of a request whose transfer still lands (it finished, was aborted or retracted):
+        `release` runs once the transfer has ended, so no write lands in pages handed to another request, and no
+        other request reads a page of it (SGLang's radix cache takes a finished request's pages) before it landed."""
+        self.held[row] = release
+
+    def holding(self) -> bool:
+        return bool(self.held)
+
     # -- while requests decode -------------------------------------------------------------------------------------
     def pump(self) -> None:
-        """Between forwards and while a step waits: landings into the tracker; a transfer that landed whole lets its
-        request go untracked; a failed one aborts its request (its rows free on release, as SGLang frees them)."""
+        """Between forwards and while a step waits: landings into the tracker; a transfer that has ended (landed
+        whole, or failed: the prefill node writes no more) lets its request go untracked and runs a release held
+        for it; a failure aborts a request still decoding."""
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -152,25 +174,27 @@ class ProgressiveDecode:
             self._drain(row, s.receiver)
             state = s.receiver.poll()
             if state == KVPoll.Failed:
-                logger.error("ESS progressive PD: the transfer of request %s failed after it joined decode", s.req.rid)
-                s.req.to_finish = FINISH_ABORT("KV transfer failed after the request started decoding")
-                self._drop(row, abort=False)
-            elif state == KVPoll.Success and self.tracker.complete(row):
-                self._drop(row, abort=False)
+                if row not in self.held and s.req.finished_reason is None:
+                    logger.error("ESS progressive PD: the transfer of request %s failed after it joined decode",
+                                 s.req.rid)
+                    s.req.to_finish = FINISH_ABORT("KV transfer failed after the request started decoding")
+                self._end(row)
+            elif state == KVPoll.Success:  # every part's report came first (one socket, in order): all landed
+                self._end(row)
 
-    def _drop(self, row: int, abort: bool) -> None:
-        s = self.streams.pop(row, None)
-        if s is not None:
-            if abort:
-                s.receiver.abort()  # no write may land in rows about to be handed to another request
-            s.receiver.clear()
-            forget(s.receiver)
-        self.tracker.close(row)
-        self.warm_done.discard(row)
+    def _end(self, row: int) -> None:
+        s = self.streams.pop(row)
+        s.receiver.clear()
+        forget(s.receiver)
+        self.release(row)
+        release = self.held.pop(row, None)
+        if release is not None:
+            release()
 
     def release(self, row: int) -> None:
-        """The request's KV is released (finish or abort): its transfer stops, its tracker slot frees."""
-        self._drop(row, abort=True)
+        """The request's tracker slot frees (its transfer has ended, or SGLang releases it while still queued)."""
+        self.tracker.close(row)
+        self.warm_done.discard(row)
 
     def wait(self, layer: int, req: torch.Tensor, sets: torch.Tensor) -> None:
         """Before a layer's LRU step of rows `req` selecting positions `sets` [B, X]: until every selected row has

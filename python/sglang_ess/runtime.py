@@ -370,7 +370,7 @@ class EssRuntime:
     def release(self, req_slot: int, rid: str = "") -> str | None:
         """A request finished or was aborted: its GPU rows are forgotten at the next forward (reset_rows; its tokens go
         back through SGLang's allocator). Returns the trace file written for it, if recording."""
-        if self.progressive is not None:  # its transfer stops before SGLang frees the rows it writes
+        if self.progressive is not None:  # a request still landing comes here once its transfer ended (the hook holds it)
             self.progressive.release(req_slot)
         self.reset_rows([req_slot])
         self.released += 1

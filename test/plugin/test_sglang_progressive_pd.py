@@ -299,15 +299,26 @@ def test_an_untracked_request_never_waits(plugin, monkeypatch, gloo):
     assert rt.progressive.waits == 0
 
 
-def test_abort_mid_transfer_frees_everything(plugin, monkeypatch, gloo):
-    """A request aborted after joining (SGLang's release_kv_cache, through the plugin's hook on it): its transfer
-    stops, its tracker slot and GPU rows are let go. A transfer that fails after joining aborts its request."""
+def test_a_request_released_mid_transfer_keeps_its_kv_until_the_transfer_ends(plugin, monkeypatch, gloo):
+    """A request that finishes or is aborted after joining, its transfer still landing: SGLang's release_kv_cache
+    (through the plugin's hook on it) is held, SGLang's queue reports a pending release, and the release runs once
+    the transfer has landed whole: then the tracker slot and GPU rows are let go. A transfer that fails after
+    joining aborts its request."""
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+
     rt, pool, q, req, rcv, alloc, _, _ = join(plugin, monkeypatch, gloo)
     while not q.pop_transferred():
         pass
     assert rt.progressive.tracker.open_rows() == [SLOT] and SLOT in rt.progressive.streams
-    plugin.before_release_kv_cache(req)
-    assert rcv.aborted and rcv.cleared
+    released = []
+    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(rcv.landed), req)
+    assert released == [] and DecodeTransferQueue.has_pending_deferred_releases(q)  # held: pages still landing
+    q.resolve_deferred_releases()  # SGLang's every-iteration call, the hook pumping the streams
+    deadline = time.monotonic() + 5
+    while not released and time.monotonic() < deadline:
+        q.resolve_deferred_releases()
+    assert released == [len(rcv.chunks)] and rcv.cleared and not rcv.aborted  # after the last chunk landed
+    assert not DecodeTransferQueue.has_pending_deferred_releases(q)
     assert rt.progressive.tracker.open_rows() == [] and rt.progressive.streams == {}
     assert int((rt.progressive.tracker.slot_of >= 0).sum()) == 0 and not rt.progressive.tracker.landed.any()
     rt.start_forward()  # the release takes effect at the next forward
@@ -645,27 +656,27 @@ def test_mooncake_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, 
     assert sender.poll() == KVPoll.Success
 
 
-def test_mooncake_abort_mid_transfer_stops_the_prefill_nodes_sends(plugin, monkeypatch, gloo, mooncake):
-    """A request aborted after joining: its receiver tells the prefill node, whose worker skips the parts not sent
-    yet (phase 3 in slices of 2 pages here); the tracker slot is free."""
+def test_mooncake_a_request_finished_mid_transfer_frees_its_pages_after_the_last_write(plugin, monkeypatch, gloo,
+                                                                                      mooncake):
+    """A request that finishes (or is aborted) while its phase 3 still lands: its KV release waits for the room to
+    conclude, so no prefill write lands in a page after SGLang has freed it; the transfer ends as a success."""
     mc = mooncake
     monkeypatch.setattr(plugin.mooncake_progressive, "SLICE_PAGES", 2)
     rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, hold={2})
     pop_until_joined(q, req)
-    plugin.before_release_kv_cache(req)
-    assert rt.progressive.tracker.open_rows() == [] and rt.progressive.streams == {}
-    deadline = time.monotonic() + 20
-    while mc.p_mgr.check_status(req.bootstrap_room) != KVPoll.Failed:
-        assert time.monotonic() < deadline, "the prefill node never heard of the abort"
-        time.sleep(0.01)
+    released = []
+    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    assert released == [] and q.has_pending_deferred_releases()
     mc.engine.go.set()
-    while sender.poll() != KVPoll.Failed:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)  # the worker has had time to send what it would
-    loc = pool.req_to_token[SLOT, 4 * PAGE:7 * PAGE].long()
-    assert all(int(mc.host[layer][loc].sum()) == 0 for layer in range(L))  # pages 4, 5, 6 never sent
-    assert plugin.mooncake_progressive.INBOX == {}
+    deadline = time.monotonic() + 20
+    while not released:
+        assert time.monotonic() < deadline, "the held release never ran"
+        q.resolve_deferred_releases()
+        time.sleep(0.005)
+    time.sleep(0.2)
+    assert released == [len(mc.engine.log)]  # nothing was written after the release
+    assert sender.poll() == KVPoll.Success and not q.has_pending_deferred_releases()
+    assert rt.progressive.tracker.open_rows() == [] and plugin.mooncake_progressive.INBOX == {}
 
 
 def test_mooncake_failure_after_the_join_aborts_the_request(plugin, monkeypatch, gloo, mooncake):
@@ -711,6 +722,7 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
         kinds = [k for k, _ in got]
         assert kinds[0] == "phase1" and kinds[1] == "phase2" and kinds[-1] == "end" and not len(got[0][1] + got[-1][1])
         warm = [p for p in hot.tolist() if first <= p < first + count]
+        warm += [first + count - 1] if first + count - 1 not in warm else []  # the prompt's last page: before decode
         rest = [p for p in range(first, first + count) if p not in warm]
         assert got[1][1].tolist() == warm
         assert [p for _, pages in got[2:-1] for p in pages.tolist()] == rest
@@ -719,10 +731,10 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
     chunk = TransferKVChunk(room=5, prefill_kv_indices=kv, index_slice=slice(4, 14), is_last_chunk=True,
                             prefill_aux_index=2, state_indices=[[1, 2]])
     parts = mp.split(chunk, prefix_pages=1, hot=np.array([12, 9, 3]))  # the chunk is pages 5 .. 14
-    slices = -(-8 // mp.SLICE_PAGES)  # phase 3: the chunk's 8 other pages
+    slices = -(-7 // mp.SLICE_PAGES)  # phase 3: the chunk's 7 other pages
     assert [p.ess.kind for p in parts] == ["phase1", "phase2", *["phase3"] * slices, "end"]
-    assert parts[1].ess.pages.tolist() == [12, 9] and parts[1].prefill_kv_indices.tolist() == [107, 104]
-    assert parts[1].index_slice.tolist() == [11, 8]
+    assert parts[1].ess.pages.tolist() == [12, 9, 14] and parts[1].prefill_kv_indices.tolist() == [107, 104, 109]
+    assert parts[1].index_slice.tolist() == [11, 8, 13]
     assert [p.is_last_chunk for p in parts] == [True, *[False] * (1 + slices), True]
     assert [p.prefill_aux_index for p in parts] == [2, *[None] * (1 + slices), 2]
     assert parts[0].state_indices == [[1, 2]] and all(p.state_indices is None for p in parts[1:])
@@ -731,9 +743,13 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
 def test_malformed_progress_and_need_messages_are_dropped(plugin):
     """A bad message costs nothing but itself: the threads that read them go on, nothing is recorded."""
     mp = plugin.mooncake_progressive
-    assert mp.take([mp.TAG, b"not a room", b"phase1", b"3"], {1: None}) is True
-    assert mp.take([mp.TAG, b"1", b"phase9", b""], {1: None}) is True
-    assert mp.take([mp.TAG, b"1"], {1: None}) is True and mp.INBOX == {}
-    assert mp.take([b"other"], {}) is False
-    assert mp.note_need([mp.NEED, b"7", b"x", b""]) is True and mp.take_need(7) is None
-    assert mp.note_need([b"ROOM"]) is False
+    mgr = types.SimpleNamespace(request_status={1: None}, required_prefill_response_num_table={1: 1})
+    assert mp.take([mp.TAG, b"not a room", b"phase1", b"3"], mgr) is True
+    assert mp.take([mp.TAG, b"1", b"phase9", b""], mgr) is True
+    assert mp.take([mp.TAG, b"1"], mgr) is True and mp.INBOX == {}
+    assert mp.take([b"other"], mgr) is False
+    mgr.required_prefill_response_num_table[1] = 2  # a room several prefill ranks serve: its reports are not read
+    assert mp.take([mp.TAG, b"1", b"phase3", b""], mgr) is True and mp.INBOX == {}
+    assert mp.note_need([mp.NEED, b"7", b"x", b""], {7: {}}) is True and mp.take_need(7) is None
+    assert mp.note_need([mp.NEED, b"8", b"0", b""], {}) is True and mp.take_need(8) is None  # not sent here
+    assert mp.note_need([b"ROOM"], {}) is False

@@ -409,10 +409,12 @@ def test_release_through_the_scheduler_hook_reads_sglangs_req(plugin, monkeypatc
         store(rt, layer, own_loc, rows_of(own_loc, layer), True)
         rt.swap_in_selected_pages(torch.tensor(SLOTS), torch.full((2,), CTX + 1), torch.arange(K).repeat(2, 1).int(), layer)
     assert rt.cache.sparse.resident(0, SLOTS[0])
-    plugin.before_release_kv_cache(sglang_req(SLOTS[0]))
+    released = []
+    plugin.around_release_kv_cache(lambda req, *a, **kw: released.append(req), sglang_req(SLOTS[0]))
     rt.start_forward()
     assert not rt.cache.sparse.resident(0, SLOTS[0]) and rt.cache.sparse.resident(0, SLOTS[1])
-    plugin.before_release_kv_cache(sglang_req(None))  # a request that never held a row
+    plugin.around_release_kv_cache(lambda req, *a, **kw: released.append(req), sglang_req(None))  # never held a row
+    assert len(released) == 2  # SGLang's own release follows
 
 
 def test_a_row_handed_to_a_new_request_starts_empty(plugin):
