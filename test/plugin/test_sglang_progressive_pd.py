@@ -135,12 +135,12 @@ def transfer_queue(meta: MetadataBuffers, alloc: ReqToMetadataIdxAllocator, gloo
     return q
 
 
-def decode_node(progressive: bool, host=None, query_rows=1):
+def decode_node(progressive: bool, host=None, query_rows=1, overlap="auto"):
     pool = ReqToTokenPool(5, CTX + STEPS + 1, "cpu", False)
     pool.req_to_token[SLOT] = torch.randperm(64 * 8)[: CTX + STEPS + 1].int()  # scattered, as an allocator's
     buffer = C * query_rows  # MTP verify: the union of S top-k sets in one LRU step
     facts = EssFacts("pd-decode", K, L, CTX + STEPS, buffer, query_rows=query_rows)
-    ess = EssArgs(enable=True, buffer_tokens=buffer, warmup_windows=0, progressive_pd=progressive)
+    ess = EssArgs(enable=True, buffer_tokens=buffer, warmup_windows=0, progressive_pd=progressive, overlap=overlap)
     if host is None:
         host = torch.zeros(L, 64 * 8 + 1, 656, dtype=torch.uint8)  # nothing landed yet
     host.zero_()
@@ -195,8 +195,8 @@ def hot_and_rest():
     return send_order(positions, windows, CTX, PAGE)
 
 
-def join(plugin, monkeypatch, gloo, delay=2, fail_after=None, query_rows=1):
-    rt, pool = decode_node(True, query_rows=query_rows)
+def join(plugin, monkeypatch, gloo, delay=2, fail_after=None, query_rows=1, overlap="auto"):
+    rt, pool = decode_node(True, query_rows=query_rows, overlap=overlap)
     monkeypatch.setattr(plugin.state, "runtime", rt)
     meta = MetadataBuffers(4, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16)
     alloc = ReqToMetadataIdxAllocator(4)
@@ -264,6 +264,53 @@ def test_mtp_verify_steps_wait_and_read_the_full_transfers_rows(plugin, monkeypa
     while not q.pop_transferred():
         pass
     got = verify(rt, pool)
+    assert rt.progressive.waits >= 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_tbo_micro_batches_wait_and_read_the_full_transfers_rows(plugin, monkeypatch, gloo):
+    """Two-Batch Overlap under progressive PD, DA layers (each micro-batch's LRU step, and its wait, start at its
+    indexer; both indexers run before either attention): micro-batch A holds a request whose KV landed whole, B the
+    request still landing. B waits for its page; both read the rows a full transfer's node reads."""
+    other = SLOT - 1
+
+    def tbo(rt, pool) -> list:
+        out, halves = [], (torch.tensor([other]), torch.tensor([SLOT]))
+        for t in range(STEPS):
+            top_k, pos = topk_of(t), torch.tensor([CTX + t])
+            for layer in range(L):
+                for half in halves:  # op_prepare of A, then of B: the indexer's step
+                    loc = pool.req_to_token[half, CTX + t]
+                    rt.cache.host[layer][loc.long()] = rows_of(loc, layer)
+                    assert rt.begin(layer, half, pos, top_k)
+                for half in halves:  # op_core of A, then of B: the attention call
+                    loc = pool.req_to_token[half, CTX + t]
+                    rt.keep_own_rows(layer, rows_of(loc, layer))
+                    slots = rt.swap_in_selected_pages(half, pos + 1, top_k, layer)
+                    out.append(rt.latent_buffer(layer)[slots.long(), 0].clone())
+        return out
+
+    def landed_other(rt, pool, table):
+        pool.req_to_token[other] = table
+        loc = table[:CTX].long()
+        for layer in range(L):
+            rt.cache.host[layer][loc] = rows_of(loc, layer)
+
+    full, full_pool = decode_node(False, overlap="da")
+    free = torch.tensor([x for x in range(1, 64 * 8) if x not in set(full_pool.req_to_token[SLOT].tolist())])
+    other_table = free[torch.randperm(len(free))[: CTX + STEPS + 1]].int()
+    landed_other(full, full_pool, other_table)
+    loc = full_pool.req_to_token[SLOT, :CTX].long()
+    for layer in range(L):
+        full.cache.host[layer][loc] = rows_of(loc, layer)
+    want = tbo(full, full_pool)
+    rt, pool, q, req, rcv, _, _, _ = join(plugin, monkeypatch, gloo, overlap="da")
+    pool.req_to_token[SLOT] = full_pool.req_to_token[SLOT]
+    rcv.locs = pool.req_to_token[SLOT, :CTX]
+    landed_other(rt, pool, other_table)
+    while not q.pop_transferred():
+        pass
+    got = tbo(rt, pool)
     assert rt.progressive.waits >= 1
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
