@@ -211,21 +211,43 @@ def join(plugin, monkeypatch, gloo, delay=2, fail_after=None, query_rows=1, over
     return rt, pool, q, req, rcv, alloc, hot, rest
 
 
+def land(rt, loc: torch.Tensor) -> None:
+    """A full transfer's rows at these token locations of a node's host pool."""
+    loc = loc.long()
+    for layer in range(L):
+        rt.cache.host[layer][loc] = rows_of(loc, layer)
+
+
+def full_and_joining(plugin, monkeypatch, gloo, **node):
+    """A full transfer's node (its request's prompt rows landed) and a progressive one with the same token locations,
+    its request in the transfer queue (join). Returns (full node, its pool, the join's results but hot and rest)."""
+    full, full_pool = decode_node(False, **node)
+    land(full, full_pool.req_to_token[SLOT, :CTX])
+    rt, pool, q, req, rcv, alloc, _, _ = join(plugin, monkeypatch, gloo, **node)
+    pool.req_to_token[SLOT] = full_pool.req_to_token[SLOT]
+    rcv.locs = pool.req_to_token[SLOT, :CTX]
+    return full, full_pool, rt, pool, q, req, rcv, alloc
+
+
+def steps_wait_and_equal_the_full_transfers(run, full, full_pool, rt, pool, q) -> None:
+    """run(node, pool) -> the rows its steps read: on the full transfer's node, then on the progressive one once its
+    request joined; a step waited there, and every row is the full transfer's."""
+    want = run(full, full_pool)
+    while not q.pop_transferred():
+        pass
+    got = run(rt, pool)
+    assert rt.progressive.waits >= 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_a_request_joins_after_the_hot_pages_and_decodes_the_full_transfers_rows(plugin, monkeypatch, gloo):
     """SGLang's poll admits the request once phase 1 and the warm-up pages landed (before the rest), its commit
     takes the first token from the metadata row; every decode step then reads the rows a full transfer's would,
     waiting where its top-k needs a page still in flight."""
-    full, full_pool = decode_node(False)
     hot, rest = hot_and_rest()
     assert hot.tolist() == [9, 8, 7] and rest.tolist() == list(range(7))  # 39, 38 newest; 33, 34, 35, 36 page 8
-    loc = full_pool.req_to_token[SLOT, :CTX].long()
-    for layer in range(L):
-        full.cache.host[layer][loc] = rows_of(loc, layer)
+    full, full_pool, rt, pool, q, req, rcv, alloc = full_and_joining(plugin, monkeypatch, gloo)
     want = decode(full, full_pool)
-
-    rt, pool, q, req, rcv, alloc, _, _ = join(plugin, monkeypatch, gloo)
-    pool.req_to_token[SLOT] = full_pool.req_to_token[SLOT]  # the same locations as the full transfer's node
-    rcv.locs = pool.req_to_token[SLOT, :CTX]
     deadline = time.monotonic() + 5
     joined = []
     while not joined and time.monotonic() < deadline:
@@ -253,19 +275,8 @@ def test_a_request_joins_after_the_hot_pages_and_decodes_the_full_transfers_rows
 def test_mtp_verify_steps_wait_and_read_the_full_transfers_rows(plugin, monkeypatch, gloo):
     """MTP target-verify under progressive PD: the union of a step's S top-k sets waits for its unlanded page as a
     decode step does, and every step reads the rows a full transfer's node reads."""
-    full, full_pool = decode_node(False, query_rows=2)
-    loc = full_pool.req_to_token[SLOT, :CTX].long()
-    for layer in range(L):
-        full.cache.host[layer][loc] = rows_of(loc, layer)
-    want = verify(full, full_pool)
-    rt, pool, q, req, rcv, _, _, _ = join(plugin, monkeypatch, gloo, query_rows=2)
-    pool.req_to_token[SLOT] = full_pool.req_to_token[SLOT]
-    rcv.locs = pool.req_to_token[SLOT, :CTX]
-    while not q.pop_transferred():
-        pass
-    got = verify(rt, pool)
-    assert rt.progressive.waits >= 1
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    full, full_pool, rt, pool, q, _, _, _ = full_and_joining(plugin, monkeypatch, gloo, query_rows=2)
+    steps_wait_and_equal_the_full_transfers(verify, full, full_pool, rt, pool, q)
 
 
 def test_tbo_micro_batches_wait_and_read_the_full_transfers_rows(plugin, monkeypatch, gloo):
@@ -290,29 +301,13 @@ def test_tbo_micro_batches_wait_and_read_the_full_transfers_rows(plugin, monkeyp
                     out.append(rt.latent_buffer(layer)[slots.long(), 0].clone())
         return out
 
-    def landed_other(rt, pool, table):
-        pool.req_to_token[other] = table
-        loc = table[:CTX].long()
-        for layer in range(L):
-            rt.cache.host[layer][loc] = rows_of(loc, layer)
-
-    full, full_pool = decode_node(False, overlap="da")
+    full, full_pool, rt, pool, q, _, _, _ = full_and_joining(plugin, monkeypatch, gloo, overlap="da")
     free = torch.tensor([x for x in range(1, 64 * 8) if x not in set(full_pool.req_to_token[SLOT].tolist())])
     other_table = free[torch.randperm(len(free))[: CTX + STEPS + 1]].int()
-    landed_other(full, full_pool, other_table)
-    loc = full_pool.req_to_token[SLOT, :CTX].long()
-    for layer in range(L):
-        full.cache.host[layer][loc] = rows_of(loc, layer)
-    want = tbo(full, full_pool)
-    rt, pool, q, req, rcv, _, _, _ = join(plugin, monkeypatch, gloo, overlap="da")
-    pool.req_to_token[SLOT] = full_pool.req_to_token[SLOT]
-    rcv.locs = pool.req_to_token[SLOT, :CTX]
-    landed_other(rt, pool, other_table)
-    while not q.pop_transferred():
-        pass
-    got = tbo(rt, pool)
-    assert rt.progressive.waits >= 1
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for node, node_pool in ((full, full_pool), (rt, pool)):  # A's request: its whole transfer landed on both
+        node_pool.req_to_token[other] = other_table
+        land(node, other_table[:CTX])
+    steps_wait_and_equal_the_full_transfers(tbo, full, full_pool, rt, pool, q)
 
 
 def test_decode_graphs_wait_out_a_request_still_landing(plugin, monkeypatch, gloo):
@@ -339,9 +334,7 @@ def test_decode_graphs_wait_out_a_request_still_landing(plugin, monkeypatch, glo
 
 def test_an_untracked_request_never_waits(plugin, monkeypatch, gloo):
     rt, pool = decode_node(True)
-    loc = pool.req_to_token[SLOT, :CTX].long()
-    for layer in range(L):
-        rt.cache.host[layer][loc] = rows_of(loc, layer)
+    land(rt, pool.req_to_token[SLOT, :CTX])
     decode(rt, pool, 2)
     assert rt.progressive.waits == 0
 
@@ -664,9 +657,7 @@ def test_mooncake_sends_in_the_progressive_order_and_the_request_joins_early(plu
         assert torch.equal(got, (sent[:, None] + layer + req.bootstrap_room).to(torch.uint8).expand_as(got))
 
     full_pool.req_to_token[SLOT] = pool.req_to_token[SLOT]
-    loc = full_pool.req_to_token[SLOT, :CTX].long()
-    for layer in range(L):
-        full.cache.host[layer][loc] = rows_of(loc, layer)
+    land(full, full_pool.req_to_token[SLOT, :CTX])
     for node in (full, rt):  # the warm-up state the prefill node sent, loaded at the next forward
         node.admit_transferred(SLOT, warmup_entries())
         node.start_forward()
