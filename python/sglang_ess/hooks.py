@@ -12,7 +12,7 @@ import sys
 import torch
 
 from sglang_ess import args as ess_args_mod
-from sglang_ess import cpu, mooncake_progressive, pd_warmup, progressive, sizing
+from sglang_ess import cpu, pd_progressive, pd_warmup, progressive, sizing
 from ess.core.landing import LandingTracker
 from ess.core.settings import PROGRESSIVE_REQUESTS
 from sglang_ess.args import EssArgs
@@ -35,6 +35,7 @@ DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
 NIXL_MANAGER = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
 MOONCAKE_MANAGER = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
 MOONCAKE_REGISTRATION = "sglang.srt.disaggregation.mooncake.conn.KVArgsRegisterInfo"
+NIXL_REGISTRATION = "sglang.srt.disaggregation.nixl.conn.KVArgsRegisterInfo"
 MOONCAKE_ENGINE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine"
 INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController"
 DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
@@ -551,27 +552,34 @@ def after_decode_graph_vote(result, *a, **kw):
     return None
 
 
-# -- PD over Mooncake, --ess-progressive-pd: ordered sends and progress reports (sglang_ess.mooncake_progressive) ----
+# -- PD over Mooncake or NIXL, --ess-progressive-pd: ordered sends and progress reports (sglang_ess.pd_progressive) --
 def _warmup_pages(mgr, chunk, prefix_pages: int):
     """Prefill node: the warm-up pages of a chunk's request, hottest first, from its metadata row."""
     rows, page = state.warmup_rows, mgr.kv_args.page_size
     if rows is None or state.wire is None or chunk.prefill_aux_index is None:
-        return mooncake_progressive.hot_pages(None, 0, page)
+        return pd_progressive.hot_pages(None, 0, page)
     entries = pd_warmup.read_row(rows[chunk.prefill_aux_index], chunk.room, *state.wire)
-    return mooncake_progressive.hot_pages(entries, (prefix_pages + chunk.index_slice.stop) * page, page)
+    return pd_progressive.hot_pages(entries, (prefix_pages + chunk.index_slice.stop) * page, page)
 
 
 def around_transfer_worker(original, mgr, queue, executor, *a, **kw):
-    """Prefill node with ESS: the worker takes its chunks through OrderedQueue, which sends a progressive room's last
-    chunk in phases and reports each (a room no decode peer asked that of passes through unchanged)."""
+    """Prefill node with ESS (Mooncake): the worker takes its chunks through OrderedQueue, which sends a progressive
+    room's last chunk in phases and reports each (a room no decode peer asked that of passes through unchanged)."""
     if state.sender is None:
         return original(mgr, queue, executor, *a, **kw)
-    return original(mgr, mooncake_progressive.OrderedQueue(queue, mgr, executor, _warmup_pages), executor, *a, **kw)
+    return original(mgr, pd_progressive.OrderedQueue(queue, mgr, executor, _warmup_pages), executor, *a, **kw)
+
+
+def around_nixl_transfer_worker(original, mgr, queue, *a, **kw):
+    """around_transfer_worker for NIXL's worker (no executor: its writes are handles it waits on)."""
+    if state.sender is None:
+        return original(mgr, queue, *a, **kw)
+    return original(mgr, pd_progressive.OrderedQueue(queue, mgr, None, _warmup_pages), *a, **kw)
 
 
 def around_conclude_transfer(original, mgr, *a, **kw):
     """A phase1 part's Success is held back until the room's last part (the decode node hears of phase 1 from ESS)."""
-    if mooncake_progressive.hold_conclusion(kw.get("bootstrap_room"), kw.get("status")):
+    if pd_progressive.hold_conclusion(kw.get("bootstrap_room"), kw.get("status")):
         return None
     return original(mgr, *a, **kw)
 
@@ -579,29 +587,34 @@ def around_conclude_transfer(original, mgr, *a, **kw):
 def around_send_aux(original, mgr, *a, **kw):
     """The last part of a progressive room sends no metadata: phase 1 did, and the decode node may have reused the
     slot since the request joined."""
-    if mooncake_progressive.skip_metadata():
-        return 0
+    if pd_progressive.skip_metadata():
+        return pd_progressive.engine(mgr).NO_SEND
     return original(mgr, *a, **kw)
 
 
+def around_await_handles(original, mgr, handles, *a, **kw):
+    """NIXL's worker waits on every handle of a chunk, the metadata's among them: a send ESS skipped has none."""
+    return original(mgr, [h for h in handles if h is not pd_progressive.Nixl.NO_SEND], *a, **kw)
+
+
 def after_registration_message(result, mgr, *a, **kw):
-    """Decode node with --ess-progressive-pd: its Mooncake registration asks prefill nodes for progressive sends (one
+    """Decode node with --ess-progressive-pd: its Mooncake or NIXL registration asks prefill nodes for progressive sends (one
     frame more, past every field SGLang reads)."""
     if state.runtime is not None and state.runtime.progressive is not None:
-        return [*result, mooncake_progressive.REGISTRATION]
+        return [*result, pd_progressive.REGISTRATION]
     return None
 
 
 def after_registration_info(result, cls, msg, *a, **kw):
     """Prefill node: whether a decode rank's registration asked for progressive sends."""
-    result.ess_progressive = bool(msg) and msg[-1] == mooncake_progressive.REGISTRATION
+    result.ess_progressive = bool(msg) and msg[-1] == pd_progressive.REGISTRATION
     return None
 
 
 def around_abort_notification(original, mgr, msg, *a, **kw):
     """Prefill node: a decode node's NEED (the pages a step waits for) into the notes its transfer workers read; every
     other message goes on to SGLang (its abort notifications, then its bootstrap messages)."""
-    if mooncake_progressive.note_need(msg, mgr.transfer_infos):
+    if pd_progressive.note_need(msg, mgr.transfer_infos):
         return True
     return original(mgr, msg, *a, **kw)
 
@@ -609,9 +622,9 @@ def around_abort_notification(original, mgr, msg, *a, **kw):
 def around_handle_chunk_ready(original, mgr, msg, *a, **kw):
     """Decode node: ESS's progress reports are taken into the inbox (dropped without --ess-progressive-pd); every
     other message goes on to SGLang."""
-    if msg and msg[0] == mooncake_progressive.TAG:
+    if msg and msg[0] == pd_progressive.TAG:
         if state.runtime is not None and state.runtime.progressive is not None:
-            return mooncake_progressive.take(msg, mgr)
+            return pd_progressive.take(msg, mgr)
         return True
     return original(mgr, msg, *a, **kw)
 
@@ -681,6 +694,14 @@ def _hook_table():
         (f"{MOONCAKE_REGISTRATION}.from_zmq", HookType.AFTER, after_registration_info),
         (f"{MOONCAKE_MANAGER}.handle_chunk_ready", HookType.AROUND, around_handle_chunk_ready),
         (f"{MOONCAKE_MANAGER}._handle_abort_notification", HookType.AROUND, around_abort_notification),
+        (f"{NIXL_MANAGER}.transfer_worker", HookType.AROUND, around_nixl_transfer_worker),
+        (f"{NIXL_MANAGER}.conclude_transfer", HookType.AROUND, around_conclude_transfer),
+        (f"{NIXL_MANAGER}.send_aux", HookType.AROUND, around_send_aux),
+        (f"{NIXL_MANAGER}._await_handles", HookType.AROUND, around_await_handles),
+        (f"{NIXL_MANAGER}.build_receiver_registration_message", HookType.AFTER, after_registration_message),
+        (f"{NIXL_REGISTRATION}.from_zmq", HookType.AFTER, after_registration_info),
+        (f"{NIXL_MANAGER}.handle_chunk_ready", HookType.AROUND, around_handle_chunk_ready),
+        (f"{NIXL_MANAGER}._handle_abort_notification", HookType.AROUND, around_abort_notification),
     ]
 
 
@@ -723,6 +744,14 @@ EXPECTED_PARAMS = {
     f"{MOONCAKE_REGISTRATION}.from_zmq": ["cls", "msg"],
     f"{MOONCAKE_MANAGER}.handle_chunk_ready": ["self", "msg"],
     f"{MOONCAKE_MANAGER}._handle_abort_notification": ["self", "msg"],
+    f"{NIXL_MANAGER}.transfer_worker": ["self", "queue"],
+    f"{NIXL_MANAGER}.conclude_transfer": ["self", "bootstrap_room", "status", "targets", "failure_reason"],
+    f"{NIXL_MANAGER}.send_aux": ["self", "peer_name", "prefill_aux_index", "dst_aux_ptrs"],
+    f"{NIXL_MANAGER}._await_handles": ["self", "handles"],
+    f"{NIXL_MANAGER}.build_receiver_registration_message": ["self"],
+    f"{NIXL_REGISTRATION}.from_zmq": ["cls", "msg"],
+    f"{NIXL_MANAGER}.handle_chunk_ready": ["self", "msg"],
+    f"{NIXL_MANAGER}._handle_abort_notification": ["self", "msg"],
 }
 
 

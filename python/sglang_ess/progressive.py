@@ -5,9 +5,9 @@ set's latent pages) have landed, while phase 3 streams on; a step that needs a r
 (`wait`, called by the runtime before each layer's LRU step). What has landed is `ess.core.landing.LandingTracker`'s.
 
 A receiver takes part when it reports its progress: the events since the last call, ("phase1",), ("pages", page
-indices [n], layers [m] or None) and ("phase2",). A Mooncake receiver's come from its prefill node's reports
-(sglang_ess.mooncake_progressive); the tests' loopback engine has `ess_progress()`. A receiver that reports nothing
-(a prefill node without ESS, NIXL) lets its request join after its whole transfer, as without the flag.
+indices [n], layers [m] or None) and ("phase2",). A Mooncake or NIXL receiver's come from its prefill node's reports
+(sglang_ess.pd_progressive); the tests' loopback engine has `ess_progress()`. A receiver that reports nothing (a
+prefill node without ESS) lets its request join after its whole transfer, as without the flag.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ess.core.landing import LandingTracker
-from sglang_ess import mooncake_progressive
+from sglang_ess import pd_progressive
 
 logger = logging.getLogger("sglang_ess")
 
@@ -28,31 +28,32 @@ POLL_S = 0.0005  # between two polls of the receivers while a step waits for a r
 
 
 def reports(receiver) -> bool:
-    """Whether a receiver's progress is read: the tests' loopback engine, or a Mooncake receiver served by one
-    prefill rank."""
+    """Whether a receiver's progress is read: the tests' loopback engine, or a Mooncake or NIXL receiver served by
+    one prefill rank."""
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
+    from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
 
-    return hasattr(receiver, "ess_progress") or (isinstance(receiver, MooncakeKVReceiver)
-                                                 and mooncake_progressive.reports(receiver))
+    return hasattr(receiver, "ess_progress") or (isinstance(receiver, (MooncakeKVReceiver, NixlKVReceiver))
+                                                 and pd_progressive.reports(receiver))
 
 
 def progress(receiver) -> list:
     if hasattr(receiver, "ess_progress"):
         return receiver.ess_progress()
-    return mooncake_progressive.events(receiver)
+    return pd_progressive.events(receiver)
 
 
 def ask(receiver, layer: int, pages: torch.Tensor) -> None:
-    """Ask a receiver's sender for these request pages of `layer` ahead of the rest (a Mooncake receiver's; the
+    """Ask a receiver's sender for these request pages of `layer` ahead of the rest (a Mooncake or NIXL receiver's; the
     tests' loopback engine sends in its fixed order)."""
     if not hasattr(receiver, "ess_progress"):
-        mooncake_progressive.ask(receiver, layer, pages)
+        pd_progressive.ask(receiver, layer, pages)
 
 
 def forget(receiver) -> None:
     """Its events not read yet are dropped (a request no longer tracked)."""
     if receiver is not None and not hasattr(receiver, "ess_progress"):
-        mooncake_progressive.forget(getattr(receiver, "bootstrap_room", None))
+        pd_progressive.forget(getattr(receiver, "bootstrap_room", None))
 
 
 class JoinEarly:

@@ -152,10 +152,9 @@ GRAPH_PHASES = ("decode", "prefill")  # SGLang's cuda_graph_config phases
 
 
 # Transfer backends over which a decode node hears of a request's KV as it lands, in the order the prefill node sent
-# it: Mooncake, through ESS's hooks on both nodes (sglang_ess.mooncake_progressive: the prefill worker sends the last
-# chunk in phases and reports each). NIXL's worker sends a room's last chunk as one unit and ESS does not hook it;
-# mori and Ascend are not audited; "fake" transfers nothing.
-PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake",)
+# it: Mooncake and NIXL, through ESS's hooks on both nodes (sglang_ess.pd_progressive: the prefill worker sends the
+# last chunk in phases and reports each). mori and Ascend are not audited; "fake" transfers nothing.
+PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake", "nixl")
 
 
 def _check_progressive_pd(cfg: Any) -> None:

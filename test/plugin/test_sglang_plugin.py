@@ -203,11 +203,11 @@ BAD = [
     ("progressive-colocated", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
                                    "--ess-progressive-pd", *NO_GRAPHS],
      "--ess-progressive-pd .*not a co-located node \\(--disaggregation-mode null\\)"),
-    # only over Mooncake do ESS's hooks send in the progressive order and report it: every other backend is refused
+    # only over Mooncake and NIXL do ESS's hooks send in the progressive order and report it: others are refused
     *[(f"progressive-{b}", {}, [*PROGRESSIVE, "--disaggregation-transfer-backend", b],
        f"--ess-progressive-pd needs a transfer backend whose prefill node sends a request's KV in the progressive "
-       f"order and reports it as it lands: --disaggregation-transfer-backend mooncake, not {b}")
-      for b in ("nixl", "mori", "fake")],
+       f"order and reports it as it lands: --disaggregation-transfer-backend mooncake or nixl, not {b}")
+      for b in ("mori", "fake")],
     # the disk tier (docs/plugin.md, "Disk tier")
     ("disk-gib-alone", {}, ["--enable-ess", "--ess-disk-gib", "10"], "--ess-disk-gib bounds the disk tier: give --ess-disk-dir"),
     ("disk-gib-zero", {}, [*DISK, "--ess-disk-gib", "0"], "--ess-disk-gib must be positive, got 0.0"),
@@ -271,14 +271,15 @@ def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
     assert ess_args(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).progressive_pd is False
 
 
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 @pytest.mark.parametrize("graphs", [[], NO_GRAPHS], ids=["decode-graphs-on", "graphs-off"])
-def test_progressive_pd_resolves_over_mooncake(plugin, hopper, tmp_path, graphs):
-    """A PD decode node with --ess-progressive-pd over Mooncake: SGLang's resolution keeps it, decode CUDA graphs on
-    or off (on: a batch holding a request still landing runs eagerly)."""
+def test_progressive_pd_resolves_over_mooncake_and_nixl(plugin, hopper, tmp_path, graphs, backend):
+    """A PD decode node with --ess-progressive-pd over Mooncake or NIXL: SGLang's resolution keeps it, decode CUDA
+    graphs on or off (on: a batch holding a request still landing runs eagerly)."""
     from sglang_ess.args import ess_args
     from sglang_ess.validate import validate_server_args
 
-    sa = resolve(base(tmp_path, *PROGRESSIVE[:-4], *graphs, "--disaggregation-transfer-backend", "mooncake"))
+    sa = resolve(base(tmp_path, *PROGRESSIVE[:-4], *graphs, "--disaggregation-transfer-backend", backend))
     assert ess_args(pickle.loads(pickle.dumps(sa))).progressive_pd is True
     assert validate_server_args(sa).role == "pd-decode"
 

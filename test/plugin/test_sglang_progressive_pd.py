@@ -11,7 +11,9 @@ import sys
 import threading
 import time
 import types
+import unittest.mock
 
+import numpy as np
 import pytest
 import torch
 
@@ -375,10 +377,11 @@ def test_a_request_released_mid_transfer_keeps_its_kv_until_the_transfer_ends(pl
     decode(rt, pool, 1)
 
 
-# -- over SGLang's real Mooncake objects ------------------------------------------------------------------------------
-# Both nodes in this process: SGLang's MooncakeKVBootstrapServer (HTTP), a prefill and a decode MooncakeKVManager (their
-# ZMQ sockets and threads), MooncakeKVSender, MooncakeKVReceiver and SGLang's MooncakeTransferEngine wrapper, with
-# ESS's hooks on them. Only the native engine under that wrapper is the tests' (below).
+# -- over SGLang's real Mooncake and NIXL objects ---------------------------------------------------------------------
+# Both nodes in this process, per engine: SGLang's bootstrap server (HTTP), a prefill and a decode KV manager (their ZMQ
+# sockets and threads), its KV sender and receiver (and for Mooncake SGLang's MooncakeTransferEngine wrapper), with
+# ESS's hooks on them. Only the native library under them is the tests' (below): it needs an RDMA NIC (Mooncake) or
+# UCX and its plugins (NIXL), neither installed here.
 HOST_ROWS, IDX_K = 64 * 8 + 1, 132  # the decode node's host pool rows (128 pages of 4), index-K bytes per token
 
 
@@ -444,6 +447,99 @@ class LoopbackEngine:
         return 0
 
 
+class LoopbackAgent:
+    """nixl._api.nixl_agent for one process: a descriptor list is (address, length) rows of one memory kind, a transfer
+    copies them (ctypes.memmove) between this agent's registered regions and its peer's, refusing one outside them or
+    of another memory kind, as NIXL's backends do; `hold`, `fail`, `go` and `log` as LoopbackEngine's. The copy runs
+    when the transfer is posted; its state (DONE or ERR) is read afterwards, as SGLang's worker reads a real one."""
+
+    agents: dict = {}
+
+    def __init__(self, name, config=None):
+        self.name, self.regions, self.peers, self.log, self.lock = name, {}, set(), [], threading.Lock()
+        self.hold, self.fail, self.go = (lambda dst: False), (lambda dst: False), threading.Event()
+        LoopbackAgent.agents[name] = self
+
+    def create_backend(self, backend, params):
+        return None
+
+    def get_plugin_list(self):
+        return ["UCX"]
+
+    def register_memory(self, addrs, mem_kind):
+        for addr, length, *_ in addrs:
+            self.regions[int(addr)] = (int(length), mem_kind)
+        return list(addrs)
+
+    def get_agent_metadata(self):
+        return self.name.encode()
+
+    def add_remote_agent(self, metadata):
+        self.peers.add(metadata.decode())
+        return metadata.decode()
+
+    def remove_remote_agent(self, name):
+        self.peers.discard(name)
+
+    def check_remote_metadata(self, name):
+        return name in self.peers
+
+    @staticmethod
+    def _rows(descs):
+        """(address, length) rows of descriptors: (addr, len, dev) rows, a list made here, or (addr, len, dev, stride,
+        count) runs."""
+        if isinstance(descs, types.SimpleNamespace):
+            return descs.rows
+        a = np.asarray([tuple(d)[:3] for d in descs] if isinstance(descs, list) else descs, dtype=np.uint64)
+        a = a.reshape(len(a), -1)
+        if a.shape[1] == 5:
+            return np.concatenate([np.stack([addr + np.arange(n, dtype=np.uint64) * stride,
+                                             np.full(n, length, dtype=np.uint64)], 1)
+                                   for addr, length, _, stride, n in a.tolist()])
+        return a[:, :2]
+
+    def get_xfer_descs(self, descs, mem_kind):
+        return types.SimpleNamespace(agent=self.name, rows=self._rows(descs), kind=mem_kind)
+
+    def prep_xfer_dlist(self, agent_name, descs, mem_kind):
+        return types.SimpleNamespace(agent=agent_name or self.name, rows=self._rows(descs), kind=mem_kind)
+
+    def _xfer(self, src, s_rows, dst, d_rows, peer):
+        return types.SimpleNamespace(peer=peer, kinds=(src.kind, dst.kind), state="PROC",
+                                     pairs=list(zip(s_rows[:, 0], d_rows[:, 0], s_rows[:, 1])))
+
+    def make_prepped_xfer(self, op, src, src_indices, dst, dst_indices, *a, **kw):
+        return self._xfer(src, src.rows[np.asarray(src_indices)], dst, dst.rows[np.asarray(dst_indices)], dst.agent)
+
+    def initialize_xfer(self, op, src, dst, peer_name, *a, **kw):
+        return self._xfer(src, src.rows, dst, dst.rows, peer_name)
+
+    @staticmethod
+    def _inside(agent, addr, n, kind):
+        return any(b <= addr and addr + n <= b + size and k == kind for b, (size, k) in agent.regions.items())
+
+    def transfer(self, handle, *a, **kw):
+        peer = LoopbackAgent.agents.get(handle.peer)
+        handle.state = "DONE"
+        for s, d, n in ((int(s), int(d), int(n)) for s, d, n in handle.pairs):
+            if peer is None or handle.peer not in self.peers or not (self._inside(self, s, n, handle.kinds[0])
+                                                                     and self._inside(peer, d, n, handle.kinds[1])):
+                handle.state = "ERR"
+                break
+            if self.hold(d):
+                self.go.wait(20)
+            if self.fail(d):
+                handle.state = "ERR"
+                break
+            ctypes.memmove(d, s, n)
+            with self.lock:
+                self.log.append(d)
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        return handle.state
+
+
 def kv_args(kv: torch.Tensor, index_k: torch.Tensor, meta: MetadataBuffers, prefill: bool):
     """KVArgs as SGLang's bootstrap and prealloc queues fill them for a DSA model's paged MLA pool (no draft model)."""
     from sglang.srt.disaggregation.base.conn import StateType
@@ -452,7 +548,7 @@ def kv_args(kv: torch.Tensor, index_k: torch.Tensor, meta: MetadataBuffers, pref
 
     a = KVArgs()
     a.engine_rank = a.pp_rank = a.system_dp_rank = 0
-    a.kv_cache_dtype_str, a.kv_layout, a.page_size, a.ib_device, a.gpu_id = "fp8_e4m3", None, PAGE, None, None
+    a.kv_cache_dtype_str, a.kv_layout, a.page_size, a.ib_device, a.gpu_id = "fp8_e4m3", None, PAGE, None, 0
     if prefill:
         a.rust_http_port, a.prefill_start_layer, a.prefill_end_layer = None, 0, L
     a.kv_data_ptrs = [t.data_ptr() for t in kv]
@@ -468,34 +564,56 @@ def kv_args(kv: torch.Tensor, index_k: torch.Tensor, meta: MetadataBuffers, pref
     return a
 
 
-@pytest.fixture(scope="module")
-def mooncake(plugin, gloo):
-    """The two nodes (see above). ESS's process state holds both roles' parts: a prefill node's sender and warm-up
-    rows, a decode node's runtime (each test's)."""
-    from sglang.srt.disaggregation.mooncake import conn
+class DaemonThread(threading.Thread):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **{**kw, "daemon": True})
+
+
+def engine_library(backend: str) -> dict:
+    """The native modules SGLang's engine imports, as the tests' loopback library."""
+    if backend == "mooncake":
+        native = types.ModuleType("mooncake.engine")
+        native.TransferEngine = LoopbackEngine
+        return {"mooncake": types.ModuleType("mooncake"), "mooncake.engine": native}
+    api = types.ModuleType("nixl._api")
+    api.nixl_agent, api.nixl_agent_config = LoopbackAgent, lambda **kw: kw
+    api.nixl_thread_sync_t = types.SimpleNamespace(NIXL_THREAD_SYNC_STRICT="strict")
+    return {"nixl": types.ModuleType("nixl"), "nixl._api": api}
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def pd(request, plugin, gloo):
+    """The two nodes (see above) over one engine. ESS's process state holds both roles' parts: a prefill node's
+    sender and warm-up rows, a decode node's runtime (each test's)."""
+    import importlib
+
     from sglang.srt.disaggregation.utils import DisaggregationMode
-    from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
     from sglang_ess import pd_warmup
 
-    env, modules = dict(os.environ), {m: sys.modules.get(m) for m in ("mooncake", "mooncake.engine")}
+    backend = request.param
+    library = engine_library(backend)
+    env, modules = dict(os.environ), {m: sys.modules.get(m) for m in library}
     saved = dataclasses.replace(plugin.state)
     os.environ.update(SGLANG_HOST_IP="127.0.0.1", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="30",
                       SGLANG_DISAGGREGATION_WAITING_TIMEOUT="30")
-    native = types.ModuleType("mooncake.engine")
-    native.TransferEngine = LoopbackEngine
-    sys.modules.update({"mooncake": types.ModuleType("mooncake"), "mooncake.engine": native})
+    sys.modules.update(library)
+    conn = importlib.import_module(f"sglang.srt.disaggregation.{backend}.conn")
+    names = {"mooncake": "Mooncake", "nixl": "Nixl"}[backend]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sa = ServerArgs(model_path="dummy", device="cpu", host="127.0.0.1", disaggregation_mode="prefill",
-                    disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=port)
+                    disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0))
     get_parallel().override_permanently(pp_group=None)  # no torch.distributed groups here; read only when pp > 1
-    mte._mooncake_transfer_engine = None  # the process's one engine, as SGLang's shared-engine start makes it
-    mte.init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
-    conn.MooncakeKVBootstrapServer(host="127.0.0.1", port=port)
+    if backend == "mooncake":
+        from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as mte
+
+        mte._mooncake_transfer_engine = None  # the process's one engine, as SGLang's shared-engine start makes it
+        mte.init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
+    getattr(conn, f"{names}KVBootstrapServer")(host="127.0.0.1", port=port)
     addr = f"127.0.0.1:{port}"
     plugin.state.wire = (L, K)
     d_meta = meta_buffers()
@@ -504,17 +622,22 @@ def mooncake(plugin, gloo):
     host = torch.zeros(L, HOST_ROWS, 656, dtype=torch.uint8)
     p_kv = torch.zeros(L, HOST_ROWS - 1, 656, dtype=torch.uint8)
     p_idx, d_idx = (torch.zeros(L, HOST_ROWS - 1, IDX_K, dtype=torch.uint8) for _ in range(2))
-    p_mgr = conn.MooncakeKVManager(kv_args(p_kv, p_idx, p_meta, True), DisaggregationMode.PREFILL, sa,
-                                   is_mla_backend=True)
-    d_mgr = conn.MooncakeKVManager(kv_args(host, d_idx, d_meta, False), DisaggregationMode.DECODE, sa,
-                                   is_mla_backend=True)
+    manager = getattr(conn, f"{names}KVManager")
+    # SGLang's NIXL prefill bootstrap thread is no daemon (a server exits through its own shutdown): here it would keep
+    # pytest's process from exiting, so the managers' threads start as daemons
+    with unittest.mock.patch.object(threading, "Thread", DaemonThread):
+        p_mgr = manager(kv_args(p_kv, p_idx, p_meta, True), DisaggregationMode.PREFILL, sa, is_mla_backend=True)
+        d_mgr = manager(kv_args(host, d_idx, d_meta, False), DisaggregationMode.DECODE, sa, is_mla_backend=True)
     deadline = time.monotonic() + 20
     while not d_mgr.try_ensure_parallel_info(addr):
         assert time.monotonic() < deadline, "the bootstrap server did not answer"
         time.sleep(0.05)
+    # the writer: the process's one Mooncake engine, or the prefill node's NIXL agent
+    engine = mte._mooncake_transfer_engine.engine if backend == "mooncake" else p_mgr.agent
     yield types.SimpleNamespace(addr=addr, p_mgr=p_mgr, d_mgr=d_mgr, p_meta=p_meta, d_meta=d_meta, host=host,
-                                p_kv=p_kv, p_idx=p_idx, d_idx=d_idx, engine=mte._mooncake_transfer_engine.engine,
-                                conn=conn)
+                                p_kv=p_kv, p_idx=p_idx, d_idx=d_idx, engine=engine, backend=backend,
+                                sender=getattr(conn, f"{names}KVSender"), receiver=getattr(conn, f"{names}KVReceiver"),
+                                peer=d_mgr.get_session_id() if backend == "mooncake" else d_mgr.agent.name)
     for f in dataclasses.fields(saved):
         setattr(plugin.state, f.name, getattr(saved, f.name))
     os.environ.clear()
@@ -540,13 +663,14 @@ def warmup_entries() -> torch.Tensor:
     return pd_warmup.compact((positions << pd_warmup.WINDOW_BITS) | windows, pd_warmup.entries_per_layer(K))
 
 
-def send_over_mooncake(mc, rt, pool, gloo, hold=frozenset(), prefix=0, fail=False):
+def send_over_engine(mc, rt, pool, gloo, hold=frozenset(), prefix=0, fail=False, kinds=("DRAM",) * L):
     """A request's prefill-to-decode transfer through SGLang's sender and receiver: its decode pages and token table
     rows, the prefill node's rows of its prompt (each row the one a full transfer's node holds), the receiver's
     metadata, then SGLang's two sends (2 pages, then the rest with index-K and the metadata), the engine holding back
     the request's pages in `hold`. The decode node's radix cache holds the first `prefix` pages already (SGLang's
-    decode_prefix_len): they are not sent. Returns the transfer queue, the request, its receiver and sender, its decode
-    pages and the metadata allocator."""
+    decode_prefix_len): they are not sent. NIXL: the decode node registers its KV layers as `kinds` (ESS's host
+    layers are DRAM). Returns the transfer queue, the request, its receiver and sender, its decode pages and the
+    metadata allocator."""
     from sglang_ess import pd_warmup
 
     room = next(ROOMS)
@@ -564,10 +688,14 @@ def send_over_mooncake(mc, rt, pool, gloo, hold=frozenset(), prefix=0, fail=Fals
     meta.bootstrap_room.zero_()
     alloc = ReqToMetadataIdxAllocator(4)
     q = transfer_queue(meta, alloc, gloo)
-    sender = mc.conn.MooncakeKVSender(mc.p_mgr, mc.addr, room)
+    sender = mc.sender(mc.p_mgr, mc.addr, room)
     with mc.d_mgr.connection_lock:  # the decode node registers anew, as a newly launched one would (its flags)
         mc.d_mgr.connection_pool.clear()
-    receiver = mc.conn.MooncakeKVReceiver(mc.d_mgr, mc.addr, room)
+    if mc.backend == "nixl":  # SGLang's NIXL keeps a known agent's first registration; a new node is a new agent
+        mc.p_mgr.decode_kv_args_table.pop(mc.peer, None)
+        mc.d_mgr.kv_args.kv_data_mem_kinds = list(kinds)
+        mc.d_mgr.register_buffer_to_engine()
+    receiver = mc.receiver(mc.d_mgr, mc.addr, room)
     receiver.init(prefill_dp_rank=0)
     d_slot = alloc.alloc()
     dst = d_pages[prefix:PROMPT_PAGES].numpy().astype("int32")
@@ -611,11 +739,11 @@ def hold_pages(mc, d_pages, pages, fail=False):
     mc.engine.fail = lambda dst: fail and page_of(mc, dst, d_pages) in pages
 
 
-def over_mooncake(plugin, monkeypatch, mc, gloo, progressive=True, **send):
-    """A decode node's runtime over the module's host pool, and a request sent to it (send_over_mooncake)."""
+def over_engine(plugin, monkeypatch, mc, gloo, progressive=True, **send):
+    """A decode node's runtime over the module's host pool, and a request sent to it (send_over_engine)."""
     rt, pool = decode_node(progressive, host=mc.host)
     monkeypatch.setattr(plugin.state, "runtime", rt)
-    return (rt, pool, *send_over_mooncake(mc, rt, pool, gloo, **send))
+    return (rt, pool, *send_over_engine(mc, rt, pool, gloo, **send))
 
 
 def drain(rt, seconds=20) -> None:
@@ -634,17 +762,17 @@ def pop_until_joined(q, req, seconds=20) -> None:
 
 
 @pytest.mark.parametrize("prefix", [0, 1], ids=["no-prefix", "decode-radix-prefix"])
-def test_mooncake_sends_in_the_progressive_order_and_the_request_joins_early(plugin, monkeypatch, gloo, mooncake,
+def test_pd_sends_in_the_progressive_order_and_the_request_joins_early(plugin, monkeypatch, gloo, pd,
                                                                              prefix):
     """A progressive decode node registers as such; the prefill node's worker then sends index-K and the metadata,
     the warm-up pages, then the rest, reporting each. SGLang's poll admits the request once the warm-up pages
     have landed (the rest held back by the engine), with the first token and index-K of every page sent; its decode
     steps wait for the held pages and read what a full transfer's node reads; the room then concludes and leaves the
     tracker. With a prefix in the decode node's radix cache, the pages before it count as landed."""
-    mc = mooncake
+    mc = pd
     full, full_pool = decode_node(False)
     last = prefix + 2  # the last chunk's first page; the warm-up pages are 9, 8, 7
-    rt, pool, q, req, receiver, sender, d_pages, alloc = over_mooncake(plugin, monkeypatch, mc, gloo,
+    rt, pool, q, req, receiver, sender, d_pages, alloc = over_engine(plugin, monkeypatch, mc, gloo,
                                                                        hold=set(range(last, 7)), prefix=prefix)
     pop_until_joined(q, req)
     landed = rt.progressive.tracker.pages_landed(SLOT)
@@ -673,16 +801,21 @@ def test_mooncake_sends_in_the_progressive_order_and_the_request_joins_early(plu
     order = [p for p in order if p is not None]
     phase = [0 if p < last else 1 if p in (7, 8, 9) else 2 for p in order]  # earlier chunk, phase 2, phase 3
     assert sorted(set(order)) == list(range(prefix, PROMPT_PAGES)) and phase == sorted(phase)
-    assert plugin.mooncake_progressive.INBOX == {}
+    assert plugin.pd_progressive.INBOX == {}
 
 
-def test_mooncake_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, mooncake):
+@pytest.mark.parametrize("kinds", [("DRAM", "DRAM"), ("DRAM", "VRAM")], ids=["host-layers", "mixed-memory-kinds"])
+def test_pd_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, pd, kinds):
     """A step that waits for a phase-3 page names it to the prefill node, whose worker sends that page of the waiting
     layer alone right after the part in flight (phase 3 in slices of one page here), ahead of the pages before it;
-    the page's part later sends it whole."""
-    mc = mooncake
-    monkeypatch.setattr(plugin.mooncake_progressive, "SLICE_PAGES", 1)
-    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, hold={2})
+    the page's part later sends it whole. NIXL: also with the decode node's layers in two memory kinds (SGLang's
+    segmented sends; a layer's blocks go with its own kind)."""
+    mc = pd
+    if mc.backend == "mooncake" and kinds != ("DRAM", "DRAM"):
+        pytest.skip("memory kinds are NIXL's")
+    monkeypatch.setattr(plugin.pd_progressive, "SLICE_PAGES", 1)
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={2},
+                                                                 kinds=kinds)
     pop_until_joined(q, req)
     threading.Timer(0.3, mc.engine.go.set).start()
     rt.progressive.wait(0, torch.tensor([SLOT]), torch.tensor([[6 * PAGE + 1, 39, -1]]))  # page 6 (and 9, landed)
@@ -694,13 +827,12 @@ def test_mooncake_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, 
     assert sender.poll() == KVPoll.Success
 
 
-def test_mooncake_a_request_finished_mid_transfer_frees_its_pages_after_the_last_write(plugin, monkeypatch, gloo,
-                                                                                      mooncake):
+def test_pd_a_request_finished_mid_transfer_frees_its_pages_after_the_last_write(plugin, monkeypatch, gloo, pd):
     """A request that finishes (or is aborted) while its phase 3 still lands: its KV release waits for the room to
     conclude, so no prefill write lands in a page after SGLang has freed it; the transfer ends as a success."""
-    mc = mooncake
-    monkeypatch.setattr(plugin.mooncake_progressive, "SLICE_PAGES", 2)
-    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, hold={2})
+    mc = pd
+    monkeypatch.setattr(plugin.pd_progressive, "SLICE_PAGES", 2)
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={2})
     pop_until_joined(q, req)
     released = []
     plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
@@ -714,14 +846,14 @@ def test_mooncake_a_request_finished_mid_transfer_frees_its_pages_after_the_last
     time.sleep(0.2)
     assert released == [len(mc.engine.log)]  # nothing was written after the release
     assert sender.poll() == KVPoll.Success and not q.has_pending_deferred_releases()
-    assert rt.progressive.tracker.open_rows() == [] and plugin.mooncake_progressive.INBOX == {}
+    assert rt.progressive.tracker.open_rows() == [] and plugin.pd_progressive.INBOX == {}
 
 
-def test_mooncake_failure_after_the_join_aborts_the_request(plugin, monkeypatch, gloo, mooncake):
+def test_pd_failure_after_the_join_aborts_the_request(plugin, monkeypatch, gloo, pd):
     """A phase-3 write that fails after the request joined: the prefill node concludes the room Failed, SGLang's
     decode thread records it, and the next pump aborts the request and frees its tracker slot."""
-    mc = mooncake
-    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, hold={3}, fail=True)
+    mc = pd
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={3}, fail=True)
     pop_until_joined(q, req)
     mc.engine.go.set()
     drain(rt)
@@ -730,17 +862,17 @@ def test_mooncake_failure_after_the_join_aborts_the_request(plugin, monkeypatch,
     mc.engine.fail = lambda dst: False
 
 
-def test_mooncake_without_progressive_decode_sends_as_sglang_does(plugin, monkeypatch, gloo, mooncake):
+def test_pd_without_progressive_decode_sends_as_sglang_does(plugin, monkeypatch, gloo, pd):
     """A decode node without --ess-progressive-pd registers as SGLang does: the prefill node sends the last chunk
     whole, reports nothing, and the request joins after its whole transfer."""
-    mc = mooncake
-    rt, pool, q, req, receiver, sender, d_pages, _ = over_mooncake(plugin, monkeypatch, mc, gloo, progressive=False)
-    assert not mc.p_mgr.decode_kv_args_table[mc.d_mgr.get_session_id()].ess_progressive
+    mc = pd
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, progressive=False)
+    assert not mc.p_mgr.decode_kv_args_table[mc.peer].ess_progressive
     pop_until_joined(q, req)
     assert receiver.poll() == KVPoll.Success and list(req.output_ids) == [FIRST_TOKEN]
     loc = pool.req_to_token[SLOT, :CTX].long()
     assert all(torch.equal(mc.host[layer][loc], rows_of(loc, layer)) for layer in range(L))
-    assert plugin.mooncake_progressive.INBOX == {}
+    assert plugin.pd_progressive.INBOX == {}
 
 
 def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(plugin):
@@ -751,7 +883,7 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
     import numpy as np
     from sglang.srt.disaggregation.common.utils import TransferKVChunk
 
-    mp = plugin.mooncake_progressive
+    mp = plugin.pd_progressive
     rng = random.Random(3)
     for _ in range(200):
         first, count, step = rng.randrange(0, 9), rng.randrange(1, 30), rng.randrange(1, 6)
@@ -780,7 +912,7 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
 
 def test_malformed_progress_and_need_messages_are_dropped(plugin):
     """A bad message costs nothing but itself: the threads that read them go on, nothing is recorded."""
-    mp = plugin.mooncake_progressive
+    mp = plugin.pd_progressive
     mgr = types.SimpleNamespace(request_status={1: None}, required_prefill_response_num_table={1: 1})
     assert mp.take([mp.TAG, b"not a room", b"phase1", b"3"], mgr) is True
     assert mp.take([mp.TAG, b"1", b"phase9", b""], mgr) is True

@@ -1,18 +1,20 @@
-"""Progressive PD transfer over SGLang's Mooncake engine (docs/plugin.md, "Progressive PD transfer"): the prefill
-node's ordered sends and progress reports, the decode node's inbox of them.
+"""Progressive PD transfer over SGLang's Mooncake and NIXL engines (docs/plugin.md, "Progressive PD transfer"): the
+prefill node's ordered sends and progress reports, the decode node's inbox of them.
 
 Prefill node (`--enable-ess`). SGLang queues a request's KV as chunks to one transfer worker per room, FIFO; its last
 chunk carries the last pages, then index-K (SGLang's DSA state) and the metadata (first token, ESS's warm-up row),
-then concludes the room (status Success to the decode node). When every decode peer of the room registered as
-progressive (a frame ESS appends to Mooncake's registration message), `OrderedQueue` hands SGLang's worker that last
-chunk as a sequence of parts instead, each an ordinary SGLang chunk the worker sends with its own code:
+then concludes the room (status Success to the decode node). Both engines' workers share that shape (SGLang's
+CommonKVManager: its status sockets, abort counting, conclusion); what differs, how a peer is named and how one layer's
+pages are written, is an `Engine`'s. When every decode peer of the room registered as progressive (a frame ESS
+appends to the engine's registration message), `OrderedQueue` hands SGLang's worker that last chunk as a sequence of
+parts instead, each an ordinary SGLang chunk the worker sends with its own code:
     phase1   no page; index-K and the metadata (the worker's last-chunk path; ESS holds back its conclusion)
     phase2   the chunk's pages that hold a warm-up row (ess.core.send_order), hottest first
     phase3   the other pages, ascending, in slices of PROGRESSIVE_SLICE_PAGES
     end      no page; the worker's last-chunk path concludes the room (metadata not sent again: the decode node may
              have handed that slot to another request once this one joined)
 The worker asks its queue for the next chunk only when it has finished the one before (a Mooncake batch transfer
-returns once the bytes have landed), so `get` reports the part before, over SGLang's own ZMQ path to the decode
+returns once the bytes have landed; NIXL's worker waits for every handle of the chunk to be DONE), so `get` reports the part before, over SGLang's own ZMQ path to the decode
 endpoints, unless the room failed: [TAG, room, kind, payload], payload the request's first page not sent in this chunk
 (phase1: every page before it has landed: the decode node's cached prefix and the earlier chunks, sent FIFO by the
 same worker) or the request's page numbers of the part (int32).
@@ -23,7 +25,7 @@ for DeepSeek-V3.2, not all 61) and reports them ("layer"). A step then waits for
 PROGRESSIVE_SLICE_PAGES pages) and its own blocks, not for the rest of phase 3 (docs/simulator.md: in stream order
 the first step waits for nearly all of phase 3).
 
-Decode node (`--ess-progressive-pd`). Its Mooncake thread hands messages it does not know to `handle_chunk_ready`
+Decode node (`--ess-progressive-pd`). Its engine's listener thread hands messages it does not know to `handle_chunk_ready`
 first; ESS's hook takes the tagged ones into `INBOX` by room, and `events` turns them into the receiver events of
 sglang_ess.progressive. A room served by more than one prefill rank (prefill pipeline parallelism) is not read
 early: its request waits for the whole transfer.
@@ -46,7 +48,7 @@ logger = logging.getLogger("sglang_ess")
 
 TAG = b"ESS_PROGRESS"  # a progress message, prefill -> decode
 NEED = b"ESS_NEED"  # pages a decode step waits for, decode -> prefill
-REGISTRATION = b"ESS_PROGRESSIVE/1"  # the last frame of a progressive decode rank's Mooncake registration
+REGISTRATION = b"ESS_PROGRESSIVE/1"  # the last frame of a progressive decode rank's engine registration
 KINDS = ("phase1", "phase2", "phase3", "end")  # the parts; a report's kind may also be "layer" (a step's pages)
 
 
@@ -108,6 +110,66 @@ def split(chunk, prefix_pages: int, hot: np.ndarray) -> list:
     return out
 
 
+# -- the two engines -----------------------------------------------------------------------------------------------
+class Mooncake:
+    """SGLang's MooncakeKVManager: peers are Mooncake sessions; a write returns once landed (0) or failed."""
+
+    @staticmethod
+    def peer(info) -> str:
+        return info.mooncake_session_id
+
+    @staticmethod
+    def plain(mgr, reg) -> bool:
+        return not reg.requires_dcp_relayout
+
+    @staticmethod
+    def send_layer(mgr, info, reg, layer: int, src: np.ndarray, dst: np.ndarray, executor) -> bool:
+        return mgr._send_kvcache_generic(
+            mooncake_session_id=info.mooncake_session_id, src_data_ptrs=[mgr.kv_args.kv_data_ptrs[layer]],
+            dst_data_ptrs=[reg.dst_kv_ptrs[layer]], item_lens=[mgr.kv_args.kv_item_lens[layer]],
+            prefill_data_indices=src, dst_data_indices=dst, executor=executor) == 0
+
+    NO_SEND = 0  # what send_aux returns for a send ESS skips (the worker checks for 0)
+
+
+class Nixl:
+    """SGLang's NixlKVManager: peers are NIXL agents; a write is a posted handle, waited on as the worker waits."""
+
+    @staticmethod
+    def peer(info) -> str:
+        return info.agent_name
+
+    @staticmethod
+    def plain(mgr, reg) -> bool:
+        """The peer's layers pair with ours by position, with our page stride: a layer's pages then go through
+        SGLang's flat (non-prepared) path, which strides the destination by the source's item length. Memory kinds
+        may differ by layer (ESS's host layers DRAM, an MTP draft layer in GPU memory): each layer is sent with its
+        own."""
+        n = len(mgr.kv_args.kv_item_lens)
+        return not reg.requires_dcp_relayout and list(reg.dst_kv_item_lens[:n]) == list(mgr.kv_args.kv_item_lens) \
+            and list(reg.dst_kv_layer_ids[:len(mgr.kv_args.kv_layer_ids)]) == list(mgr.kv_args.kv_layer_ids)
+
+    @staticmethod
+    def send_layer(mgr, info, reg, layer: int, src: np.ndarray, dst: np.ndarray, executor) -> bool:
+        handle = mgr._send_kvcache_generic(
+            peer_name=info.agent_name, src_data_ptrs=[mgr.kv_args.kv_data_ptrs[layer]],
+            dst_data_ptrs=[reg.dst_kv_ptrs[layer]], item_lens=[mgr.kv_args.kv_item_lens[layer]],
+            prefill_data_indices=src, dst_data_indices=dst, dst_gpu_id=reg.gpu_id,
+            src_mem_kind=mgr.kv_args.kv_data_mem_kinds[layer], dst_mem_kind=reg.dst_kv_mem_kinds[layer])
+        settled, failed = mgr._await_handles([handle], failure_seen=False)
+        return settled and not failed
+
+    NO_SEND = object()  # what send_aux returns for a send ESS skips: a handle `_await_handles` drops (hooks.py)
+
+
+def engine(mgr):
+    """The Engine of an SGLang KV manager, or None (an engine ESS does not order)."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+
+    return Mooncake if isinstance(mgr, MooncakeKVManager) else Nixl if isinstance(mgr, NixlKVManager) else None
+
+
 # -- the prefill node ----------------------------------------------------------------------------------------------
 _worker = threading.local()  # .part: the Part a transfer worker thread is sending
 
@@ -125,17 +187,19 @@ def progressive_room(mgr, chunk) -> bool:
     if getattr(mgr, "enable_staging", False) or getattr(mgr, "kv_shard_size", 1) != 1 or not mgr.is_mla_backend \
             or getattr(mgr, "pp_size", 1) != 1 or getattr(mgr, "enable_all_cp_ranks_for_transfer", False):
         return False
+    eng = engine(mgr)
     infos = list(mgr.transfer_infos.get(chunk.room, {}).values())
-    if not infos or any(i.is_dummy or chunk.index_slice.stop > len(i.dst_kv_indices) for i in infos):
+    if eng is None or not infos or any(i.is_dummy or chunk.index_slice.stop > len(i.dst_kv_indices) for i in infos):
         return False  # (a destination list shorter than the chunk: SGLang's worker trims a slice, not an index array)
-    regs = [mgr.decode_kv_args_table.get(i.mooncake_session_id) for i in infos]
-    return all(r is not None and getattr(r, "ess_progressive", False) and not r.requires_dcp_relayout for r in regs)
+    regs = [mgr.decode_kv_args_table.get(eng.peer(i)) for i in infos]
+    return all(r is not None and getattr(r, "ess_progressive", False) and eng.plain(mgr, r) for r in regs)
 
 
 class OrderedQueue:
-    """Stands for a Mooncake transfer worker's queue (`MooncakeKVManager.transfer_worker`): SGLang's chunks as they
-    come, a progressive request's last chunk as its parts, and a progress report for each part once sent.
-    `hot(mgr, chunk, prefix_pages)` gives the warm-up pages of a chunk's request, hottest first."""
+    """Stands for a transfer worker's queue (`MooncakeKVManager.transfer_worker`, `NixlKVManager.transfer_worker`):
+    SGLang's chunks as they come, a progressive request's last chunk as its parts, and a progress report for each part
+    once sent. `hot(mgr, chunk, prefix_pages)` gives the warm-up pages of a chunk's request, hottest first; `executor`
+    is Mooncake's worker's (None for NIXL)."""
 
     def __init__(self, queue, mgr, executor, hot):
         self.queue, self.mgr, self.executor, self.hot = queue, mgr, executor, hot
@@ -214,16 +278,17 @@ class OrderedQueue:
             pick = np.isin(pages, want)
             if not pick.any() or not 0 <= layer < len(mgr.kv_args.kv_data_ptrs) or not self._live(room):
                 continue
-            ok = True
+            ok, eng = True, engine(mgr)
             for info in mgr.transfer_infos.get(room, {}).values():
-                reg = mgr.decode_kv_args_table[info.mooncake_session_id]
-                ok &= mgr._send_kvcache_generic(
-                    mooncake_session_id=info.mooncake_session_id, src_data_ptrs=[mgr.kv_args.kv_data_ptrs[layer]],
-                    dst_data_ptrs=[reg.dst_kv_ptrs[layer]], item_lens=[mgr.kv_args.kv_item_lens[layer]],
-                    prefill_data_indices=kv[pick], dst_data_indices=info.dst_kv_indices[idx[pick]],
-                    executor=self.executor) == 0
+                reg = mgr.decode_kv_args_table[eng.peer(info)]
+                try:
+                    ok &= eng.send_layer(mgr, info, reg, layer, kv[pick], info.dst_kv_indices[idx[pick]], self.executor)
+                except Exception:
+                    logger.exception("ESS progressive PD: pages of layer %d of room %s not sent ahead", layer, room)
+                    ok = False
             if not ok:  # a failed write may still be landing: no drain ack (SGLang's rule); the part sends them again
-                mgr._poison_unsettled_send(room)
+                if mgr.enable_deferred_decode_kv_release:
+                    mgr.poison_deferred_ack_room(room)
             elif self._live(room):
                 self._send(room, b"layer", np.concatenate([[layer], pages[pick]]).astype(np.int32).tobytes())
 
@@ -301,7 +366,7 @@ _inbox_lock = threading.Lock()
 
 
 def take(msg: list, mgr) -> bool:
-    """A message of the decode node's Mooncake thread: a progress report into INBOX (True), or not one (False). Kept
+    """A message of the decode node's listener thread: a progress report into INBOX (True), or not one (False). Kept
     only for a room still open and served by one prefill rank (the rooms `reports` reads)."""
     if not msg or msg[0] != TAG:
         return False
@@ -328,7 +393,7 @@ def take(msg: list, mgr) -> bool:
 
 
 def reports(receiver) -> bool:
-    """Whether a Mooncake receiver's progress is read: its room is served by one prefill rank."""
+    """Whether a Mooncake or NIXL receiver's progress is read: its room is served by one prefill rank."""
     mgr = getattr(receiver, "kv_mgr", None)
     table = getattr(mgr, "required_prefill_response_num_table", None)
     return table is not None and table.get(receiver.bootstrap_room) == 1
