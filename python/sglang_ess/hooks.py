@@ -578,10 +578,14 @@ def around_nixl_transfer_worker(original, mgr, queue, *a, **kw):
 
 
 def around_conclude_transfer(original, mgr, *a, **kw):
-    """A phase1 part's Success is held back until the room's last part (the decode node hears of phase 1 from ESS)."""
-    if pd_progressive.hold_conclusion(kw.get("bootstrap_room"), kw.get("status")):
+    """A phase1 part's Success is held back until the room's last part (the decode node hears of phase 1 from ESS);
+    any other conclusion ends the hold (pd_progressive.concluded)."""
+    room = kw.get("bootstrap_room")
+    if pd_progressive.hold_conclusion(mgr, room, kw.get("status")):
         return None
-    return original(mgr, *a, **kw)
+    result = original(mgr, *a, **kw)
+    pd_progressive.concluded(mgr, room, result)
+    return result
 
 
 def around_send_aux(original, mgr, *a, **kw):
@@ -614,7 +618,7 @@ def after_registration_info(result, cls, msg, *a, **kw):
 def around_abort_notification(original, mgr, msg, *a, **kw):
     """Prefill node: a decode node's NEED (the pages a step waits for) into the notes its transfer workers read; every
     other message goes on to SGLang (its abort notifications, then its bootstrap messages)."""
-    if pd_progressive.note_need(msg, mgr.transfer_infos):
+    if pd_progressive.note_need(msg, mgr):
         return True
     return original(mgr, msg, *a, **kw)
 

@@ -192,7 +192,17 @@ def progressive_room(mgr, chunk) -> bool:
     if eng is None or not infos or any(i.is_dummy or chunk.index_slice.stop > len(i.dst_kv_indices) for i in infos):
         return False  # (a destination list shorter than the chunk: SGLang's worker trims a slice, not an index array)
     regs = [mgr.decode_kv_args_table.get(eng.peer(i)) for i in infos]
-    return all(r is not None and getattr(r, "ess_progressive", False) and eng.plain(mgr, r) for r in regs)
+    if not all(r is not None and getattr(r, "ess_progressive", False) for r in regs):
+        return False
+    odd = [eng.peer(i) for i, r in zip(infos, regs) if not eng.plain(mgr, r)]
+    for peer in set(odd) - _warned:
+        _warned.add(peer)
+        logger.warning("ESS progressive PD: decode peer %s asked for progressive sends, but its KV layout is not the "
+                       "plain page path (DCP relayout, another page stride or layer pairing): its rooms go whole", peer)
+    return not odd
+
+
+_warned: set = set()  # decode peers told of above
 
 
 class OrderedQueue:
@@ -221,6 +231,8 @@ class OrderedQueue:
             except Exception:
                 logger.exception("ESS progressive PD: pages a decode step waits for could not be sent ahead")
             chunk = self.pending.popleft()
+            if not live(self.mgr, chunk.room):  # the worker skips its parts: the decode node must hear of it
+                fail_held(self.mgr, chunk.room, "the prefill node ended the transfer (aborted or cleared)")
         else:
             chunk = self.queue.get()
             try:
@@ -245,10 +257,7 @@ class OrderedQueue:
         return head
 
     def _live(self, room: int) -> bool:
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        mgr = self.mgr
-        return room in mgr.request_status and mgr.check_status(room) != KVPoll.Failed and room not in mgr.failure_records
+        return live(self.mgr, room)
 
     def _urgent(self, room: int) -> None:
         """The (layer, page) blocks a decode step waits for, sent now through SGLang's own transfer of KV blocks,
@@ -315,16 +324,63 @@ class OrderedQueue:
         return getattr(self.queue, name)
 
 
-def hold_conclusion(room: int, status) -> bool:
+def live(mgr, room: int) -> bool:
+    """Whether the prefill node still sends `room` (SGLang's worker skips the chunks of a room cleared or failed)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return room in mgr.request_status and mgr.check_status(room) != KVPoll.Failed and room not in mgr.failure_records
+
+
+# Rooms whose phase-1 Success is held back, -> their decode endpoints (captured then: SGLang's clear() of the sender
+# drops them). A room leaves on its conclusion; until then its request may be decoding on the decode node, which must
+# hear of an end.
+_held: dict[int, list] = {}
+_held_lock = threading.Lock()
+
+
+def hold_conclusion(mgr, room: int, status) -> bool:
     """Inside a transfer worker: whether SGLang's conclusion of `room` is a phase1 part's Success, to hold back until
-    the part `end` (the decode node learns of phase 1 from ESS's report instead)."""
+    the part `end` (the decode node learns of phase 1 from ESS's report instead). A room failed already is not held:
+    SGLang concludes it Failed and tells the decode node."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     part = current()
-    if part is None or part.kind != "phase1" or status != KVPoll.Success:
+    if part is None or part.kind != "phase1" or status != KVPoll.Success or not live(mgr, room):
         return False
     part.held = True
+    with _held_lock:
+        _held[room] = list(mgr._room_notify_targets(room))
     return True
+
+
+def concluded(mgr, room: int, result) -> None:
+    """After SGLang concluded `room` (not held): it is held no more. SGLang concludes nothing for a room its sender
+    has cleared (`conclude_transfer` returns None); if that room's Success was held, its request may be decoding, so
+    the decode node hears Failed from ESS."""
+    with _held_lock:
+        targets = _held.pop(room, None)
+    take_need(room)
+    if targets is not None and result is None:
+        _tell_failed(mgr, room, targets, "the prefill node cleared the room before its transfer ended")
+
+
+def fail_held(mgr, room: int, reason: str) -> None:
+    """A held room the prefill node no longer sends (SGLang's AbortReq, or its sender cleared) ends without a
+    conclusion of SGLang's (it skips the rest of the room's chunks): the decode node, whose request may be decoding and
+    waiting for a row, hears Failed now, not at its waiting timeout. Not when SGLang poisoned the room (a write of it
+    may still be landing, so it leaves the room to the decode node's timeout rather than free its pages)."""
+    with _held_lock:
+        targets = _held.pop(room, None)
+    take_need(room)
+    if targets is not None and room not in mgr._deferred_ack_poisoned_rooms:
+        _tell_failed(mgr, room, targets, reason)
+
+
+def _tell_failed(mgr, room: int, targets: list, reason: str) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    logger.warning("ESS progressive PD: room %s: %s; the decode node is told it failed", room, reason)
+    mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=KVPoll.Failed, failure_reason=reason)
 
 
 def skip_metadata() -> bool:
@@ -337,9 +393,11 @@ _needs: dict[int, dict] = {}  # bootstrap room -> {layer: pages} decode steps wa
 _needs_lock = threading.Lock()
 
 
-def note_need(msg: list, transfer_infos) -> bool:
+def note_need(msg: list, mgr) -> bool:
     """A message of the prefill node's bootstrap thread: a decode node's NEED into the notes (True), or not one. A
-    room the node no longer sends (its transfer_infos gone) is dropped."""
+    room the node no longer sends is dropped."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
     if not msg or msg[0] != NEED:
         return False
     try:
@@ -348,7 +406,7 @@ def note_need(msg: list, transfer_infos) -> bool:
         logger.warning("ESS progressive PD: a malformed NEED message dropped")
         return True
     with _needs_lock:
-        if room in transfer_infos:
+        if room in mgr.transfer_infos and live(mgr, room) and mgr.check_status(room) != KVPoll.Success:
             _needs.setdefault(room, {}).setdefault(layer, set()).update(pages)
     return True
 

@@ -450,8 +450,8 @@ class LoopbackEngine:
 class LoopbackAgent:
     """nixl._api.nixl_agent for one process: a descriptor list is (address, length) rows of one memory kind, a transfer
     copies them (ctypes.memmove) between this agent's registered regions and its peer's, refusing one outside them or
-    of another memory kind, as NIXL's backends do; `hold`, `fail`, `go` and `log` as LoopbackEngine's. The copy runs
-    when the transfer is posted; its state (DONE or ERR) is read afterwards, as SGLang's worker reads a real one."""
+    of another memory kind, as NIXL's backends do; `hold`, `fail`, `go` and `log` as LoopbackEngine's. A posted
+    transfer is in progress (PROC) until its state has been read once; the copy runs at the next read."""
 
     agents: dict = {}
 
@@ -519,6 +519,18 @@ class LoopbackAgent:
         return any(b <= addr and addr + n <= b + size and k == kind for b, (size, k) in agent.regions.items())
 
     def transfer(self, handle, *a, **kw):
+        handle.checks = 0
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        """PROC at the first check, then the bytes land (or fail): a sender that does not wait never sees them
+        written."""
+        handle.checks += 1
+        if handle.state == "PROC" and handle.checks > 1:
+            self._copy(handle)
+        return handle.state
+
+    def _copy(self, handle):
         peer = LoopbackAgent.agents.get(handle.peer)
         handle.state = "DONE"
         for s, d, n in ((int(s), int(d), int(n)) for s, d, n in handle.pairs):
@@ -534,10 +546,6 @@ class LoopbackAgent:
             ctypes.memmove(d, s, n)
             with self.lock:
                 self.log.append(d)
-        return "PROC"
-
-    def check_xfer_state(self, handle):
-        return handle.state
 
 
 def kv_args(kv: torch.Tensor, index_k: torch.Tensor, meta: MetadataBuffers, prefill: bool):
@@ -804,26 +812,29 @@ def test_pd_sends_in_the_progressive_order_and_the_request_joins_early(plugin, m
     assert plugin.pd_progressive.INBOX == {}
 
 
-@pytest.mark.parametrize("kinds", [("DRAM", "DRAM"), ("DRAM", "VRAM")], ids=["host-layers", "mixed-memory-kinds"])
-def test_pd_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, pd, kinds):
+@pytest.mark.parametrize("kinds, layer", [(("DRAM", "DRAM"), 0), (("DRAM", "VRAM"), 1)],
+                         ids=["host-layers", "mixed-memory-kinds"])
+def test_pd_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, pd, kinds, layer):
     """A step that waits for a phase-3 page names it to the prefill node, whose worker sends that page of the waiting
     layer alone right after the part in flight (phase 3 in slices of one page here), ahead of the pages before it;
     the page's part later sends it whole. NIXL: also with the decode node's layers in two memory kinds (SGLang's
-    segmented sends; a layer's blocks go with its own kind)."""
+    segmented sends), the step waiting at the layer whose kind differs from the first's."""
     mc = pd
-    if mc.backend == "mooncake" and kinds != ("DRAM", "DRAM"):
+    if mc.backend == "mooncake" and layer:
         pytest.skip("memory kinds are NIXL's")
     monkeypatch.setattr(plugin.pd_progressive, "SLICE_PAGES", 1)
     rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={2},
                                                                  kinds=kinds)
     pop_until_joined(q, req)
     threading.Timer(0.3, mc.engine.go.set).start()
-    rt.progressive.wait(0, torch.tensor([SLOT]), torch.tensor([[6 * PAGE + 1, 39, -1]]))  # page 6 (and 9, landed)
+    rt.progressive.wait(layer, torch.tensor([SLOT]), torch.tensor([[6 * PAGE + 1, 39, -1]]))  # page 6 (9 landed)
     assert rt.progressive.waits == 1
     drain(rt)
     pages = [p for p in (page_of(mc, d, d_pages) for d in mc.engine.log) if p is not None]  # a write per layer
     assert list(dict.fromkeys(pages))[-5:] == [2, 6, 3, 4, 5]  # page 2 was in flight; 6 went before 3, 4, 5
-    assert pages[:pages.index(3)].count(6) == 1 and pages.count(6) == 1 + L  # layer 0 alone, then the whole page
+    assert pages[:pages.index(3)].count(6) == 1 and pages.count(6) == 1 + L  # one layer alone, then the whole page
+    first = next(d for d in mc.engine.log if page_of(mc, d, d_pages) == 6)
+    assert mc.host[layer].data_ptr() <= first < mc.host[layer].data_ptr() + mc.host[layer].nbytes  # the waiting one
     assert sender.poll() == KVPoll.Success
 
 
@@ -846,7 +857,39 @@ def test_pd_a_request_finished_mid_transfer_frees_its_pages_after_the_last_write
     time.sleep(0.2)
     assert released == [len(mc.engine.log)]  # nothing was written after the release
     assert sender.poll() == KVPoll.Success and not q.has_pending_deferred_releases()
-    assert rt.progressive.tracker.open_rows() == [] and plugin.pd_progressive.INBOX == {}
+    nothing_left(plugin, mc, rt, sender)
+
+
+def test_pd_a_prefill_abort_after_the_join_ends_the_request(plugin, monkeypatch, gloo, pd):
+    """SGLang's prefill node aborts a room (AbortReq: CommonKVSender.abort, then its scheduler clears the sender)
+    while the joined request's phase 3 is in flight: its worker skips the rest, SGLang concludes nothing, and ESS
+    tells the decode node Failed, so the request is aborted there at once, not stalled until the waiting timeout."""
+    mc = pd
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={3})
+    pop_until_joined(q, req)
+    sender.abort()
+    sender.clear()
+    mc.engine.go.set()
+    drain(rt)
+    assert req.to_finish is not None and "transfer failed" in req.to_finish.message
+    assert receiver.conclude_state == KVPoll.Failed
+    nothing_left(plugin, mc, rt, sender)
+
+
+def nothing_left(plugin, mc, rt, sender) -> None:
+    """Once a room has ended and the prefill node's scheduler cleared its sender (as SGLang's does on Success or
+    Failed): no state of it on either node, SGLang's or ESS's."""
+    room = sender.bootstrap_room
+    sender.clear()
+    deadline = time.monotonic() + 20
+    while mc.p_mgr._staging_outstanding.get(room, 0):  # the worker skips the parts left of a failed room
+        assert time.monotonic() < deadline, "the prefill worker still counts a chunk of the room"
+        time.sleep(0.005)
+    assert room not in mc.p_mgr.request_status and room not in mc.p_mgr.transfer_infos
+    assert plugin.pd_progressive.take_need(room) is None and room not in plugin.pd_progressive._held
+    assert room not in mc.d_mgr.request_status and room not in plugin.pd_progressive.INBOX
+    assert rt.progressive.streams == {} and rt.progressive.held == {} and rt.progressive.tracker.open_rows() == []
+    assert int((rt.progressive.tracker.slot_of >= 0).sum()) == 0
 
 
 def test_pd_failure_after_the_join_aborts_the_request(plugin, monkeypatch, gloo, pd):
@@ -858,8 +901,9 @@ def test_pd_failure_after_the_join_aborts_the_request(plugin, monkeypatch, gloo,
     mc.engine.go.set()
     drain(rt)
     assert req.to_finish is not None and "transfer failed" in req.to_finish.message
-    assert rt.progressive.tracker.open_rows() == [] and sender.poll() == KVPoll.Failed
+    assert sender.poll() == KVPoll.Failed
     mc.engine.fail = lambda dst: False
+    nothing_left(plugin, mc, rt, sender)
 
 
 def test_pd_without_progressive_decode_sends_as_sglang_does(plugin, monkeypatch, gloo, pd):
@@ -920,6 +964,8 @@ def test_malformed_progress_and_need_messages_are_dropped(plugin):
     assert mp.take([b"other"], mgr) is False
     mgr.required_prefill_response_num_table[1] = 2  # a room several prefill ranks serve: its reports are not read
     assert mp.take([mp.TAG, b"1", b"phase3", b""], mgr) is True and mp.INBOX == {}
-    assert mp.note_need([mp.NEED, b"7", b"x", b""], {7: {}}) is True and mp.take_need(7) is None
-    assert mp.note_need([mp.NEED, b"8", b"0", b""], {}) is True and mp.take_need(8) is None  # not sent here
-    assert mp.note_need([b"ROOM"], {}) is False
+    sending = types.SimpleNamespace(transfer_infos={7: {}}, request_status={7: KVPoll.Transferring}, failure_records={},
+                                    check_status=lambda room: KVPoll.Transferring)
+    assert mp.note_need([mp.NEED, b"7", b"x", b""], sending) is True and mp.take_need(7) is None
+    assert mp.note_need([mp.NEED, b"8", b"0", b""], sending) is True and mp.take_need(8) is None  # not sent here
+    assert mp.note_need([b"ROOM"], sending) is False
