@@ -41,6 +41,11 @@ PROGRESSIVE_REQUESTS = 16
 # 512 slices at 128K (one Mooncake batch transfer and one message each). Chosen in the model (docs/simulator.md:
 # 16 pages lose at 32K, the first step waiting half a slice at each of 61 layers); per-slice costs not measured.
 PROGRESSIVE_SLICE_PAGES = 4
+# A decode step waits at most this long for a row of a request still landing (a wait is normally the slice in flight
+# and the named blocks: milliseconds). Past it the request is aborted and the step goes on without waiting for it:
+# its transfer has stalled (a prefill node that stopped writing without a status; SGLang keeps silent when a write may
+# still be landing), and every request of the batch would stall with it until SGLang's waiting timeout (300 s).
+PROGRESSIVE_WAIT_S = 10.0
 HOST_PINNABLE_FRACTION = 0.8  # of a machine's memory, ESS's host pools may pin at most this share (the OS, the
 # serving processes and the page cache keep the rest)
 KERNELS = ("auto", "cuda", "fused", "torch")  # the LRU step: ess.core.lru_cuda's CUDA kernel (sgl-kernel/), ess.core.lru_kernel's

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ess.core import settings
 from ess.core.landing import LandingTracker
 from sglang_ess import pd_progressive
 
@@ -201,17 +202,37 @@ class ProgressiveDecode:
         """Before a layer's LRU step of rows `req` selecting positions `sets` [B, X]: until every selected row has
         landed. A resident row has landed (warm-up loads phase 2, a miss loads after this wait), so asking for the
         whole set asks exactly for the misses' rows. Host wait: nothing to do while no request is tracked. The pages it
-        waits for are asked of their senders once, ahead of the rest of phase 3."""
+        waits for are asked of their senders once, ahead of the rest of phase 3. A request whose rows have not come
+        within PROGRESSIVE_WAIT_S is aborted and waited for no more (`_give_up`)."""
         if not self.tracker.open_rows():
             return
-        waited = False
-        while not bool(self.tracker.ready(req, sets, layer).all()):
+        waited, start = False, time.monotonic()
+        while not bool((ready := self.tracker.ready(req, sets, layer)).all()):
             if not waited:  # the pages this step waits for, named to their senders: they go ahead of the rest
                 self._ask(layer, req, sets)
             waited = True
+            if time.monotonic() - start > settings.PROGRESSIVE_WAIT_S:
+                self._give_up(req[~ready].tolist(), layer)
+                continue
             self.pump()
             time.sleep(POLL_S)
         self.waits += waited
+
+    def _give_up(self, rows: list, layer: int) -> None:
+        """A stalled transfer: its request is aborted (SGLang finishes it after this step; the step's output for it,
+        read from rows not landed, is dropped) and no longer tracked, so no step waits for it. Its stream stays until
+        the transfer ends: SGLang's release of its KV is held until then, as for any request still landing."""
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        for row in rows:
+            s = self.streams.get(row)
+            if s is not None and s.req.finished_reason is None:
+                logger.error("ESS progressive PD: request %s waited %.0f s for a row of layer %d; aborted", s.req.rid,
+                             settings.PROGRESSIVE_WAIT_S, layer)
+                s.req.to_finish = FINISH_ABORT(f"KV transfer stalled: a row of layer {layer} had not landed after "
+                                               f"{settings.PROGRESSIVE_WAIT_S:.0f} s")
+            self.tracker.close(row)
+            self.warm_done.discard(row)
 
     def _ask(self, layer: int, req: torch.Tensor, sets: torch.Tensor) -> None:
         for i, row in enumerate(req.tolist()):

@@ -876,6 +876,29 @@ def test_pd_a_prefill_abort_after_the_join_ends_the_request(plugin, monkeypatch,
     nothing_left(plugin, mc, rt, sender)
 
 
+def test_pd_a_stalled_transfer_aborts_its_request_and_the_step_goes_on(plugin, monkeypatch, gloo, pd):
+    """A step that waits longer than PROGRESSIVE_WAIT_S for a row (here the engine holds the page's writes): the
+    request is aborted and untracked, so the step goes on; its KV release is held until the transfer ends, which
+    then leaves nothing behind."""
+    from ess.core import settings
+
+    mc = pd
+    monkeypatch.setattr(settings, "PROGRESSIVE_WAIT_S", 0.3)
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={3})
+    pop_until_joined(q, req)
+    t0 = time.monotonic()
+    rt.progressive.wait(0, torch.tensor([SLOT]), torch.tensor([[3 * PAGE + 1, 39, -1]]))
+    assert 0.3 < time.monotonic() - t0 < 5 and "KV transfer stalled" in req.to_finish.message
+    assert rt.progressive.tracker.open_rows() == [] and SLOT in rt.progressive.streams
+    released = []
+    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    assert released == []  # the prefill node may still write its pages
+    mc.engine.go.set()
+    drain(rt)
+    assert released == [len(mc.engine.log)] and sender.poll() == KVPoll.Success
+    nothing_left(plugin, mc, rt, sender)
+
+
 def nothing_left(plugin, mc, rt, sender) -> None:
     """Once a room has ended and the prefill node's scheduler cleared its sender (as SGLang's does on Success or
     Failed): no state of it on either node, SGLang's or ESS's."""
