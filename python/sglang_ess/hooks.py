@@ -418,7 +418,7 @@ def after_resolve_releases(result, queue, *a, **kw):
     pumped, so a release held for a transfer that has ended runs."""
     rt = state.runtime
     if rt is not None and rt.progressive is not None and rt.progressive.streams:
-        rt.progressive.pump()
+        rt.progressive.pump(queue)
     return None
 
 
@@ -522,7 +522,7 @@ def around_pop_transferred(original, queue, *a, **kw):
     prog = rt.progressive if rt is not None else None
     if prog is None:
         return original(queue, *a, **kw)
-    prog.pump()
+    prog.land()
     swapped = prog.before_pop(queue, request_slot)
     try:
         return original(queue, *a, **kw)
@@ -618,7 +618,11 @@ def after_registration_info(result, cls, msg, *a, **kw):
 def around_abort_notification(original, mgr, msg, *a, **kw):
     """Prefill node: a decode node's NEED (the pages a step waits for) into the notes its transfer workers read; every
     other message goes on to SGLang (its abort notifications, then its bootstrap messages)."""
-    if pd_progressive.note_need(msg, mgr):
+    try:
+        if pd_progressive.note_need(msg, mgr):
+            return True
+    except Exception:  # SGLang's bootstrap thread dies on an exception, and with it the node's new transfers
+        logger.exception("ESS progressive PD: a NEED message could not be noted")
         return True
     return original(mgr, msg, *a, **kw)
 

@@ -223,8 +223,11 @@ class OrderedQueue:
             self._report(self.sent)
         except Exception:
             logger.exception("ESS progressive PD: a progress report failed; the decode node waits for the room's end")
-        if getattr(self.sent, "ess", None) is not None and self.sent.ess.kind == "end":
-            take_need(self.sent.room)  # the room has concluded: a NEED that came late is dropped
+        if getattr(self.sent, "ess", None) is not None:
+            if self.sent.ess.kind == "end":
+                take_need(self.sent.room)  # the room has concluded: a NEED that came late is dropped
+            if not live(self.mgr, self.sent.room):  # aborted while its last part was handed out: the worker skipped it
+                fail_held(self.mgr, self.sent.room, "the prefill node ended the transfer (aborted or cleared)")
         if self.pending:
             try:
                 self._urgent(self.pending[0].room)
@@ -296,8 +299,7 @@ class OrderedQueue:
                     logger.exception("ESS progressive PD: pages of layer %d of room %s not sent ahead", layer, room)
                     ok = False
             if not ok:  # a failed write may still be landing: no drain ack (SGLang's rule); the part sends them again
-                if mgr.enable_deferred_decode_kv_release:
-                    mgr.poison_deferred_ack_room(room)
+                mgr.poison_deferred_ack_room(room)
             elif self._live(room):
                 self._send(room, b"layer", np.concatenate([[layer], pages[pick]]).astype(np.int32).tobytes())
 
@@ -328,7 +330,8 @@ def live(mgr, room: int) -> bool:
     """Whether the prefill node still sends `room` (SGLang's worker skips the chunks of a room cleared or failed)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    return room in mgr.request_status and mgr.check_status(room) != KVPoll.Failed and room not in mgr.failure_records
+    status = mgr.request_status.get(room)  # one read: SGLang's scheduler thread may clear the room meanwhile
+    return status is not None and status != KVPoll.Failed and room not in mgr.failure_records
 
 
 # Rooms whose phase-1 Success is held back, -> their decode endpoints (captured then: SGLang's clear() of the sender
@@ -406,7 +409,7 @@ def note_need(msg: list, mgr) -> bool:
         logger.warning("ESS progressive PD: a malformed NEED message dropped")
         return True
     with _needs_lock:
-        if room in mgr.transfer_infos and live(mgr, room) and mgr.check_status(room) != KVPoll.Success:
+        if room in mgr.transfer_infos and live(mgr, room) and mgr.request_status.get(room) != KVPoll.Success:
             _needs.setdefault(room, {}).setdefault(layer, set()).update(pages)
     return True
 

@@ -18,6 +18,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ess.core import settings
 from ess.core.landing import LandingTracker
@@ -85,6 +86,8 @@ class JoinEarly:
 class Stream:
     req: object  # SGLang's Req, decoding
     receiver: object  # its transfer, phase 3 still landing
+    stalled: bool = False  # a step of this rank gave up waiting for its rows (PROGRESSIVE_WAIT_S)
+    drain: tuple | None = None  # once aborted: (deadline, prefill drain acks to await) before its KV may be freed
 
 
 class ProgressiveDecode:
@@ -165,29 +168,92 @@ class ProgressiveDecode:
         return bool(self.held)
 
     # -- while requests decode -------------------------------------------------------------------------------------
-    def pump(self) -> None:
-        """Between forwards and while a step waits: landings into the tracker; a transfer that has ended (landed
-        whole, or failed: the prefill node writes no more) lets its request go untracked and runs a release held
-        for it; a failure aborts a request still decoding."""
+    def land(self) -> None:
+        """The joined requests' landings into the tracker (this rank's; anywhere, inside a step too)."""
+        for row, s in list(self.streams.items()):
+            self._drain(row, s.receiver)
+
+    def pump(self, queue) -> None:
+        """Between forwards, on every rank of SGLang's decode transfer queue (`queue`, its resolve_deferred_releases):
+        landings, then what becomes of each stream, agreed over the queue's gloo group as SGLang agrees its own
+        commits and releases (attention-TP ranks must keep the same requests and free the same pages):
+        - landed whole on every rank: the request goes untracked and a release held for it runs;
+        - failed or stalled (a step gave up waiting) on any rank: the request is aborted everywhere; a rank whose
+          transfer had not ended aborts it (SGLang's receiver abort: the prefill node is told to stop), then the KV
+          release waits as SGLang's deferred release does, for the prefill ranks' drain acks or the deferred-release
+          timeout (`_drained`)."""
+        from sglang.srt.disaggregation.utils import all_reduce_flags
+
+        self.land()
+        rows = [row for row, s in self.streams.items() if s.drain is None]
+        if rows:
+            states = [self._state(row) for row in rows]
+            done = all_reduce_flags([int(x == "landed") for x in states], queue.gloo_group, dist.ReduceOp.MIN)
+            bad = all_reduce_flags([int(x == "bad") for x in states], queue.gloo_group, dist.ReduceOp.MAX)
+            for row, d, b in zip(rows, done, bad):
+                if b:
+                    self._abort(row, queue)
+                elif d:
+                    self._end(row, failed=False)
+        rows = [row for row, s in self.streams.items() if s.drain is not None]
+        if rows:
+            ready = all_reduce_flags([int(self._drained(row)) for row in rows], queue.gloo_group, dist.ReduceOp.MIN)
+            for row, r in zip(rows, ready):
+                if r:
+                    self._end(row, failed=True)
+
+    def _state(self, row: int) -> str:
+        """This rank's view of a stream: "landed" (Success), "bad" (Failed, or a step gave up on it), "landing"."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        s = self.streams[row]
+        state = s.receiver.poll()
+        if state == KVPoll.Failed or s.stalled:
+            return "bad"
+        return "landed" if state == KVPoll.Success else "landing"
+
+    def _abort(self, row: int, queue) -> None:
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        for row, s in list(self.streams.items()):
-            self._drain(row, s.receiver)
-            state = s.receiver.poll()
-            if state == KVPoll.Failed:
-                if row not in self.held and s.req.finished_reason is None:
-                    logger.error("ESS progressive PD: the transfer of request %s failed after it joined decode",
-                                 s.req.rid)
-                    s.req.to_finish = FINISH_ABORT("KV transfer failed after the request started decoding")
-                self._end(row)
-            elif state == KVPoll.Success:  # every part's report came first (one socket, in order): all landed
-                self._end(row)
+        s = self.streams[row]
+        r, why = s.receiver, ("stalled" if s.stalled else "failed")
+        if row not in self.held and s.req.finished_reason is None and s.req.to_finish is None:
+            logger.error("ESS progressive PD: the transfer of request %s %s after it joined decode", s.req.rid, why)
+            s.req.to_finish = FINISH_ABORT(f"KV transfer {why} after the request started decoding")
+        mgr = getattr(r, "kv_mgr", None)
+        deferrable = bool(getattr(queue, "enable_deferred_kv_release", False)) and \
+            bool(getattr(mgr, "enable_deferred_decode_kv_release", False))
+        state = r.poll()
+        if state not in (KVPoll.Success, KVPoll.Failed):
+            r.abort()  # the prefill node stops sending (and acks once drained)
+        elif state == KVPoll.Failed and deferrable:
+            r.ensure_abort_notified(force_arm=True)  # a failure this node did not start: writes may be in flight
+        acks = len(r.bootstrap_infos) if deferrable and state != KVPoll.Success and r.abort_notified else 0
+        timeout = getattr(queue, "deferred_kv_release_timeout", 0) if deferrable else 0
+        s.drain = (time.monotonic() + timeout, acks)
+        self.tracker.close(row)  # no step waits for it any more
+        self.warm_done.discard(row)
 
-    def _end(self, row: int) -> None:
+    def _drained(self, row: int) -> bool:
+        """An aborted stream's pages may be freed (this rank): its prefill ranks acked their drain, or the deferred
+        release timed out; at once where SGLang would not defer."""
+        s = self.streams[row]
+        deadline, acks = s.drain
+        if not acks:
+            return True
+        return s.receiver.kv_mgr.is_abort_release_safe(s.receiver.bootstrap_room, acks) or time.monotonic() >= deadline
+
+    def _end(self, row: int, failed: bool) -> None:
         s = self.streams.pop(row)
-        s.receiver.clear()
-        forget(s.receiver)
+        r = s.receiver
+        mgr = getattr(r, "kv_mgr", None)
+        if failed and mgr is not None:  # as SGLang's release of a failed transfer, and its failure_exception()
+            mgr.clear_deferred_abort_state(r.bootstrap_room)
+            with mgr.failure_lock:
+                mgr.failure_records.pop(r.bootstrap_room, None)
+        r.clear()
+        forget(r)
         self.release(row)
         release = self.held.pop(row, None)
         if release is not None:
@@ -202,8 +268,9 @@ class ProgressiveDecode:
         """Before a layer's LRU step of rows `req` selecting positions `sets` [B, X]: until every selected row has
         landed. A resident row has landed (warm-up loads phase 2, a miss loads after this wait), so asking for the
         whole set asks exactly for the misses' rows. Host wait: nothing to do while no request is tracked. The pages it
-        waits for are asked of their senders once, ahead of the rest of phase 3. A request whose rows have not come
-        within PROGRESSIVE_WAIT_S is aborted and waited for no more (`_give_up`)."""
+        waits for are asked of their senders once, ahead of the rest of phase 3. A request whose transfer failed, or
+        whose rows have not come within PROGRESSIVE_WAIT_S, is waited for no more (`_give_up`); what becomes of it is
+        agreed between forwards (`pump`)."""
         if not self.tracker.open_rows():
             return
         waited, start = False, time.monotonic()
@@ -211,28 +278,29 @@ class ProgressiveDecode:
             if not waited:  # the pages this step waits for, named to their senders: they go ahead of the rest
                 self._ask(layer, req, sets)
             waited = True
-            if time.monotonic() - start > settings.PROGRESSIVE_WAIT_S:
-                self._give_up(req[~ready].tolist(), layer)
-                continue
-            self.pump()
+            self.land()
+            stalled = time.monotonic() - start > settings.PROGRESSIVE_WAIT_S
+            self._give_up(req[~ready].tolist(), layer, stalled)
             time.sleep(POLL_S)
         self.waits += waited
 
-    def _give_up(self, rows: list, layer: int) -> None:
-        """A stalled transfer: its request is aborted (SGLang finishes it after this step; the step's output for it,
-        read from rows not landed, is dropped) and no longer tracked, so no step waits for it. Its stream stays until
-        the transfer ends: SGLang's release of its KV is held until then, as for any request still landing."""
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    def _give_up(self, rows: list, layer: int, stalled: bool) -> None:
+        """This rank waits no more for these rows' requests if their transfer failed, or (`stalled`) for all of them:
+        untracked, the step goes on (its output for them, read from rows not landed, is discarded: `pump` aborts them
+        on every rank before the next forward). Their streams stay until the transfer is torn down: SGLang's release
+        of their KV is held until then."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
 
         for row in rows:
             s = self.streams.get(row)
-            if s is not None and s.req.finished_reason is None:
-                logger.error("ESS progressive PD: request %s waited %.0f s for a row of layer %d; aborted", s.req.rid,
+            if s is None:
+                continue
+            if stalled and not s.stalled:
+                logger.error("ESS progressive PD: request %s waited %.0f s for a row of layer %d", s.req.rid,
                              settings.PROGRESSIVE_WAIT_S, layer)
-                s.req.to_finish = FINISH_ABORT(f"KV transfer stalled: a row of layer {layer} had not landed after "
-                                               f"{settings.PROGRESSIVE_WAIT_S:.0f} s")
-            self.tracker.close(row)
-            self.warm_done.discard(row)
+                s.stalled = True
+            if s.stalled or s.receiver.poll() == KVPoll.Failed:
+                self.tracker.close(row)
 
     def _ask(self, layer: int, req: torch.Tensor, sets: torch.Tensor) -> None:
         for i, row in enumerate(req.tolist()):

@@ -127,6 +127,7 @@ def transfer_queue(meta: MetadataBuffers, alloc: ReqToMetadataIdxAllocator, gloo
     q.queue, q.gloo_group, q.req_to_metadata_buffer_idx_allocator, q.tp_rank = [], gloo, alloc, 0
     q.metadata_buffers, q.enable_host_receive, q.tree_cache = meta, False, None
     q.enable_staging, q.staging_handler, q.enable_deferred_kv_release, q._deferred_releases = False, None, False, []
+    q.deferred_kv_release_timeout = 30
     q._skipped_checksum_signatures = set()
     q.spec_algorithm = SpeculativeAlgorithm.NONE
     q.scheduler = types.SimpleNamespace(
@@ -267,7 +268,7 @@ def test_a_request_joins_after_the_hot_pages_and_decodes_the_full_transfers_rows
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     deadline = time.monotonic() + 5
     while rt.progressive.streams and time.monotonic() < deadline:  # between forwards, as SGLang's loop polls
-        rt.progressive.pump()
+        rt.progressive.pump(q)
     assert rcv.poll() == KVPoll.Success and rcv.cleared  # the whole transfer landed: the request is no longer tracked
     assert rt.progressive.tracker.open_rows() == [] and rt.progressive.streams == {}
     order = [int(e[1]) for e in rcv.log if e[0] == "pages"]
@@ -330,7 +331,7 @@ def test_decode_graphs_wait_out_a_request_still_landing(plugin, monkeypatch, glo
     assert graphs() == (False, False)
     deadline = time.monotonic() + 5
     while rt.progressive.streams and time.monotonic() < deadline:
-        rt.progressive.pump()
+        rt.progressive.pump(q)
     assert graphs() == (True, True)
 
 
@@ -371,7 +372,7 @@ def test_a_request_released_mid_transfer_keeps_its_kv_until_the_transfer_ends(pl
         pass
     deadline = time.monotonic() + 5
     while SLOT in rt.progressive.streams and time.monotonic() < deadline:
-        rt.progressive.pump()
+        rt.progressive.pump(q)
     assert req.to_finish is not None and "transfer failed" in req.to_finish.message
     assert rt.progressive.tracker.open_rows() == []  # a step that would wait on it goes on (its output is dropped)
     decode(rt, pool, 1)
@@ -696,6 +697,7 @@ def send_over_engine(mc, rt, pool, gloo, hold=frozenset(), prefix=0, fail=False,
     meta.bootstrap_room.zero_()
     alloc = ReqToMetadataIdxAllocator(4)
     q = transfer_queue(meta, alloc, gloo)
+    q.enable_deferred_kv_release = True  # SGLang's default, as the managers': a failed room's KV waits for drain acks
     sender = mc.sender(mc.p_mgr, mc.addr, room)
     with mc.d_mgr.connection_lock:  # the decode node registers anew, as a newly launched one would (its flags)
         mc.d_mgr.connection_pool.clear()
@@ -754,11 +756,11 @@ def over_engine(plugin, monkeypatch, mc, gloo, progressive=True, **send):
     return (rt, pool, *send_over_engine(mc, rt, pool, gloo, **send))
 
 
-def drain(rt, seconds=20) -> None:
+def drain(rt, q, seconds=20) -> None:
     """Pump the joined requests' transfers, as SGLang's loop does between forwards, until none is landing."""
     deadline = time.monotonic() + seconds
     while rt.progressive.streams and time.monotonic() < deadline:
-        rt.progressive.pump()
+        rt.progressive.pump(q)
         time.sleep(0.005)
 
 
@@ -802,7 +804,7 @@ def test_pd_sends_in_the_progressive_order_and_the_request_joins_early(plugin, m
     got = decode(rt, pool)
     assert rt.progressive.waits >= 1  # step 0 reads page 3, held back
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    drain(rt)
+    drain(rt, q)
     assert rt.progressive.streams == {} and rt.progressive.tracker.open_rows() == []
     assert sender.poll() == KVPoll.Success
     order = [page_of(mc, d, d_pages) for d in mc.engine.log]
@@ -829,7 +831,7 @@ def test_pd_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, pd, ki
     threading.Timer(0.3, mc.engine.go.set).start()
     rt.progressive.wait(layer, torch.tensor([SLOT]), torch.tensor([[6 * PAGE + 1, 39, -1]]))  # page 6 (9 landed)
     assert rt.progressive.waits == 1
-    drain(rt)
+    drain(rt, q)
     pages = [p for p in (page_of(mc, d, d_pages) for d in mc.engine.log) if p is not None]  # a write per layer
     assert list(dict.fromkeys(pages))[-5:] == [2, 6, 3, 4, 5]  # page 2 was in flight; 6 went before 3, 4, 5
     assert pages[:pages.index(3)].count(6) == 1 and pages.count(6) == 1 + L  # one layer alone, then the whole page
@@ -870,7 +872,7 @@ def test_pd_a_prefill_abort_after_the_join_ends_the_request(plugin, monkeypatch,
     sender.abort()
     sender.clear()
     mc.engine.go.set()
-    drain(rt)
+    drain(rt, q)
     assert req.to_finish is not None and "transfer failed" in req.to_finish.message
     assert receiver.conclude_state == KVPoll.Failed
     nothing_left(plugin, mc, rt, sender)
@@ -888,14 +890,46 @@ def test_pd_a_stalled_transfer_aborts_its_request_and_the_step_goes_on(plugin, m
     pop_until_joined(q, req)
     t0 = time.monotonic()
     rt.progressive.wait(0, torch.tensor([SLOT]), torch.tensor([[3 * PAGE + 1, 39, -1]]))
-    assert 0.3 < time.monotonic() - t0 < 5 and "KV transfer stalled" in req.to_finish.message
-    assert rt.progressive.tracker.open_rows() == [] and SLOT in rt.progressive.streams
+    assert 0.3 < time.monotonic() - t0 < 5 and rt.progressive.tracker.open_rows() == []
+    rt.progressive.pump(q)  # between forwards: aborted (on every rank), its transfer too
+    assert "KV transfer stalled" in req.to_finish.message and SLOT in rt.progressive.streams
     released = []
     plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
-    assert released == []  # the prefill node may still write its pages
+    deadline = time.monotonic() + 20
+    while sender.poll() != KVPoll.Failed:  # the prefill node took the abort, its write still in flight
+        assert time.monotonic() < deadline, "the prefill node never heard of the abort"
+        time.sleep(0.005)
+    rt.progressive.pump(q)
+    assert released == []  # the prefill node has not acked its drain
     mc.engine.go.set()
-    drain(rt)
-    assert released == [len(mc.engine.log)] and sender.poll() == KVPoll.Success
+    drain(rt, q)
+    assert released == [len(mc.engine.log)]  # after the last write
+    nothing_left(plugin, mc, rt, sender)
+
+
+def test_pd_another_ranks_failure_aborts_the_request_on_this_rank_too(plugin, monkeypatch, gloo, pd):
+    """Attention-TP ranks decide together, as SGLang's queue does (all_reduce_flags over its gloo group; one rank
+    here, so the other rank's flags are the test's): another rank's transfer failed while this rank's still lands,
+    so this rank aborts the request and its transfer too, and frees its KV only once its prefill rank has acked the
+    drain (after the write in flight)."""
+    from sglang.srt.disaggregation import utils
+
+    mc = pd
+    rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={3})
+    pop_until_joined(q, req)
+    real = utils.all_reduce_flags
+    other = lambda flags, group, op: [1] * len(flags) if op == dist.ReduceOp.MAX else real(flags, group, op)
+    with monkeypatch.context() as m:
+        m.setattr(utils, "all_reduce_flags", other)  # the other rank reports its transfer failed
+        rt.progressive.pump(q)
+    assert "KV transfer failed" in req.to_finish.message and receiver.abort_notified
+    released = []
+    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    rt.progressive.pump(q)
+    assert released == []  # the write in flight has not drained
+    mc.engine.go.set()
+    drain(rt, q)
+    assert released == [len(mc.engine.log)]
     nothing_left(plugin, mc, rt, sender)
 
 
@@ -911,18 +945,21 @@ def nothing_left(plugin, mc, rt, sender) -> None:
     assert room not in mc.p_mgr.request_status and room not in mc.p_mgr.transfer_infos
     assert plugin.pd_progressive.take_need(room) is None and room not in plugin.pd_progressive._held
     assert room not in mc.d_mgr.request_status and room not in plugin.pd_progressive.INBOX
+    assert room not in mc.d_mgr.failure_records and room not in mc.d_mgr._deferred_abort_ack_tracker
     assert rt.progressive.streams == {} and rt.progressive.held == {} and rt.progressive.tracker.open_rows() == []
     assert int((rt.progressive.tracker.slot_of >= 0).sum()) == 0
 
 
 def test_pd_failure_after_the_join_aborts_the_request(plugin, monkeypatch, gloo, pd):
     """A phase-3 write that fails after the request joined: the prefill node concludes the room Failed, SGLang's
-    decode thread records it, and the next pump aborts the request and frees its tracker slot."""
+    decode thread records it, and the next pump aborts the request and frees its tracker slot; its KV is freed as
+    SGLang frees a failed transfer's (deferred release: no drain ack from a poisoned room, so at the timeout)."""
     mc = pd
     rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={3}, fail=True)
+    q.deferred_kv_release_timeout = 0.5  # SGLang poisons a room whose write failed: no drain ack, its timeout decides
     pop_until_joined(q, req)
     mc.engine.go.set()
-    drain(rt)
+    drain(rt, q)
     assert req.to_finish is not None and "transfer failed" in req.to_finish.message
     assert sender.poll() == KVPoll.Failed
     mc.engine.fail = lambda dst: False
