@@ -602,8 +602,8 @@ def around_await_handles(original, mgr, handles, *a, **kw):
 
 
 def after_registration_message(result, mgr, *a, **kw):
-    """Decode node with --ess-progressive-pd: its Mooncake or NIXL registration asks prefill nodes for progressive sends (one
-    frame more, past every field SGLang reads)."""
+    """Decode node with --ess-progressive-pd: its Mooncake or NIXL registration asks prefill nodes for progressive
+    sends (one frame more, past every field SGLang reads)."""
     if state.runtime is not None and state.runtime.progressive is not None:
         return [*result, pd_progressive.REGISTRATION]
     return None
