@@ -14,10 +14,11 @@ parts instead, each an ordinary SGLang chunk the worker sends with its own code:
     end      no page; the worker's last-chunk path concludes the room (metadata not sent again: the decode node may
              have handed that slot to another request once this one joined)
 The worker asks its queue for the next chunk only when it has finished the one before (a Mooncake batch transfer
-returns once the bytes have landed; NIXL's worker waits for every handle of the chunk to be DONE), so `get` reports the part before, over SGLang's own ZMQ path to the decode
-endpoints, unless the room failed: [TAG, room, kind, payload], payload the request's first page not sent in this chunk
-(phase1: every page before it has landed: the decode node's cached prefix and the earlier chunks, sent FIFO by the
-same worker) or the request's page numbers of the part (int32).
+returns once the bytes have landed; NIXL's worker waits for every handle of the chunk to be DONE), so `get` reports
+the part before, over SGLang's own ZMQ path to the decode endpoints, unless the room failed: [TAG, room, kind,
+payload], payload the request's first page not sent in this chunk (phase1: every page before it has landed: the
+decode node's cached prefix and the earlier chunks, sent FIFO by the same worker) or the request's page numbers of the
+part (int32).
 What a decode step waits for goes first: the decode node names the pages at the layer waiting ([NEED, room, layer,
 pages]) over the ZMQ socket its receiver registered and sent metadata through; the prefill node's bootstrap thread
 notes them, and `get`, before the next part, sends those pages of that layer alone (a page of one layer, 64 x 656 B
@@ -25,10 +26,10 @@ for DeepSeek-V3.2, not all 61) and reports them ("layer"). A step then waits for
 PROGRESSIVE_SLICE_PAGES pages) and its own blocks, not for the rest of phase 3 (docs/simulator.md: in stream order
 the first step waits for nearly all of phase 3).
 
-Decode node (`--ess-progressive-pd`). Its engine's listener thread hands messages it does not know to `handle_chunk_ready`
-first; ESS's hook takes the tagged ones into `INBOX` by room, and `events` turns them into the receiver events of
-sglang_ess.progressive. A room served by more than one prefill rank (prefill pipeline parallelism) is not read
-early: its request waits for the whole transfer.
+Decode node (`--ess-progressive-pd`). Its engine's listener thread hands messages it does not know to
+`handle_chunk_ready` first; ESS's hook takes the tagged ones into `INBOX` by room, and `events` turns them into the
+receiver events of sglang_ess.progressive. A room served by more than one prefill rank (prefill pipeline parallelism)
+is not read early: its request waits for the whole transfer.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ class OrderedQueue:
         if getattr(self.sent, "ess", None) is not None:
             if self.sent.ess.kind == "end":
                 take_need(self.sent.room)  # the room has concluded: a NEED that came late is dropped
-            if not live(self.mgr, self.sent.room):  # aborted while its last part was handed out: the worker skipped it
+            if not live(self.mgr, self.sent.room):  # aborted or cleared: the worker skips the room's parts left
                 fail_held(self.mgr, self.sent.room, "the prefill node ended the transfer (aborted or cleared)")
         if self.pending:
             try:
@@ -234,8 +235,6 @@ class OrderedQueue:
             except Exception:
                 logger.exception("ESS progressive PD: pages a decode step waits for could not be sent ahead")
             chunk = self.pending.popleft()
-            if not live(self.mgr, chunk.room):  # the worker skips its parts: the decode node must hear of it
-                fail_held(self.mgr, chunk.room, "the prefill node ended the transfer (aborted or cleared)")
         else:
             chunk = self.queue.get()
             try:
@@ -259,9 +258,6 @@ class OrderedQueue:
         self.pending.extend(rest)
         return head
 
-    def _live(self, room: int) -> bool:
-        return live(self.mgr, room)
-
     def _urgent(self, room: int) -> None:
         """The (layer, page) blocks a decode step waits for, sent now through SGLang's own transfer of KV blocks,
         one layer at a time, and reported; they are among the phase-3 parts not sent yet (a page sent already has
@@ -277,7 +273,7 @@ class OrderedQueue:
         # counted before the status check, as SGLang counts a chunk: an abort's deferred ack waits for these writes
         mgr._staging_outstanding[room] += 1
         try:
-            if self._live(room):
+            if live(self.mgr, room):
                 self._send_blocks(room, needs, pages, kv, idx)
         finally:
             mgr._staging_outstanding[room] -= 1
@@ -288,7 +284,7 @@ class OrderedQueue:
         mgr = self.mgr
         for layer, want in sorted(needs.items()):
             pick = np.isin(pages, want)
-            if not pick.any() or not 0 <= layer < len(mgr.kv_args.kv_data_ptrs) or not self._live(room):
+            if not pick.any() or not 0 <= layer < len(mgr.kv_args.kv_data_ptrs) or not live(mgr, room):
                 continue
             ok, eng = True, engine(mgr)
             for info in mgr.transfer_infos.get(room, {}).values():
@@ -300,12 +296,13 @@ class OrderedQueue:
                     ok = False
             if not ok:  # a failed write may still be landing: no drain ack (SGLang's rule); the part sends them again
                 mgr.poison_deferred_ack_room(room)
-            elif self._live(room):
+            elif live(mgr, room):
                 self._send(room, b"layer", np.concatenate([[layer], pages[pick]]).astype(np.int32).tobytes())
 
     def _report(self, chunk) -> None:
         part = getattr(chunk, "ess", None)
-        if part is None or part.kind == "end" or (part.kind == "phase1" and not part.held) or not self._live(chunk.room):
+        if part is None or part.kind == "end" or (part.kind == "phase1" and not part.held) \
+                or not live(self.mgr, chunk.room):
             return
         payload = str(part.first).encode() if part.kind == "phase1" else part.pages.astype(np.int32).tobytes()
         self._send(chunk.room, part.kind.encode(), payload)

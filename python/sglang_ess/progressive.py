@@ -100,7 +100,7 @@ class ProgressiveDecode:
         self.waits = 0  # steps that waited for a row (a counter for the readout and the tests)
 
     # -- the transfer queue ----------------------------------------------------------------------------------------
-    def _drain(self, row: int, receiver) -> None:
+    def _land(self, row: int, receiver) -> None:
         for event in progress(receiver):
             if event[0] == "phase1":
                 self.tracker.mark_base(row)
@@ -121,7 +121,7 @@ class ProgressiveDecode:
             if not self.tracker.tracked(row) and not self.tracker.open(row, len(dr.req.origin_input_ids)):
                 forget(receiver)  # every tracker slot taken: this one waits for its whole transfer
                 continue
-            self._drain(row, receiver)
+            self._land(row, receiver)
             proxy = None
             if row in self.warm_done and self.tracker.complete_base(row):
                 dr.kv_receiver = proxy = self.early[row] = JoinEarly(receiver)
@@ -171,7 +171,7 @@ class ProgressiveDecode:
     def land(self) -> None:
         """The joined requests' landings into the tracker (this rank's; anywhere, inside a step too)."""
         for row, s in list(self.streams.items()):
-            self._drain(row, s.receiver)
+            self._land(row, s.receiver)
 
     def pump(self, queue) -> None:
         """Between forwards, on every rank of SGLang's decode transfer queue (`queue`, its resolve_deferred_releases):

@@ -386,18 +386,36 @@ def test_a_request_released_mid_transfer_keeps_its_kv_until_the_transfer_ends(pl
 HOST_ROWS, IDX_K = 64 * 8 + 1, 132  # the decode node's host pool rows (128 pages of 4), index-K bytes per token
 
 
-class LoopbackEngine:
+class LoopbackWrites:
+    """What both loopback libraries do with one write: a write whose destination `hold` names waits until `go` is set,
+    so a test sees a request join while part of its KV is in flight; one `fail` names then fails, as a broken link
+    would; `log` keeps every destination in writing order."""
+
+    def __init__(self):
+        self.log, self.lock = [], threading.Lock()
+        self.hold, self.fail, self.go = (lambda dst: False), (lambda dst: False), threading.Event()
+
+    def _write(self, dst: int, src: int, n: int) -> bool:
+        if self.hold(dst):
+            self.go.wait(20)
+        if self.fail(dst):
+            return False
+        ctypes.memmove(dst, src, n)
+        with self.lock:
+            self.log.append(dst)
+        return True
+
+
+class LoopbackEngine(LoopbackWrites):
     """mooncake.engine.TransferEngine, the native RDMA engine (not installed here; it needs an RDMA NIC), for one
     process: a write copies the bytes (ctypes.memmove) between registered regions, refusing one outside them as the
-    native engine does. A write whose destination `hold` names waits until `go` is set, so a test sees a request join
-    while part of its KV is in flight; one `fail` names then fails, as a broken link would; `log` keeps every
-    destination in writing order."""
+    native engine does (hold, fail and log: LoopbackWrites)."""
 
     sessions: dict = {}
 
     def __init__(self):
-        self.regions, self.log, self.lock = {}, [], threading.Lock()
-        self.hold, self.fail, self.go = (lambda dst: False), (lambda dst: False), threading.Event()
+        super().__init__()
+        self.regions = {}
 
     def initialize(self, hostname, metadata_server, protocol, device_name):
         self.port = 40000 + len(LoopbackEngine.sessions)
@@ -432,13 +450,8 @@ class LoopbackEngine:
                                    for s, d, n in zip(srcs, dsts, lengths)):
             return -1
         for s, d, n in zip(srcs, dsts, lengths):
-            if self.hold(d):
-                self.go.wait(20)
-            if self.fail(d):
+            if not self._write(d, s, n):
                 return -1
-            ctypes.memmove(d, s, n)
-            with self.lock:
-                self.log.append(d)
         return 0
 
     def transfer_sync_write(self, session_id, src, dst, length):
@@ -448,17 +461,17 @@ class LoopbackEngine:
         return 0
 
 
-class LoopbackAgent:
+class LoopbackAgent(LoopbackWrites):
     """nixl._api.nixl_agent for one process: a descriptor list is (address, length) rows of one memory kind, a transfer
     copies them (ctypes.memmove) between this agent's registered regions and its peer's, refusing one outside them or
-    of another memory kind, as NIXL's backends do; `hold`, `fail`, `go` and `log` as LoopbackEngine's. A posted
+    of another memory kind, as NIXL's backends do (hold, fail and log: LoopbackWrites). A posted
     transfer is in progress (PROC) until its state has been read once; the copy runs at the next read."""
 
     agents: dict = {}
 
     def __init__(self, name, config=None):
-        self.name, self.regions, self.peers, self.log, self.lock = name, {}, set(), [], threading.Lock()
-        self.hold, self.fail, self.go = (lambda dst: False), (lambda dst: False), threading.Event()
+        super().__init__()
+        self.name, self.regions, self.peers = name, {}, set()
         LoopbackAgent.agents[name] = self
 
     def create_backend(self, backend, params):
@@ -539,14 +552,9 @@ class LoopbackAgent:
                                                                      and self._inside(peer, d, n, handle.kinds[1])):
                 handle.state = "ERR"
                 break
-            if self.hold(d):
-                self.go.wait(20)
-            if self.fail(d):
+            if not self._write(d, s, n):
                 handle.state = "ERR"
                 break
-            ctypes.memmove(d, s, n)
-            with self.lock:
-                self.log.append(d)
 
 
 def kv_args(kv: torch.Tensor, index_k: torch.Tensor, meta: MetadataBuffers, prefill: bool):
@@ -637,10 +645,7 @@ def pd(request, plugin, gloo):
     with unittest.mock.patch.object(threading, "Thread", DaemonThread):
         p_mgr = manager(kv_args(p_kv, p_idx, p_meta, True), DisaggregationMode.PREFILL, sa, is_mla_backend=True)
         d_mgr = manager(kv_args(host, d_idx, d_meta, False), DisaggregationMode.DECODE, sa, is_mla_backend=True)
-    deadline = time.monotonic() + 20
-    while not d_mgr.try_ensure_parallel_info(addr):
-        assert time.monotonic() < deadline, "the bootstrap server did not answer"
-        time.sleep(0.05)
+    until(lambda: d_mgr.try_ensure_parallel_info(addr), "the bootstrap server did not answer", step=0.05)
     # the writer: the process's one Mooncake engine, or the prefill node's NIXL agent
     engine = mte._mooncake_transfer_engine.engine if backend == "mooncake" else p_mgr.agent
     yield types.SimpleNamespace(addr=addr, p_mgr=p_mgr, d_mgr=d_mgr, p_meta=p_meta, d_meta=d_meta, host=host,
@@ -710,10 +715,8 @@ def send_over_engine(mc, rt, pool, gloo, hold=frozenset(), prefix=0, fail=False,
     d_slot = alloc.alloc()
     dst = d_pages[prefix:PROMPT_PAGES].numpy().astype("int32")
     receiver.send_metadata(dst, aux_index=d_slot, state_indices=[dst], decode_prefix_len=prefix * PAGE)
-    deadline = time.monotonic() + 20
-    while sender.poll() != KVPoll.WaitingForInput:
-        assert time.monotonic() < deadline, "the prefill node never heard of the decode node's metadata"
-        time.sleep(0.01)
+    until(lambda: sender.poll() == KVPoll.WaitingForInput, "the prefill node never heard of the decode node's metadata",
+          step=0.01)
     p_slot = 1
     mc.p_meta.output_ids[p_slot][0] = FIRST_TOKEN  # what SGLang's set_buf writes for the request
     mc.p_meta.bootstrap_room[p_slot, 0] = room
@@ -756,6 +759,14 @@ def over_engine(plugin, monkeypatch, mc, gloo, progressive=True, **send):
     return (rt, pool, *send_over_engine(mc, rt, pool, gloo, **send))
 
 
+def until(done, what: str, step=0.005, seconds=20) -> None:
+    """Poll `done()` every `step` s until it holds; fail naming `what` after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(step)
+
+
 def drain(rt, q, seconds=20) -> None:
     """Pump the joined requests' transfers, as SGLang's loop does between forwards, until none is landing."""
     deadline = time.monotonic() + seconds
@@ -764,11 +775,8 @@ def drain(rt, q, seconds=20) -> None:
         time.sleep(0.005)
 
 
-def pop_until_joined(q, req, seconds=20) -> None:
-    deadline = time.monotonic() + seconds
-    while q.pop_transferred() != [req]:
-        assert time.monotonic() < deadline, "the request never joined decode"
-        time.sleep(0.005)
+def pop_until_joined(q, req) -> None:
+    until(lambda: q.pop_transferred() == [req], "the request never joined decode")
 
 
 @pytest.mark.parametrize("prefix", [0, 1], ids=["no-prefix", "decode-radix-prefix"])
@@ -851,11 +859,7 @@ def test_pd_a_request_finished_mid_transfer_frees_its_pages_after_the_last_write
     plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
     assert released == [] and q.has_pending_deferred_releases()
     mc.engine.go.set()
-    deadline = time.monotonic() + 20
-    while not released:
-        assert time.monotonic() < deadline, "the held release never ran"
-        q.resolve_deferred_releases()
-        time.sleep(0.005)
+    until(lambda: q.resolve_deferred_releases() or released, "the held release never ran")
     time.sleep(0.2)
     assert released == [len(mc.engine.log)]  # nothing was written after the release
     assert sender.poll() == KVPoll.Success and not q.has_pending_deferred_releases()
@@ -895,10 +899,8 @@ def test_pd_a_stalled_transfer_aborts_its_request_and_the_step_goes_on(plugin, m
     assert "KV transfer stalled" in req.to_finish.message and SLOT in rt.progressive.streams
     released = []
     plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
-    deadline = time.monotonic() + 20
-    while sender.poll() != KVPoll.Failed:  # the prefill node took the abort, its write still in flight
-        assert time.monotonic() < deadline, "the prefill node never heard of the abort"
-        time.sleep(0.005)
+    # the prefill node took the abort, its write still in flight
+    until(lambda: sender.poll() == KVPoll.Failed, "the prefill node never heard of the abort")
     rt.progressive.pump(q)
     assert released == []  # the prefill node has not acked its drain
     mc.engine.go.set()
@@ -938,10 +940,8 @@ def nothing_left(plugin, mc, rt, sender) -> None:
     Failed): no state of it on either node, SGLang's or ESS's."""
     room = sender.bootstrap_room
     sender.clear()
-    deadline = time.monotonic() + 20
-    while mc.p_mgr._staging_outstanding.get(room, 0):  # the worker skips the parts left of a failed room
-        assert time.monotonic() < deadline, "the prefill worker still counts a chunk of the room"
-        time.sleep(0.005)
+    # the worker skips the parts left of a failed room
+    until(lambda: not mc.p_mgr._staging_outstanding.get(room, 0), "the prefill worker still counts a chunk of the room")
     assert room not in mc.p_mgr.request_status and room not in mc.p_mgr.transfer_infos
     assert plugin.pd_progressive.take_need(room) is None and room not in plugin.pd_progressive._held
     assert room not in mc.d_mgr.request_status and room not in plugin.pd_progressive.INBOX
