@@ -278,10 +278,11 @@ def cmd_tiny_checkpoint(args) -> int:
     from ess.reference import checkpoint
 
     try:
-        paths = checkpoint.write(args.out, args.seed)
+        paths = checkpoint.write(args.out, args.seed, mtp=not args.no_mtp, full=args.full_width, device=args.device)
     except FileExistsError as e:
         raise ValueError(str(e)) from e
-    say(f"ess tiny-checkpoint: a random DeepSeek-V3.2 checkpoint (seed {args.seed}) in {args.out}: "
+    width = "full-width " if args.full_width else ""
+    say(f"ess tiny-checkpoint: a random {width}DeepSeek-V3.2 checkpoint (seed {args.seed}) in {args.out}: "
         + ", ".join(os.path.basename(p) for p in paths))
     return 0
 
@@ -838,6 +839,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("out", type=_output_dir("OUT"),
                    help="directory to write (created; refused if it holds a checkpoint already)")
     t.add_argument("--seed", type=_seed, default=0, help="the weights' generator seed (the same seed, the same bytes)")
+    t.add_argument("--full-width", action="store_true",
+                   help="DeepSeek-V3.2's own widths at 4 dense layers (about 8.5 GB; the GPU server's model)")
+    t.add_argument("--no-mtp", action="store_true", help="without the MTP layer (with --full-width it would be MoE)")
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the weights are drawn (cuda: a GPU draws a full-width model in seconds)")
     t.set_defaults(func=cmd_tiny_checkpoint)
 
     c = sub.add_parser("cache", help="ESS cache tools")

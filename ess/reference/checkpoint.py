@@ -4,8 +4,10 @@ DeepSeek-V3.2's real config keys and model_type (`deepseek_v32`, DeepseekV32ForC
 (kv_lora_rank 512 and a 64-wide RoPE part: the 656-byte latent rows; 128-wide index keys: the 132-byte index-K rows;
 YaRN RoPE scaling as the real model has it) and every width that no format fixes shrunk: 2 layers (one dense, one MoE
 with 4 routed experts, top-2, and a shared expert), hidden 256, 4 attention heads, 4 indexer heads, `index_topk` 64,
-so that a few hundred tokens of context overflow a 96-slot ESS buffer on every step. Weights are BF16 in one
-safetensors file, named as DeepSeek's own checkpoints name them, drawn from one seeded generator (the same seed gives
+so that a few hundred tokens of context overflow a 96-slot ESS buffer on every step. `full=True` keeps every width of the
+real model instead (hidden 7168, 128 heads, q_lora 1536, 64 indexer heads, top-k 2048, vocab 129280, the dense MLP's
+18432) and only the depth shrinks (FULL_WIDTH: 4 dense layers): the GPU server's model (benchmark/gpu/server.sh, about
+8.5 GB). Weights are BF16 in one safetensors file, named as DeepSeek's own checkpoints name them, drawn from one seeded generator (the same seed gives
 the same bytes). The tokenizer is byte-level BPE without merges (the 256 bytes and two special tokens), written with
 the `tokenizers` library and loaded by transformers' PreTrainedTokenizerFast: any text encodes, byte by byte.
 """
@@ -23,31 +25,37 @@ VOCAB_SPECIAL = ("<bos>", "<eos>")  # token ids 0 and 1; the 256 bytes follow
 VOCAB = 320  # the embedding rows: the tokenizer's 258 tokens, padded
 SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "q_lora_rank": 64,
          "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 4, "index_topk": 64, "n_routed_experts": 4,
-         "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 64, "intermediate_size": 256}
+         "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 64, "intermediate_size": 256,
+         "n_group": 1, "topk_group": 1, "vocab_size": VOCAB}
+# DeepSeek-V3.2's own widths (its config.json), at a depth a single GPU's lease can write and load: every layer dense
+# (first_k_dense_replace = the depth), so no MoE kernel is needed; the experts' keys stay for SGLang's config checks.
+FULL_WIDTH = {"num_hidden_layers": 4, "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536,
+              "qk_nope_head_dim": 128, "v_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+              "n_routed_experts": 256, "num_experts_per_tok": 8, "first_k_dense_replace": 4,
+              "moe_intermediate_size": 2048, "intermediate_size": 18432, "n_group": 8, "topk_group": 4,
+              "vocab_size": 129280}
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def config(mtp: bool = True) -> dict:
-    """config.json: DeepSeek-V3.2's keys, the formats' widths as the real model's, SHAPE's widths shrunk; with its MTP
-    layer (one, as the real model) unless mtp is False."""
+def config(mtp: bool = True, full: bool = False) -> dict:
+    """config.json: DeepSeek-V3.2's keys, the formats' widths as the real model's, SHAPE's widths shrunk (FULL_WIDTH's
+    where full); with its MTP layer (one, as the real model) unless mtp is False."""
+    shape = FULL_WIDTH if full else SHAPE
     return {
         "architectures": ["DeepseekV32ForCausalLM"],
         "model_type": "deepseek_v32",
-        **SHAPE,
-        "num_key_value_heads": SHAPE["num_attention_heads"],
+        **shape,
+        "num_key_value_heads": shape["num_attention_heads"],
         "kv_lora_rank": layout.NOPE_DIM,
         "qk_rope_head_dim": layout.ROPE_DIM,
         "index_head_dim": layout.INDEX_DIM,
         "n_shared_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
         "routed_scaling_factor": 2.5,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
         "norm_topk_prob": True,
         "moe_layer_freq": 1,
         "num_nextn_predict_layers": int(mtp),
-        "vocab_size": VOCAB,
         "max_position_embeddings": 163840,
         "rope_theta": 10000,
         "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
@@ -62,15 +70,17 @@ def config(mtp: bool = True) -> dict:
     }
 
 
-def weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor SGLang's DeepSeek loader reads, by the checkpoint's names, drawn in name order from one generator:
-    linear layers N(0, 1 / fan_in), norms 1, biases 0."""
-    gen = torch.Generator().manual_seed(seed)
+def weights(cfg: dict, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor SGLang's DeepSeek loader reads, by the checkpoint's names, drawn in name order from one generator
+    on `device` (a GPU draws a full-width model in a second; the same seed and device, the same bytes): linear layers
+    N(0, 1 / fan_in), norms 1, biases 0. The tensors are returned on the CPU."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    vocab = cfg["vocab_size"]
     H, hid, ql = cfg["num_attention_heads"], cfg["hidden_size"], cfg["q_lora_rank"]
     nope, rope, vd, kvl = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
     ih, idim, E = cfg["index_n_heads"], cfg["index_head_dim"], cfg["n_routed_experts"]
-    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (VOCAB, hid), "model.norm.weight": (hid,),
-                                "lm_head.weight": (VOCAB, hid)}
+    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (vocab, hid), "model.norm.weight": (hid,),
+                                "lm_head.weight": (vocab, hid)}
 
     def mlp(prefix: str, inner: int) -> None:
         shapes.update({f"{prefix}gate_proj.weight": (inner, hid), f"{prefix}up_proj.weight": (inner, hid),
@@ -80,9 +90,9 @@ def weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     for i in range(L + cfg["num_nextn_predict_layers"]):  # the MTP layers follow the decoder's, numbered on
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         if i >= L:  # an MTP layer's own tensors, around a decoder block like the others
-            shapes.update({f"{p}embed_tokens.weight": (VOCAB, hid), f"{p}enorm.weight": (hid,), f"{p}hnorm.weight": (hid,),
+            shapes.update({f"{p}embed_tokens.weight": (vocab, hid), f"{p}enorm.weight": (hid,), f"{p}hnorm.weight": (hid,),
                            f"{p}eh_proj.weight": (hid, 2 * hid), f"{p}shared_head.norm.weight": (hid,),
-                           f"{p}shared_head.head.weight": (VOCAB, hid)})
+                           f"{p}shared_head.head.weight": (vocab, hid)})
         shapes.update({
             f"{p}input_layernorm.weight": (hid,), f"{p}post_attention_layernorm.weight": (hid,),
             f"{a}q_a_proj.weight": (ql, hid), f"{a}q_a_layernorm.weight": (ql,),
@@ -109,7 +119,7 @@ def weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         elif len(shape) == 1:
             t = torch.ones(shape)
         else:
-            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+            t = (torch.randn(shape, generator=gen, device=device) * shape[1] ** -0.5).to(torch.bfloat16).cpu()
         # the router's correction bias in float32
         out[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
     return out
@@ -128,21 +138,25 @@ def tokenizer():
     return tok
 
 
-def write(out_dir: str, seed: int = 0, mtp: bool = True) -> list[str]:
-    """Write the checkpoint into out_dir (created; refused if it holds any of FILES already). Returns the paths."""
+def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, device: str = "cpu") -> list[str]:
+    """Write the checkpoint into out_dir (created; refused if it holds any of FILES already): SHAPE's widths, or
+    FULL_WIDTH's where full; weights drawn on `device`. Returns the paths."""
     from safetensors.torch import save_file
 
+    if full and mtp:
+        raise ValueError("a full-width checkpoint's MTP layer is an MoE layer of 256 experts (11B parameters): "
+                         "write it without (--no-mtp)")
     taken = [f for f in FILES if os.path.exists(os.path.join(out_dir, f))]
     if taken:
         raise FileExistsError(f"{out_dir} already holds {', '.join(taken)}: give an empty or new directory")
     os.makedirs(out_dir, exist_ok=True)
-    cfg = config(mtp)
+    cfg = config(mtp, full)
     paths = [os.path.join(out_dir, f) for f in FILES]
     with open(paths[0], "w") as f:
         json.dump(cfg, f, indent=1)
     with open(paths[1], "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
-    save_file(weights(cfg, seed), paths[2], metadata={"format": "pt"})  # one key: safetensors orders a map at random
+    save_file(weights(cfg, seed, device), paths[2], metadata={"format": "pt"})  # one key: safetensors orders a map at random
     tokenizer().save(paths[3])
     with open(paths[4], "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": VOCAB_SPECIAL[0],

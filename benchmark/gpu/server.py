@@ -1,0 +1,214 @@
+"""The real server on a GPU: stock SGLang and SGLang with `--enable-ess`, launched together on one GPU, the same batch
+of long requests sent to each, greedy tokens compared (docs/gpu-server.md). Run by benchmark/gpu/server.sh, which
+installs the carried packages and the GPU rig (python/ess_gpu_rig) and writes the checkpoint first.
+
+    python benchmark/gpu/server.py OUT --model DIR [--servers stock,ess-none,...] [--lengths 4096,32768]
+
+Every server in --servers starts at once (each its own process group, its share of the GPU's memory): a start or
+launch failure costs only that server, and the report says why. Then each gets the same requests in one /generate
+call (one batch: SGLang's kernels are batch-dependent), and each ESS server's tokens are compared with the stock
+server of the same graph setting. OUT gets server.json (the comparison, timings, ESS's counters) and every log.
+On a CPU (--device cpu) the same runs on the CPU path: how CI rehearses the GPU command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+from ess.reference import server as S
+from ess.reference.server_demo import first_difference
+
+# name -> flags beyond the common ones. "eager": --disable-cuda-graph; the others capture SGLang's CUDA graphs.
+SERVERS = {
+    "stock-eager": ["--disable-cuda-graph"],
+    "ess-none-eager": ["--disable-cuda-graph", "--enable-ess", "--ess-overlap", "none"],
+    "stock": [],
+    "ess-none": ["--enable-ess", "--ess-overlap", "none"],
+    "ess-da": ["--enable-ess", "--ess-overlap", "da"],
+}
+# Which stock server each ESS server is compared with (the same graph setting); "exact": tokens must be identical.
+PAIRS = {"ess-none-eager": ("stock-eager", True), "ess-none": ("stock", True), "ess-da": ("stock", False)}
+RIG_FLAGS = ["--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--dsa-topk-backend", "torch",
+             "--sampling-backend", "pytorch"]  # ess_gpu_rig.FLAGS (kept here so the CPU rehearsal needs no rig import)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", help="directory for server.json and the logs")
+    p.add_argument("--model", required=True, help="checkpoint directory (ess tiny-checkpoint [--full-width])")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--lengths", default="4096,32768", help="shortest,longest prompt (spread evenly)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--buffer-tokens", type=int, default=2560,
+                   help="--ess-buffer-tokens (at least top-k + 1; small enough that long requests miss every step)")
+    p.add_argument("--mem-fraction", type=float, default=0.85,
+                   help="--mem-fraction-static of each server. SGLang leaves (1 - it) x the free memory it measured at"
+                        " its start for activations; the servers start together, so each measures the others' weights"
+                        " as used: a high fraction, with --max-total-tokens bounding each KV pool")
+    p.add_argument("--max-total-tokens", type=int, default=300000)
+    p.add_argument("--bench", default="stock,ess-none",
+                   help="servers that then run SGLang's serving benchmark: --requests prompts of the longest length, "
+                        "all at once (the same concurrency for each: ESS's cost, not its gain); '' for none")
+    p.add_argument("--bench-output", type=int, default=128, help="output tokens per benchmark request")
+    p.add_argument("--start-timeout", type=float, default=420)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.servers = [s for s in args.servers.split(",") if s]
+    args.bench = [s for s in args.bench.split(",") if s]
+    unknown = [s for s in args.servers if s not in SERVERS]
+    if unknown:
+        p.error(f"--servers: unknown {', '.join(unknown)} (choose from {', '.join(SERVERS)})")
+    try:
+        lo, hi = (int(x) for x in args.lengths.split(","))
+    except ValueError:
+        p.error(f"--lengths must be two integers 'shortest,longest', got {args.lengths!r}")
+    if not 0 < lo <= hi:
+        p.error(f"--lengths must satisfy 0 < shortest <= longest, got {args.lengths!r}")
+    args.lengths = (lo, hi)
+    return args
+
+
+def context_length(args) -> int:
+    """Room for every request of the batch in one context: ESS stages at most one context of tokens per prefill batch
+    (sglang_ess.hooks.around_add_one_req), so with less, its prefill batches (and their float rounding) would differ
+    from stock's."""
+    lo, hi = args.lengths
+    total = sum(lo + (hi - lo) * i // max(1, args.requests - 1) for i in range(args.requests))
+    return -(-(total + args.requests * args.new_tokens + 64) // 64) * 64
+
+
+def flags(name: str, args) -> list[str]:
+    common = ["--context-length", str(context_length(args)), "--max-total-tokens", str(args.max_total_tokens),
+              "--max-running-requests", str(args.requests), "--chunked-prefill-size", "8192"]
+    if args.device == "cpu":
+        common += S.CPU_FLAGS
+    else:
+        # decode graphs up to the batch; prefill's breakable graphs off (dozens of token buckets to capture, and
+        # ESS's step runs in decode)
+        common += RIG_FLAGS + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode",
+                               str(args.requests), "--disable-prefill-cuda-graph"]
+    extra = SERVERS[name]
+    if "--enable-ess" in extra:
+        extra = extra + ["--ess-buffer-tokens", str(args.buffer_tokens)]
+    return common + extra
+
+
+def start(name: str, args) -> dict:
+    """Start one server and wait for it; a failure is recorded, not raised."""
+    t0 = time.monotonic()
+    srv = S.Server(args.model, flags(name, args), os.path.join(args.out, f"{name}.log"))
+    srv.start()
+    try:
+        srv.wait_ready(args.start_timeout)
+        return {"server": srv, "ready_s": round(time.monotonic() - t0, 1)}
+    except S.ServerError as e:
+        srv.stop()
+        return {"server": None, "error": str(e)[-3000:], "ready_s": round(time.monotonic() - t0, 1)}
+
+
+def generate(srv: S.Server, prompts, new_tokens) -> tuple[list[dict], float]:
+    t0 = time.monotonic()
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    answers = srv.post("/generate", {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True,
+                                     "top_logprobs_num": 2})
+    return answers, time.monotonic() - t0
+
+
+def bench(srv: S.Server, args) -> dict:
+    """python -m sglang.benchmark.serving against srv: random token prompts of the longest length, all at once."""
+    out_file = os.path.join("/tmp", f"ess-bench-{srv.port}.jsonl")
+    n, length = args.requests, args.lengths[1]
+    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", "127.0.0.1",
+           "--port", str(srv.port), "--dataset-name", "random-ids", "--num-prompts", str(n), "--max-concurrency",
+           str(n), "--random-input-len", str(length), "--random-output-len", str(args.bench_output),
+           "--random-range-ratio", "1", "--tokenizer", args.model, "--model", args.model, "--output-file", out_file,
+           "--disable-tqdm", "--seed", str(args.seed)]
+    t0 = time.monotonic()
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0:
+        return {"command": " ".join(cmd[1:]), "error": (run.stdout + run.stderr)[-3000:]}
+    with open(out_file) as f:
+        result = json.loads(f.read().splitlines()[-1])
+    os.unlink(out_file)
+    keys = ("completed", "output_throughput", "input_throughput", "mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+            "mean_itl_ms", "p99_itl_ms", "duration")
+    return {"command": "python -m " + " ".join(cmd[2:]), "seconds": round(time.monotonic() - t0, 1)} | \
+        {k: result.get(k) for k in keys}
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    os.makedirs(args.out, exist_ok=True)
+    say = lambda text: print(f"[server.py {time.strftime('%H:%M:%S')}] {text}", flush=True)  # noqa: E731
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join([sys.executable, *sys.argv]),
+              "device": args.device, "model": args.model, "requests": args.requests, "lengths": list(args.lengths),
+              "new_tokens": args.new_tokens, "buffer_tokens": args.buffer_tokens, "servers": {}, "pairs": {}}
+    if args.device == "cuda":
+        import torch
+
+        report["gpu"] = torch.cuda.get_device_name(0)
+        report["torch"] = torch.__version__
+    prompts = S.prompts(args.requests, args.lengths, args.seed)
+    with S.terminate_as_exit():
+        say(f"starting {len(args.servers)} servers at once: {', '.join(args.servers)}")
+        with concurrent.futures.ThreadPoolExecutor(len(args.servers)) as pool:
+            started = dict(zip(args.servers, pool.map(lambda n: start(n, args), args.servers)))
+        answers = {}
+        try:
+            for name, got in started.items():
+                entry = report["servers"][name] = {"flags": flags(name, args), "ready_s": got["ready_s"]}
+                if got["server"] is None:
+                    entry["error"] = got["error"]
+                    say(f"{name}: did not start ({got['ready_s']} s): {got['error'][-600:]}")
+                    continue
+                say(f"{name}: ready in {got['ready_s']} s; sending {args.requests} requests as one batch")
+                srv = got["server"]
+                before = srv.state().get("ess")
+                try:
+                    answers[name], seconds = generate(srv, prompts, args.new_tokens)
+                except S.ServerError as e:
+                    entry["error"] = str(e)[-3000:] + "\n" + srv.log_tail(40)
+                    say(f"{name}: the batch failed: {entry['error'][-1500:]}")
+                    continue
+                entry["batch_s"] = round(seconds, 2)
+                after = srv.state().get("ess")
+                if after is not None and before is not None:
+                    entry["ess"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
+                    entry["ess_pool_log"] = (srv.log_lines("ESS pool:") or [None])[-1]
+                say(f"{name}: the batch took {seconds:.1f} s")
+                if name in args.bench:
+                    entry["bench"] = bench(srv, args)
+                    say(f"{name}: sglang.benchmark.serving: {json.dumps(entry['bench'])[-600:]}")
+        finally:
+            for got in started.values():
+                if got["server"] is not None:
+                    got["server"].stop()
+    for ess, (stock, exact) in PAIRS.items():
+        if ess not in answers or stock not in answers:
+            continue
+        diffs = [first_difference(a, b) for a, b in zip(answers[stock], answers[ess])]
+        report["pairs"][f"{ess} vs {stock}"] = {
+            "exact_required": exact, "requests_identical": sum(d is None for d in diffs),
+            "tokens_identical": all(d is None for d in diffs), "first_differences": [d for d in diffs if d]}
+        say(f"{ess} vs {stock}: {sum(d is None for d in diffs)} of {len(diffs)} requests' tokens identical")
+    exact_pairs = [v for v in report["pairs"].values() if v["exact_required"]]
+    report["tokens_identical"] = bool(exact_pairs) and all(v["tokens_identical"] for v in exact_pairs)
+    report["cuda_graph"] = any(v["tokens_identical"] for k, v in report["pairs"].items()
+                               if v["exact_required"] and "eager" not in k)
+    with open(os.path.join(args.out, "server.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    say(f"tokens_identical {report['tokens_identical']}, with CUDA graphs {report['cuda_graph']}: "
+        f"{os.path.join(args.out, 'server.json')}")
+    return 0 if report["tokens_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The real server on the GPU machine (docs/gpu-server.md): unpack the carried packages (scripts/gpu_carry.sh made
+# them here), register the plugin and the GPU rig, write the full-width checkpoint, then run benchmark/gpu/server.py.
+#   bash benchmark/gpu/server.sh OUT [server.py arguments]
+# Env: PYTHON (python3), ESS_SITE (where the packages are unpacked; /tmp/ess-site), ESS_MODEL (the checkpoint
+# directory, written if missing; /tmp/dsv32-full), ESS_DEVICE (cuda; cpu rehearses on the CPU path with a tiny model).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: bash benchmark/gpu/server.sh OUT [server.py arguments]}
+shift
+PY=${PYTHON:-python3}
+SITE=${ESS_SITE:-/tmp/ess-site}
+MODEL=${ESS_MODEL:-/tmp/dsv32-full}
+DEVICE=${ESS_DEVICE:-cuda}
+CARRY=.whl/site.tar.xz
+t0=$(date +%s)
+say() { echo "[server.sh +$(( $(date +%s) - t0 ))s] $*"; }
+mkdir -p "$OUT"
+if [ ! -f "$SITE/.unpacked" ]; then
+  [ -f "$CARRY" ] || { echo "server.sh: $CARRY is missing: run bash scripts/gpu_carry.sh here first, and carry .whl/site.tar.xz" >&2; exit 2; }
+  mkdir -p "$SITE" && tar -xJf "$CARRY" -C "$SITE" && touch "$SITE/.unpacked" || exit 2
+  say "unpacked $CARRY into $SITE"
+fi
+# SGLang finds plugins by entry point: the ESS plugin and the rig, from the source tree
+dist="$SITE/ess_gpu_server-0.dist-info"
+mkdir -p "$dist"
+printf 'Metadata-Version: 2.1\nName: ess-gpu-server\nVersion: 0\n' > "$dist/METADATA"
+printf '[sglang.srt.plugins]\ness = sglang_ess:register\ness_gpu_rig = ess_gpu_rig:register\n' > "$dist/entry_points.txt"
+export PYTHONPATH="$PWD/python/ess_gpu_rig/standin:$SITE:$PWD/benchmark/gpu/stubs:$PWD:$PWD/python"
+export SGLANG_PLUGINS=ess,ess_gpu_rig PYTHONUNBUFFERED=1
+eval "$("$PY" -c 'import ess_gpu_rig as r; print("".join(f"export {k}={v}; " for k, v in r.SETTINGS.items()))')" || exit 2
+# the CUDA LRU step built here beforehand (scripts/gpu_carry.sh), if carried: no nvcc build in the timed run
+[ -d .whl/kernels ] && export ESS_KERNEL_CACHE="$PWD/.whl/kernels"
+"$PY" -c 'import sglang, torch, flash_mla; print(f"sglang {sglang.__version__}, torch {torch.__version__}")' 2>&1 | tail -1
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    "$PY" -m ess.cli tiny-checkpoint "$MODEL" --full-width --no-mtp --device cuda || exit 2
+    say "wrote the full-width checkpoint: $(du -sh "$MODEL" | cut -f1)"
+  fi
+else
+  [ -f "$MODEL/model.safetensors" ] || "$PY" -m ess.cli tiny-checkpoint "$MODEL" || exit 2
+fi
+(nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$OUT/nvidia-smi.csv" 2>/dev/null &)
+"$PY" benchmark/gpu/server.py "$OUT" --model "$MODEL" --device "$DEVICE" "$@"
+rc=$?
+pkill -f "nvidia-smi --query-gpu=timestamp" 2>/dev/null
+say "server.py exited $rc"
+exit $rc

@@ -1,0 +1,75 @@
+"""The GPU rig's patch points: SGLang's JIT kernels (tvm-ffi modules compiled by nvcc at their first call) that a
+dense bf16 DeepSeek-V3.2 server still reaches on SGLang's torch paths, each replaced by the torch it computes, and
+the rotary fix the CPU path also needs. A table as sglang_ess.cpu.patches's; the tests resolve every target in the
+installed SGLang and check the parameters each hook relies on (EXPECTED_PARAMS)."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.srt.plugins.hook_registry import HookType
+from sglang_ess.cpu import kernels
+from sglang_ess.cpu.patches import ROTARY, Patch, around_rotary_native
+
+
+def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """sglang.kernels.ops.quantization.hadamard.hadamard_transform: the Walsh-Hadamard transform of the last
+    dimension times scale (the indexer gives scale = d^-0.5: the normalised transform), in x's dtype."""
+    d = x.shape[-1]
+    return (kernels.hadamard(x.float()) * (scale * d**0.5)).to(x.dtype)
+
+
+def no_fused_store(*args, **kwargs) -> bool:
+    """can_use_dsa_fused_store: False takes SGLang's own unfused store (Triton act_quant, then SetKAndS)."""
+    return False
+
+
+def concat_mla_absorb_q(q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+    """The absorbed query [..., 512 + 64]: what the JIT kernel (concat_mla_absorb_q) concatenates on CUDA."""
+    return torch.cat([q_nope, q_rope], dim=-1)
+
+
+def dsv3_fused_a_gemm(mat_a: torch.Tensor, mat_b: torch.Tensor, output: torch.Tensor | None = None,
+                      backend=None) -> torch.Tensor:
+    """The fused q_a / kv_a projection for 1-16 tokens: mat_a @ mat_b (mat_b is the weight transposed)."""
+    if output is None:
+        return torch.mm(mat_a, mat_b)
+    return torch.mm(mat_a, mat_b, out=output)
+
+
+def paged_mqa_logits_metadata(seq_lens: torch.Tensor, page_size: int, num_sm: int) -> torch.Tensor:
+    """DeepGEMM's split schedule [num_sm + 1, 2] int32 for its paged logits kernel. The torch logits that the rig runs
+    (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH) ignore it: zeros of its shape."""
+    return torch.zeros(num_sm + 1, 2, dtype=torch.int32, device=seq_lens.device)
+
+
+INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
+HADAMARD = "sglang.kernels.ops.quantization.hadamard.hadamard_transform"
+DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
+FUSED_A = "sglang.kernels.ops.gemm.fused_a_gemm.dsv3_fused_a_gemm"
+DSV4_OPS = "sglang.kernels.ops.attention.dsv4"
+
+PATCHES = [
+    Patch(HADAMARD, HookType.REPLACE, hadamard_transform,
+          "the indexer's rotate_activation: a JIT kernel (hadamard_jit.cuh), no switch"),
+    Patch(f"{INDEXER}.can_use_dsa_fused_store", HookType.REPLACE, no_fused_store,
+          "the index-K store's JIT kernel (fused_store_index_k_cache); SGLang falls back to Triton only if its build fails"),
+    Patch(f"{DSA_BACKEND}.concat_mla_absorb_q_general", HookType.REPLACE, concat_mla_absorb_q,
+          "the DSA backend's absorbed query: a JIT kernel (concat_mla_absorb_q) on CUDA, no switch"),
+    Patch(FUSED_A, HookType.REPLACE, dsv3_fused_a_gemm,
+          "the q_a / kv_a projection of 1-16 tokens (decode, graph capture): a JIT kernel, off only with deterministic inference"),
+    Patch(f"{DSV4_OPS}.get_paged_mqa_logits_metadata", HookType.REPLACE, paged_mqa_logits_metadata,
+          "the paged logits' schedule: a JIT kernel (paged_mqa_metadata.cuh) even on SGLang's torch logits path"),
+    Patch(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native,
+          "forward_native (SGLANG_FORCE_FUSED_OP_BACKEND=torch) broadcasts the indexer's 2-D key into [tokens, tokens, dim]"),
+]
+
+# Parameters of each target that its hook relies on (by name, in order from the first).
+EXPECTED_PARAMS = {
+    HADAMARD: ["x", "scale"],
+    f"{INDEXER}.can_use_dsa_fused_store": ["key_dtype", "indices_dtype", "page_size"],
+    f"{DSA_BACKEND}.concat_mla_absorb_q_general": ["q_nope", "q_rope"],
+    FUSED_A: ["mat_a", "mat_b", "output", "backend"],
+    f"{DSV4_OPS}.get_paged_mqa_logits_metadata": ["seq_lens", "page_size", "num_sm"],
+    f"{ROTARY}.forward_native": ["self", "positions", "query", "key"],
+}
