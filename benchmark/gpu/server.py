@@ -59,10 +59,19 @@ def parse(argv=None) -> argparse.Namespace:
                         "all at once (the same concurrency for each: ESS's cost, not its gain); '' for none")
     p.add_argument("--bench-output", type=int, default=128, help="output tokens per benchmark request")
     p.add_argument("--start-timeout", type=float, default=420)
+    p.add_argument("--gain", action="store_true",
+                   help="instead of the token check: stock against ESS under one device cache budget (gain_plan)")
+    p.add_argument("--gain-input", type=int, default=32768)
+    p.add_argument("--gain-output", type=int, default=256)
+    p.add_argument("--gain-stock-requests", type=int, default=8,
+                   help="the budget: this many whole requests of stock's cache (latent and index-K rows)")
+    p.add_argument("--gain-ratio", type=float, default=0.2, help="ESS's latent slots as a share of the context")
+    p.add_argument("--gain-modes", default="none", help="ESS overlap modes to run (comma-separated)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.servers = [s for s in args.servers.split(",") if s]
     args.bench = [s for s in args.bench.split(",") if s]
+    args.gain_modes = [s for s in args.gain_modes.split(",") if s]
     unknown = [s for s in args.servers if s not in SERVERS]
     if unknown:
         p.error(f"--servers: unknown {', '.join(unknown)} (choose from {', '.join(SERVERS)})")
@@ -130,7 +139,7 @@ def bench(srv: S.Server, args) -> dict:
            "--port", str(srv.port), "--dataset-name", "random-ids", "--num-prompts", str(n), "--max-concurrency",
            str(n), "--random-input-len", str(length), "--random-output-len", str(args.bench_output),
            "--random-range-ratio", "1", "--tokenizer", args.model, "--model", args.model, "--output-file", out_file,
-           "--disable-tqdm", "--seed", str(args.seed)]
+           "--disable-tqdm", "--seed", str(args.seed), "--tokenize-prompt"]  # token ids as drawn: no re-encoding
     t0 = time.monotonic()
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
@@ -142,6 +151,100 @@ def bench(srv: S.Server, args) -> dict:
             "mean_itl_ms", "p99_itl_ms", "duration")
     return {"command": "python -m " + " ".join(cmd[2:]), "seconds": round(time.monotonic() - t0, 1)} | \
         {k: result.get(k) for k in keys}
+
+
+GAIN_LAYERS_BYTES = (656, 132)  # latent and index-K row bytes per token and layer (ess.core.layout)
+
+
+def gain_plan(args) -> dict:
+    """Stock and ESS under the same device cache budget: stock holds --gain-stock-requests whole requests (latent and
+    index-K rows of every token), ESS as many as fit that many bytes with index-K of every token and
+    ratio x context latent slots (sglang_ess.sizing's per-request device rows)."""
+    from ess.core import layout
+
+    ctx = -(-(args.gain_input + args.gain_output + 64) // 64) * 64
+    with open(os.path.join(args.model, "config.json")) as f:
+        config = json.load(f)
+    layers = config["num_hidden_layers"]
+    budget = args.gain_stock_requests * ctx * layers * (layout.LATENT_ROW_BYTES + layout.INDEX_ROW_BYTES)
+    buffer = max(int(args.gain_ratio * ctx), config["index_topk"] + 1)  # at least a whole top-k set and the new row
+    per_ess = layers * (ctx * layout.INDEX_ROW_BYTES + buffer * layout.LATENT_ROW_BYTES)
+    return {"context": ctx, "layers": layers, "budget_bytes": budget, "ess_buffer_tokens": buffer,
+            "stock_requests": args.gain_stock_requests, "ess_requests": max(1, int(budget // per_ess))}
+
+
+def gain_flags(name: str, plan: dict, args) -> list[str]:
+    n = plan["stock_requests"] if name == "stock" else plan["ess_requests"]
+    flags_ = ["--context-length", str(plan["context"]), "--max-total-tokens", str(n * plan["context"]),
+              "--max-running-requests", str(n), "--chunked-prefill-size", "8192", "--decode-log-interval", "8"]
+    if args.device == "cpu":
+        flags_ += S.CPU_FLAGS
+    else:
+        flags_ += RIG_FLAGS + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode", str(n),
+                               "--disable-prefill-cuda-graph"]
+    if name != "stock":
+        flags_ += ["--enable-ess", "--ess-overlap", name.split("-")[1], "--ess-buffer-tokens",
+                   str(plan["ess_buffer_tokens"])]
+    return flags_
+
+
+def decode_throughput(log: str, requests: int) -> dict:
+    """SGLang's own decode log lines at the full batch: gen throughput (token/s) of each, and their median."""
+    import re
+    import statistics
+
+    rates = [float(m.group(2)) for m in re.finditer(r"#running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)", log)
+             if int(m.group(1)) == requests]
+    return {"lines_at_full_batch": len(rates), "median_gen_throughput": statistics.median(rates) if rates else None,
+            "gen_throughputs": rates}
+
+
+def run_gain(args, say) -> dict:
+    """Each server alone on the GPU in turn (both started together, then benchmarked one after the other):
+    SGLang's serving benchmark with as many prompts as the server admits, all at once; decode throughput from
+    SGLang's own log lines once every request decodes."""
+    plan = gain_plan(args)
+    say(f"gain plan: {plan}")
+    out = {"plan": plan, "servers": {}}
+    names = ["stock"] + [f"ess-{m}" for m in args.gain_modes]
+    servers = {}
+    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
+        def start_one(name):
+            t0 = time.monotonic()
+            srv = S.Server(args.model, gain_flags(name, plan, args), os.path.join(args.out, f"gain-{name}.log"))
+            srv.start()
+            try:
+                srv.wait_ready(args.start_timeout)
+                return srv, round(time.monotonic() - t0, 1), None
+            except S.ServerError as e:
+                srv.stop()
+                return None, round(time.monotonic() - t0, 1), str(e)[-3000:]
+        started = dict(zip(names, pool.map(start_one, names)))
+    try:
+        for name in names:
+            srv, ready_s, error = started[name]
+            entry = out["servers"][name] = {"flags": gain_flags(name, plan, args), "ready_s": ready_s}
+            if srv is None:
+                entry["error"] = error
+                say(f"gain {name}: did not start: {error[-800:]}")
+                continue
+            n = plan["stock_requests"] if name == "stock" else plan["ess_requests"]
+            length = args.lengths
+            args.requests, args.lengths, args.bench_output = n, (args.gain_input, args.gain_input), args.gain_output
+            entry["bench"] = bench(srv, args)
+            args.lengths = length
+            entry["decode"] = decode_throughput(srv.log(), n)
+            say(f"gain {name} ({n} requests): {json.dumps(entry['bench'])[-400:]} decode {entry['decode']['median_gen_throughput']}")
+    finally:
+        for srv, _, _ in started.values():
+            if srv is not None:
+                srv.stop()
+    stock = out["servers"].get("stock", {}).get("decode", {}).get("median_gen_throughput")
+    for name in names[1:]:
+        ess = out["servers"].get(name, {}).get("decode", {}).get("median_gen_throughput")
+        if stock and ess:
+            out[f"gain_{name}"] = round(ess / stock, 3)
+    return out
 
 
 def main(argv=None) -> int:
@@ -156,6 +259,13 @@ def main(argv=None) -> int:
 
         report["gpu"] = torch.cuda.get_device_name(0)
         report["torch"] = torch.__version__
+    if args.gain:
+        with S.terminate_as_exit():
+            report["gain"] = run_gain(args, say)
+        with open(os.path.join(args.out, "gain.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        say(f"gain: {({k: v for k, v in report['gain'].items() if k.startswith('gain_')})}")
+        return 0
     prompts = S.prompts(args.requests, args.lengths, args.seed)
     with S.terminate_as_exit():
         say(f"starting {len(args.servers)} servers at once: {', '.join(args.servers)}")
