@@ -5,7 +5,7 @@
 # .whl/ is git-ignored; name .whl/site.tar.xz and .whl/kernels in the device call's carry. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}  # the kernel build imports torch
 mkdir -p .whl/raw
 # What stock sglang imports on a DeepSeek-V3.2 server and the GPU image lacks (found by importing it on a copy of
 # the image; the IPython family is replaced by benchmark/gpu/stubs/IPython)
@@ -29,11 +29,12 @@ for w in .whl/raw/*.whl; do "$PY" -c "import sys, zipfile; zipfile.ZipFile(sys.a
 rm -rf .whl/site/sglang/multimodal_gen .whl/site/sglang/srt/rust_extensions/_{bench,grpc,multimodal,server}.*
 find .whl/site -name __pycache__ -prune -exec rm -rf {} +
 echo "gpu_carry: packing .whl/site ($(du -sh .whl/site | cut -f1)) into .whl/site.tar.xz"
-tar -cJf .whl/site.tar.xz -C .whl/site .
+XZ_OPT=-T0 tar -cJf .whl/site.tar.xz -C .whl/site .  # xz on every core
 echo "gpu_carry: .whl/site.tar.xz $(du -h .whl/site.tar.xz | cut -f1)"
 # The CUDA LRU step for the H100 / H200 (sm_90), built by ess.core.lru_cuda where nvcc is (ESS_KERNEL_CACHE there)
 if command -v nvcc >/dev/null || [ -n "${ESS_NVCC:-}" ]; then
-  ESS_KERNEL_CACHE=.whl/kernels "$PY" -c "import sys; sys.path.insert(0, '.'); from ess.core.lru_cuda import build; print('gpu_carry:', build('sm_90'))"
+  ESS_KERNEL_CACHE=.whl/kernels "$PY" -c "import sys; sys.path.insert(0, '.'); from ess.core.lru_cuda import build; print('gpu_carry:', build('sm_90'))" \
+    || echo "gpu_carry: warning: the CUDA LRU step did not build here: the GPU machine builds it at its first use"
 else
   echo "gpu_carry: no nvcc here: the GPU machine builds the CUDA LRU step at its first use"
 fi

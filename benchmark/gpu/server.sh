@@ -31,14 +31,15 @@ export SGLANG_PLUGINS=ess,ess_gpu_rig PYTHONUNBUFFERED=1
 eval "$("$PY" -c 'import ess_gpu_rig as r; print("".join(f"export {k}={v}; " for k, v in r.SETTINGS.items()))')" || exit 2
 # the CUDA LRU step built here beforehand (scripts/gpu_carry.sh), if carried: no nvcc build in the timed run
 [ -d .whl/kernels ] && export ESS_KERNEL_CACHE="$PWD/.whl/kernels"
-"$PY" -c 'import sglang, torch, flash_mla; print(f"sglang {sglang.__version__}, torch {torch.__version__}")' 2>&1 | tail -1
 if [ "$DEVICE" = cuda ]; then
+  "$PY" -c 'import sglang, torch, flash_mla; print(f"sglang {sglang.__version__}, torch {torch.__version__}")' 2>&1 | tail -1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   if [ ! -f "$MODEL/model.safetensors" ]; then
     "$PY" -m ess.cli tiny-checkpoint "$MODEL" --full-width --no-mtp --device cuda || exit 2
     say "wrote the full-width checkpoint: $(du -sh "$MODEL" | cut -f1)"
   fi
 else
+  "$PY" -c 'import sglang, torch; print(f"sglang {sglang.__version__}, torch {torch.__version__} (the CPU path)")' 2>&1 | tail -1
   [ -f "$MODEL/model.safetensors" ] || "$PY" -m ess.cli tiny-checkpoint "$MODEL" || exit 2
 fi
 (nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$OUT/nvidia-smi.csv" 2>/dev/null &)
