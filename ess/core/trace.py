@@ -17,6 +17,8 @@ import zlib
 
 import numpy as np
 
+TRACE_POSITIONS = 2**31 - 1  # positions are int32: a request's context_len + steps stays within it
+
 
 class TraceError(ValueError):
     """A trace file that is missing a field, has the wrong shapes or dtypes, or holds impossible positions."""
