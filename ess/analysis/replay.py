@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ess.analysis import belady, policies
+from ess.analysis import belady, candidate_policies
 from ess.core.settings import DEFAULT_DECAY_SHIFT, REPLAY_POLICIES, WARMUP_WINDOWS
 from ess.core.sparse_pool import SparseMemoryPool
 from ess.core.trace import Trace
@@ -23,7 +23,7 @@ TABLE_BYTES = 1 << 29
 @dataclasses.dataclass
 class ReplayCounts:
     """misses, prefetched, prefetch_hits [R, steps, layers] int32 (decode steps only); wasted [R, layers]: prefetched
-    rows never used (ess.analysis.policies.PolicyCounts)."""
+    rows never used (ess.analysis.candidate_policies.PolicyCounts)."""
 
     misses: np.ndarray
     prefetched: np.ndarray
@@ -33,8 +33,8 @@ class ReplayCounts:
 
 def _offline_group(trace: Trace, ls: slice, buffer_tokens: int, warmup: bool, windows: int, max_pos: int, device,
                    policy: str, lookahead: int, decay_shift: int) -> tuple[np.ndarray, ...]:
-    """The layers ls through MIN or an ess.analysis.policies policy: warm-up windows (no own position, no prefetch)
-    then the decode steps, one row per (request, layer); counts of the decode steps only, as for LRU."""
+    """The layers ls through MIN or an ess.analysis.candidate_policies policy: warm-up windows (no own position, no
+    prefetch) then the decode steps, one row per (request, layer); counts of the decode steps only, as for LRU."""
     R, steps, _, K = trace.topk.shape
     G = ls.stop - ls.start
     topk = torch.as_tensor(trace.topk[:, :, ls], device=device).permute(1, 0, 2, 3).reshape(steps, R * G, K)
@@ -60,7 +60,7 @@ def _offline_group(trace: Trace, ls: slice, buffer_tokens: int, warmup: bool, wi
     if policy == "belady":
         zero = np.zeros((R, steps, G), dtype=np.int32)
         return per_request(belady.min_misses(topk, own, buffer_tokens, max_pos)), zero, zero, np.zeros((R, G), np.int32)
-    c = policies.replay_policy(topk, own, buffer_tokens, max_pos, policy, ext, decay_shift)
+    c = candidate_policies.replay_policy(topk, own, buffer_tokens, max_pos, policy, ext, decay_shift)
     # prefetches of the warm-up windows: none (no ranks there); so every count below is the decode steps'
     return (per_request(c.misses), per_request(c.prefetched), per_request(c.prefetch_hits),
             c.wasted.reshape(R, G).cpu().numpy())
@@ -81,8 +81,8 @@ def replay_counts(
 ) -> ReplayCounts:
     """Counts of every request, decode step and layer at `buffer_tokens` slots. progress(done, total) counts decode
     steps over all groups of layers. policy: "lru" (ESS's, through ess.core's pool and the LRU step `kernel`),
-    "belady" (the offline optimum, ess.analysis.belady), or "prefetch" / "score" (ess.analysis.policies; lookahead:
-    ranks past the top-k that prefetch fetches, default all the trace holds)."""
+    "belady" (the offline optimum, ess.analysis.belady), or "prefetch" / "score" (ess.analysis.candidate_policies;
+    lookahead: ranks past the top-k that prefetch fetches, default all the trace holds)."""
     if policy not in REPLAY_POLICIES:
         raise ValueError(f"--policy must be one of {REPLAY_POLICIES}, got {policy!r}")
     R, steps, layers, K = trace.topk.shape

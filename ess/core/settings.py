@@ -28,7 +28,7 @@ DA_ATTN1 = "miss"
 PLUGIN_DA_ATTN1 = "calls"
 PAGE_TOKENS = 64  # FlashMLA's page; host-pool allocation unit of the reference
 DISK_PAGE_BYTES = 45056  # a disk tier's page: one layer's PAGE_TOKENS latent rows (41,984 B), 4 KiB-aligned for direct
-# I/O (ess.reference.disk_tier; the simulator's disk term)
+# I/O (ess.reference.tiered_host_pool; the simulator's disk term)
 TIER_PLACEMENTS = ("frequency", "lru")  # which page a full disk tier's host frames give up (docs/design.md, "Disk tier")
 TIER_HEAT_HALF_LIFE_STEPS = 8  # placement "frequency": a page's access count halves every 8 decode steps
 # Progressive PD (docs/plugin.md, "Progressive PD transfer"): at most this many requests per decode rank decode before
@@ -55,7 +55,7 @@ AUTO_GPU_KERNELS = ("cuda", "fused")  # `auto` on a GPU: the first of these that
 # put "fused" first to keep the Triton kernel
 KERNEL_CACHE_DIR = "~/.cache/ess/kernels"  # built kernels (ess.core.lru_cuda; $ESS_KERNEL_CACHE overrides)
 # `ess cache replay --policy`: ESS's LRU, the offline optimum (ess.analysis.belady), and the candidates of
-# ess.analysis.policies (docs/policies.md)
+# ess.analysis.candidate_policies (docs/policies.md)
 REPLAY_POLICIES = ("lru", "belady", "prefetch", "score")
 DEFAULT_DECAY_SHIFT = 2  # `--policy score`: the use score decays by 2^-2 per step (lambda = 0.75)
 # `ess trace record --model NAME`: real-model traces (ess.analysis.real_traces; docs/profiling.md, "Real traces").

@@ -11,7 +11,7 @@ import torch
 from ess.analysis import memory
 from ess.reference.ess_cache import EssLatentCache
 from ess.core import settings
-from ess.core.settings import (DEFAULT_SPARSE_RATIO, GIB, PAGE_TOKENS, TIER_PLACEMENTS, WARMUP_WINDOWS, EssConfig,
+from ess.core.settings import (DEFAULT_SPARSE_RATIO, GIB, TIER_PLACEMENTS, WARMUP_WINDOWS, EssConfig,
                                KnobError)
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
@@ -35,7 +35,7 @@ class DemoOptions:
     device_mem_gib: float | None = None
     overlap: str = "none"  # none | da | dba | plan (plan: per layer, from layer_plan)
     layer_plan: str | None = None
-    host_budget_mib: float | None = None  # with disk_dir: the host frames of a disk tier (ess.reference.disk_tier)
+    host_budget_mib: float | None = None  # with disk_dir: the host frames of a disk tier (ess.reference.tiered_host_pool)
     disk_dir: str | None = None
     disk_gib: float | None = None
     tier_placement: str = TIER_PLACEMENTS[0]  # which page full host frames give up (ess.core.disk_tier)
@@ -146,10 +146,11 @@ def check_options(opt: DemoOptions) -> None:
 
 
 def _check_disk_tier_sizes(opt: DemoOptions) -> None:
-    """The disk tier's frames and page file, as ess.reference.disk_tier sizes them, before the baseline runs."""
+    """The disk tier's frames and page file, as ess.reference.tiered_host_pool sizes them, before the baseline runs."""
     import os
 
-    from ess.core.disk_tier import DISK_PAGE, PAGE_BYTES
+    from ess.core.page_file import DISK_PAGE, PAGE_BYTES
+    from ess.reference.tiered_host_pool import page_file_bytes
 
     host = int(opt.host_budget_mib * 2**20)
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -159,7 +160,7 @@ def _check_disk_tier_sizes(opt: DemoOptions) -> None:
         raise ValueError(f"--host-budget-mib {opt.host_budget_mib}: more than this machine's {physical / 2**20:.0f} MiB")
     if opt.disk_gib is not None:
         layers = opt.layers or get_config(opt.config).num_layers
-        need = layers * opt.batch * -(-(opt.context + opt.steps) // PAGE_TOKENS) * DISK_PAGE
+        need = page_file_bytes(layers, opt.batch, opt.context + opt.steps)
         if need > opt.disk_gib * GIB:
             raise ValueError(f"--disk-gib {opt.disk_gib}: the batch needs {need / GIB:.3g} GiB on disk ({layers} layers "
                              f"x {opt.batch} requests x {opt.context + opt.steps} positions in {DISK_PAGE}-byte pages)")
@@ -200,7 +201,7 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
     def ess_cache(ctx, max_len):
         tier = None
         if opt.disk_dir is not None:
-            from ess.reference.disk_tier import TieredHostPool
+            from ess.reference.tiered_host_pool import TieredHostPool
 
             disk = None if opt.disk_gib is None else int(opt.disk_gib * GIB)
             tier = TieredHostPool(cfg.num_layers, len(ctx), max_len, int(opt.host_budget_mib * 2**20), opt.disk_dir,

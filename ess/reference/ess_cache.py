@@ -11,7 +11,7 @@ import torch
 
 from ess.core import flashtrans, layout
 from ess.core.settings import PAGE_TOKENS, EssConfig
-from ess.reference.disk_tier import TieredHostPool
+from ess.reference.tiered_host_pool import TieredHostPool
 from ess.reference.host_pool import TotalMemoryPool
 from ess.core.policy import PolicyResult
 from ess.reference.dense_cache import DecodeRows
@@ -31,7 +31,7 @@ class EssLatentCache:
         tier: TieredHostPool | None = None,
         kernel: str = "auto",
     ):
-        """tier: a disk tier for the host pool (ess.reference.disk_tier), built for this batch; None: the whole Total
+        """tier: a disk tier for the host pool (ess.reference.tiered_host_pool), built for this batch; None: the whole Total
         Memory Pool in host memory. kernel: the LRU step's (settings.KERNELS)."""
         B = len(context_lens)
         self.cfg = cfg

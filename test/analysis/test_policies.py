@@ -1,4 +1,4 @@
-"""The candidate policies (ess.analysis.policies) against plain-Python oracles written here, LRU against ESS's own
+"""The candidate policies (ess.analysis.candidate_policies) against plain-Python oracles written here, LRU against ESS's own
 step, and Belady's MIN below every policy on every trace these tests use."""
 
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ess.analysis import belady
-from ess.analysis.policies import SCORE_UNIT, replay_policy
+from ess.analysis.candidate_policies import SCORE_UNIT, replay_policy
 from ess.analysis.replay import replay_misses
 from ess.analysis.synth import SynthOptions, synth_trace
 from ess.reference.lru_oracle import OracleLRU

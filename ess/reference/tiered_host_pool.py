@@ -8,10 +8,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ess.core.disk_tier import DISK_PAGE, FLAGS, PAGE_BYTES, DiskTierError, PagedHostTier
+from ess.core.disk_tier import FLAGS, PagedHostTier
+from ess.core.page_file import DISK_PAGE
 from ess.core.settings import PAGE_TOKENS, TIER_PLACEMENTS
 
-__all__ = ["DISK_PAGE", "PAGE_BYTES", "DiskTierError", "TieredHostPool"]
+
+def page_file_bytes(num_layers: int, batch: int, max_len: int) -> int:
+    """The page file a TieredHostPool of these sizes preallocates: every page of every request and layer."""
+    return num_layers * batch * -(-max_len // PAGE_TOKENS) * DISK_PAGE
 
 
 class TieredHostPool(PagedHostTier):

@@ -1,4 +1,4 @@
-"""The disk tier under the reference's host pool (ess.reference.disk_tier): lossless decode with a quarter of the cache
+"""The disk tier under the reference's host pool (ess.reference.tiered_host_pool): lossless decode with a quarter of the cache
 in host memory, every page accounted for, and each fault a clear error naming its flag with nothing lost."""
 
 import errno
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ess.reference.demo import DemoOptions, run_demo
-from ess.reference.disk_tier import DISK_PAGE, PAGE_BYTES, DiskTierError, TieredHostPool
+from ess.core.page_file import DISK_PAGE, PAGE_BYTES, DiskTierError
+from ess.reference.tiered_host_pool import TieredHostPool
 
 L, B, CONTEXT, STEPS = 2, 2, 256, 8
 DEMO_LAYERS = 4  # a quarter of the cache then holds one layer's pages, all a step may need (no locality here)
