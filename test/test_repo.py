@@ -23,6 +23,14 @@ def test_the_core_imports_none_of_the_wings():
     assert loaded_after("\n".join(f"import ess.core.{m}" for m in core)) == []
 
 
+def test_the_analysis_imports_nothing_of_the_reference_model():
+    """The wings stand one above the other: the reference model may use the analysis (its timing), never the reverse."""
+    analysis = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "ess" / "analysis").rglob("*.py")
+                      if p.stem != "__init__")
+    loaded = loaded_after("\n".join(f"import {m}" for m in analysis))
+    assert [m for m in loaded if m.startswith(("ess.reference", "ess.cli"))] == []
+
+
 def test_the_plugin_imports_the_core_only():
     pytest.importorskip("sglang")
     mods = ("runtime", "validate", "sizing", "hooks", "pool", "cpu", "cpu.patches", "cpu.kernels", "cpu.indexer",

@@ -12,6 +12,7 @@ import dataclasses
 import math
 
 from ess.core import layout
+from ess.core.memory import cache_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,10 @@ class ModelConfig:
 
     def index_k_bytes(self, tokens: int) -> int:
         return tokens * self.num_layers * layout.INDEX_ROW_BYTES
+
+    def device_cache_bytes(self, tokens: int, ess_capacity: int | None = None) -> int:
+        """Device bytes of one request's caches at `tokens` tokens, with ESS's `ess_capacity` slots or without ESS."""
+        return cache_bytes(self.num_layers, tokens, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, ess_capacity)
 
 
 FULL = ModelConfig(

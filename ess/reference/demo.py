@@ -8,11 +8,9 @@ from typing import Callable
 
 import torch
 
-from ess.analysis import memory
 from ess.reference.ess_cache import EssLatentCache
 from ess.core import settings
-from ess.core.settings import (DEFAULT_SPARSE_RATIO, GIB, TIER_PLACEMENTS, WARMUP_WINDOWS, EssConfig,
-                               KnobError)
+from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB, TIER_PLACEMENTS, WARMUP_WINDOWS, EssConfig, KnobError
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.model import GenerateResult, MiniModel, random_prompts
@@ -194,7 +192,7 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
     budget = int(opt.device_mem_gib * GIB) if opt.device_mem_gib is not None else None
     if budget is not None:
         report["device_mem_gib"] = opt.device_mem_gib
-        report["max_batch"] = {"baseline": memory.max_batch(budget, memory.device_cache_bytes(cfg, tokens))}
+        report["max_batch"] = {"baseline": budget // cfg.device_cache_bytes(tokens)}
     if not opt.ess:
         return report
 
@@ -240,7 +238,7 @@ def run_demo(opt: DemoOptions, progress: Callable[[str, int, int], None] | None 
         cache.tier.close()
     report["tokens_identical"] = bool(torch.equal(res.tokens, base.tokens))
     if budget is not None:
-        report["max_batch"]["ess"] = memory.max_batch(budget, memory.device_cache_bytes(cfg, tokens, C))
+        report["max_batch"]["ess"] = budget // cfg.device_cache_bytes(tokens, C)
     return report
 
 
