@@ -24,6 +24,7 @@ import json
 
 import numpy as np
 
+from ess.core import dsv32
 from ess.core.settings import WARMUP_WINDOWS
 from ess.core.trace import Trace
 
@@ -32,8 +33,8 @@ from ess.core.trace import Trace
 class SynthOptions:
     requests: int = 2
     steps: int = 64
-    layers: int = 61
-    topk: int = 2048
+    layers: int = dsv32.CONFIG["num_hidden_layers"]  # shaped like DeepSeek-V3.2's traces
+    topk: int = dsv32.CONFIG["index_topk"]
     context: int = 32768
     warmup_windows: int = WARMUP_WINDOWS
     sinks: int = 4

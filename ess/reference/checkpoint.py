@@ -5,21 +5,23 @@ DeepSeek-V3.2's real config keys and model_type (`deepseek_v32`, DeepseekV32ForC
 YaRN RoPE scaling as the real model has it) and every width that no format fixes shrunk: 2 layers (one dense, one MoE
 with 4 routed experts, top-2, and a shared expert), hidden 256, 4 attention heads, 4 indexer heads, `index_topk` 64,
 so that a few hundred tokens of context overflow a 96-slot ESS buffer on every step. `full=True` keeps every width of the
-real model instead (hidden 7168, 128 heads, q_lora 1536, 64 indexer heads, top-k 2048, vocab 129280, the dense MLP's
-18432) and only the depth shrinks (FULL_WIDTH: 4 dense layers): the GPU server's model (benchmark/gpu/server.sh, about
-8.5 GB). Weights are BF16 in one safetensors file, named as DeepSeek's own checkpoints name them, drawn from one seeded generator (the same seed gives
-the same bytes). The tokenizer is byte-level BPE without merges (the 256 bytes and two special tokens), written with
-the `tokenizers` library and loaded by transformers' PreTrainedTokenizerFast: any text encodes, byte by byte.
+real model instead (ess.core.dsv32: hidden 7168, 128 heads, q_lora 1536, 64 indexer heads, top-k 2048, vocab 129280,
+the dense MLP's 18432) and only the depth shrinks (FULL_WIDTH: 4 dense layers): the GPU server's model
+(benchmark/gpu/server.sh, about 8.5 GB). Weights are BF16 in one safetensors file, named as DeepSeek's own checkpoints
+name them, drawn from one seeded generator (the same seed gives the same bytes). The tokenizer is byte-level BPE
+without merges (the 256 bytes and two special tokens), written with the `tokenizers` library and loaded by
+transformers' PreTrainedTokenizerFast: any text encodes, byte by byte.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
 import torch
 
-from ess.core import layout
+from ess.core import dsv32
 
 VOCAB_SPECIAL = ("<bos>", "<eos>")  # token ids 0 and 1; the 256 bytes follow
 VOCAB = 320  # the embedding rows: the tokenizer's 258 tokens, padded
@@ -29,11 +31,7 @@ SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "
          "n_group": 1, "topk_group": 1, "vocab_size": VOCAB}
 # DeepSeek-V3.2's own widths (its config.json), at a depth a single GPU's lease can write and load: every layer dense
 # (first_k_dense_replace = the depth), so no MoE kernel is needed; the experts' keys stay for SGLang's config checks.
-FULL_WIDTH = {"num_hidden_layers": 4, "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536,
-              "qk_nope_head_dim": 128, "v_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
-              "n_routed_experts": 256, "num_experts_per_tok": 8, "first_k_dense_replace": 4,
-              "moe_intermediate_size": 2048, "intermediate_size": 18432, "n_group": 8, "topk_group": 4,
-              "vocab_size": 129280}
+FULL_WIDTH = {**{key: dsv32.CONFIG[key] for key in SHAPE}, "num_hidden_layers": 4, "first_k_dense_replace": 4}
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -42,25 +40,10 @@ def config(mtp: bool = True, full: bool = False) -> dict:
     where full); with its MTP layer (one, as the real model) unless mtp is False."""
     shape = FULL_WIDTH if full else SHAPE
     return {
-        "architectures": ["DeepseekV32ForCausalLM"],
-        "model_type": "deepseek_v32",
+        **copy.deepcopy(dsv32.CONFIG),  # the real model's keys and values, then its widths shrunk
         **shape,
         "num_key_value_heads": shape["num_attention_heads"],
-        "kv_lora_rank": layout.NOPE_DIM,
-        "qk_rope_head_dim": layout.ROPE_DIM,
-        "index_head_dim": layout.INDEX_DIM,
-        "n_shared_experts": 1,
-        "routed_scaling_factor": 2.5,
-        "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc",
-        "norm_topk_prob": True,
-        "moe_layer_freq": 1,
         "num_nextn_predict_layers": int(mtp),
-        "max_position_embeddings": 163840,
-        "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
         "attention_bias": False,
         "tie_word_embeddings": False,

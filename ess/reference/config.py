@@ -1,4 +1,5 @@
-"""Model configurations of the reference DeepSeek-V3.2 attention: `full` (the real model) and `mini` (CPU tests).
+"""Model configurations of the reference DeepSeek-V3.2 attention: `full` (the real model, ess.core.dsv32's record) and
+`mini` (CPU tests).
 
 Field names follow DeepSeek's official inference code (`ModelArgs` in DeepSeek-V3.2-Exp's `inference/model.py`);
 `from_hf` reads a Hugging Face `config.json`. YaRN (rope_factor, original_seq_len, beta_fast, beta_slow, mscale) is on
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ess.core import layout
+from ess.core import dsv32, layout
 from ess.core.memory import cache_bytes
 
 
@@ -92,24 +93,6 @@ class ModelConfig:
         return cache_bytes(self.num_layers, tokens, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, ess_capacity)
 
 
-FULL = ModelConfig(
-    name="full",
-    num_layers=61,
-    hidden=7168,
-    num_heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    index_heads=64,
-    index_head_dim=128,
-    index_topk=2048,
-    vocab=129280,
-    mlp_hidden=18432,
-    max_positions=163840,
-)
-
 MINI = ModelConfig(
     name="mini",
     num_layers=4,
@@ -128,15 +111,6 @@ MINI = ModelConfig(
     max_positions=65536,
     original_seq_len=65536,  # YaRN off: the demo's figures stay comparable; get_config("mini", original_seq_len=4096) turns it on
 )
-
-CONFIGS = {"full": FULL, "mini": MINI}
-
-
-def get_config(name: str, **overrides) -> ModelConfig:
-    if name not in CONFIGS:
-        raise ValueError(f"--config: unknown model configuration {name!r}; choose from {sorted(CONFIGS)}")
-    return dataclasses.replace(CONFIGS[name], **overrides) if overrides else CONFIGS[name]
-
 
 # Hugging Face config.json names (DeepSeek-V3.2) of the fields above; YaRN's live in its rope_scaling, where the
 # softmax correction's factor is mscale_all_dim (the one the official code calls mscale).
@@ -161,4 +135,17 @@ def from_hf(hf: dict, name: str = "hf") -> ModelConfig:
     fields.update({field: scaling[key] for key, field in _HF_ROPE_SCALING.items() if key in scaling})
     if not scaling:
         fields["original_seq_len"] = fields["max_positions"]
+    for field in ("rope_theta", "rope_factor", "mscale"):  # config.json may write them as integers
+        if field in fields:
+            fields[field] = float(fields[field])
     return ModelConfig(name=name, **fields)
+
+
+FULL = from_hf(dsv32.CONFIG, name="full")
+CONFIGS = {"full": FULL, "mini": MINI}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"--config: unknown model configuration {name!r}; choose from {sorted(CONFIGS)}")
+    return dataclasses.replace(CONFIGS[name], **overrides) if overrides else CONFIGS[name]

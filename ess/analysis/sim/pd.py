@@ -15,7 +15,7 @@ import math
 from ess.analysis.sim import cost
 from ess.analysis.sim.engine import HARDWARE, EP, layer_misses, load_calibration, profile_for, simulate
 from ess.analysis.sim.profile import ProfileError
-from ess.analysis.sim.specs import ModelSpec, get_hardware, get_model
+from ess.analysis.sim.specs import DSV32, ModelSpec, get_hardware, get_model
 from ess.core.settings import DEFAULT_SPARSE_RATIO, PROGRESSIVE_SLICE_PAGES, capacity
 
 LINK_GBPS = (25.0, 50.0, 100.0, 200.0, 400.0)  # the issue's range
@@ -67,7 +67,7 @@ ORDERS = ("full", "demand", "stream")  # a full transfer; progressive with a ste
 
 
 def timeline(link_gbps: float, ph: dict, row_bytes: int, join_s: float, step_s: float, misses: list[float],
-             accept: float, tokens: int, order: str, layers: int = 61, block_rows: int = 1,
+             accept: float, tokens: int, order: str, layers: int = DSV32.layers, block_rows: int = 1,
              slice_bytes: float = 0.0) -> dict:
     """One request's first decode steps after its prefill (t = 0: the prefill node starts sending). The link is the
     request's alone and never idles until the last byte lands. full: the first step waits for the whole transfer.

@@ -1,4 +1,4 @@
-"""Model and hardware descriptions for the decode simulator."""
+"""Model and hardware descriptions for the decode simulator; the models derive from ess.core.dsv32's record."""
 
 from __future__ import annotations
 
@@ -7,33 +7,35 @@ import json
 import math
 from importlib import resources
 
+from ess.core import dsv32, layout
+
 GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str
-    layers: int = 61
-    dense_layers: int = 3
-    hidden: int = 7168
-    heads: int = 128
-    q_lora: int = 1536
-    kv_lora: int = 512
-    nope: int = 128
-    rope: int = 64
-    v: int = 128
-    experts: int = 256
-    experts_per_token: int = 8
-    shared_experts: int = 1
-    moe_inter: int = 2048
-    dense_inter: int = 18432
-    vocab: int = 129280
-    index_heads: int = 64  # 0: no Lightning Indexer (dense MLA, DeepSeek-V3)
-    index_dim: int = 128
-    index_topk: int | None = 2048  # None: attend to the whole context
-    latent_row_bytes: int = 656  # FP8 latent row (V3.2); V3 decodes on a bf16 cache: 576 x 2 bytes
-    index_row_bytes: int = 132
-    max_positions: int = 163840  # the context the model serves (config.json's max_position_embeddings; V3 and V3.2)
+    layers: int
+    dense_layers: int
+    hidden: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v: int
+    experts: int
+    experts_per_token: int
+    shared_experts: int
+    moe_inter: int
+    dense_inter: int
+    vocab: int
+    index_heads: int  # 0: no Lightning Indexer (dense MLA, DeepSeek-V3)
+    index_dim: int
+    index_topk: int | None  # None: attend to the whole context
+    latent_row_bytes: int
+    index_row_bytes: int
+    max_positions: int  # the context the model serves (config.json's max_position_embeddings; V3 and V3.2)
 
     # Parameter counts (weights), per layer unless said otherwise.
     @property
@@ -78,8 +80,20 @@ class ModelSpec:
         return float(per_layers + mtp + embed_head)
 
 
-DSV32 = ModelSpec("dsv32")
-DSV3 = ModelSpec("dsv3", index_heads=0, index_topk=None, latent_row_bytes=1152, index_row_bytes=0)
+# config.json's names (ess.core.dsv32) of the fields above
+_CONFIG_NAMES = {
+    "num_hidden_layers": "layers", "first_k_dense_replace": "dense_layers", "hidden_size": "hidden",
+    "num_attention_heads": "heads", "q_lora_rank": "q_lora", "kv_lora_rank": "kv_lora", "qk_nope_head_dim": "nope",
+    "qk_rope_head_dim": "rope", "v_head_dim": "v", "n_routed_experts": "experts", "num_experts_per_tok": "experts_per_token",
+    "n_shared_experts": "shared_experts", "moe_intermediate_size": "moe_inter", "intermediate_size": "dense_inter",
+    "vocab_size": "vocab", "index_n_heads": "index_heads", "index_head_dim": "index_dim", "index_topk": "index_topk",
+    "max_position_embeddings": "max_positions",
+}
+DSV32 = ModelSpec("dsv32", **{field: dsv32.CONFIG[key] for key, field in _CONFIG_NAMES.items()},
+                  latent_row_bytes=layout.LATENT_ROW_BYTES, index_row_bytes=layout.INDEX_ROW_BYTES)
+# DeepSeek-V3: V3.2 without the indexer, decoding on a bf16 latent cache (NoPE and RoPE values, 2 bytes each)
+DSV3 = dataclasses.replace(DSV32, name="dsv3", index_heads=0, index_topk=None,
+                           latent_row_bytes=2 * (layout.NOPE_DIM + layout.ROPE_DIM), index_row_bytes=0)
 MODELS = {"dsv32": DSV32, "dsv3": DSV3}
 
 
