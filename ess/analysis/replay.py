@@ -31,6 +31,17 @@ class ReplayCounts:
     wasted: np.ndarray
 
 
+def table_row_bytes(max_pos: int, policy: str) -> int:
+    """Bytes of one row's position -> slot table: a column per position up to max_pos, and a sink."""
+    return (max_pos + 1) * (4 if policy == "lru" else 8)
+
+
+def position_table_bytes(trace: Trace, policy: str) -> int:
+    """The position -> slot tables of one layer (a row per request): the least a replay allocates at once."""
+    R, steps = trace.topk.shape[:2]
+    return R * table_row_bytes(int(trace.context_len.max()) + steps, policy)
+
+
 def _offline_group(trace: Trace, ls: slice, buffer_tokens: int, warmup: bool, windows: int, max_pos: int, device,
                    policy: str, lookahead: int, decay_shift: int) -> tuple[np.ndarray, ...]:
     """The layers ls through MIN or an ess.analysis.candidate_policies policy: warm-up windows (no own position, no
@@ -100,7 +111,7 @@ def replay_counts(
     if buffer_tokens > max_pos + 1:  # more slots than positions: the rest stay empty, and cost memory
         raise ValueError(f"--buffer-tokens {buffer_tokens}: more slots than the trace's {max_pos + 1} positions")
     offline = policy != "lru"
-    row_bytes = (max_pos + 1) * (8 if offline else 4)  # the position -> slot table of one row
+    row_bytes = table_row_bytes(max_pos, policy)
     group = max(1, min(layers, table_bytes // (R * row_bytes)))
     total = steps * -(-layers // group)
     out = ReplayCounts(*(np.zeros((R, steps, layers), dtype=np.int32) for _ in range(3)),

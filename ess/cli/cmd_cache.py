@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from ess.cli.common import JSON_HELP, NON_NEGATIVE, POSITIVE, ProgressBar, check_policy_flags, decay_shift, emit
-from ess.core.settings import KERNELS, REPLAY_POLICIES, WARMUP_WINDOWS
+from ess.cli.common import (JSON_HELP, NON_NEGATIVE, POSITIVE, ProgressBar, check_policy_flags, decay_shift, emit,
+                            free_memory_bytes)
+from ess.core.settings import GIB, KERNELS, REPLAY_POLICIES, WARMUP_WINDOWS
 
 
 def add_parsers(sub) -> None:
@@ -41,6 +42,22 @@ def check_replay(args) -> None:
     check_policy_flags(args)
 
 
+def _check_replay_fits(args, trace) -> None:
+    """The replay's position -> slot tables have a column per position of the trace: its positions must be int32
+    (as the trace's top-k is) and one layer's tables must fit the memory free here."""
+    from ess.analysis.replay import position_table_bytes
+    from ess.core.trace import TRACE_POSITIONS
+
+    longest, steps = int(trace.context_len.max()), trace.topk.shape[1]
+    where = f"{args.trace}: 'context_len' {longest} + {steps} decode steps"
+    if longest + steps > TRACE_POSITIONS:
+        raise ValueError(f"{where}: a trace's positions are int32, at most {TRACE_POSITIONS}")
+    need, free = position_table_bytes(trace, args.policy), free_memory_bytes()
+    if need > free:
+        raise ValueError(f"{where}: the replay's position tables take {need / GIB:.1f} GiB a layer, more than the "
+                         f"{free / GIB:.1f} GiB of memory free here")
+
+
 def run_replay(args) -> int:
     from ess.analysis.replay import replay_counts
     from ess.core.layout import LATENT_ROW_BYTES
@@ -51,6 +68,7 @@ def run_replay(args) -> int:
     if args.warmup_windows is not None and held is not None and args.warmup_windows > held:  # (the default takes all)
         raise ValueError(f"--warmup-windows {args.warmup_windows}: {args.trace} holds {held} prefill windows "
                          "('prefill_topk')")
+    _check_replay_fits(args, trace)
     with ProgressBar(not args.quiet) as progress:
         c = replay_counts(
             trace, args.buffer, args.warmup, WARMUP_WINDOWS if args.warmup_windows is None else args.warmup_windows,

@@ -110,6 +110,23 @@ def check_demo(args) -> None:
             check_disk_dir(args.disk_dir, "--disk-dir")
         except KnobError as e:
             raise ValueError(str(e)) from e
+        if args.ess and args.host_budget_mib is not None:  # the disk tier's two flags
+            _check_page_file_fits(args)
+
+
+def _check_page_file_fits(args) -> None:
+    """The disk tier preallocates its page file once the baseline has run: a disk that cannot hold it is refused
+    now."""
+    from ess.core.page_file import DISK_PAGE, free_disk_bytes
+    from ess.reference.config import get_config
+    from ess.reference.tiered_host_pool import page_file_bytes
+
+    layers, tokens = args.layers or get_config(args.config).num_layers, args.context + args.steps
+    need, free = page_file_bytes(layers, args.batch, tokens), free_disk_bytes(args.disk_dir)
+    if need > free:
+        raise ValueError(f"--disk-dir {args.disk_dir}: the disk tier's page file needs {need / GIB:.3g} GiB ({layers} "
+                         f"layers x {args.batch} requests x {tokens} positions in {DISK_PAGE}-byte pages), "
+                         f"{free / GIB:.3g} GiB free there")
 
 
 # -- runs ----------------------------------------------------------------------------------------------------------

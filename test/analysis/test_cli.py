@@ -295,3 +295,33 @@ def test_bad_inputs_are_refused_before_any_work(places, capsys, argv, message):
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err, err
     assert before == {p: os.path.getmtime(p) for p in places.values() if os.path.exists(p)}  # nothing written over
+
+
+def test_a_disk_that_cannot_hold_the_page_file_is_refused_before_the_model_runs(tmp_path, capsys, monkeypatch):
+    """`ess demo --disk-dir D`: the disk tier's page file (every page of the batch) is compared with D's free space
+    before any work, and a disk too small is refused naming the flag."""
+    import types
+
+    from ess.reference.model import MiniModel
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the model ran before the refusal")
+
+    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=1, f_frsize=4096))  # 4 KiB free
+    monkeypatch.setattr(MiniModel, "generate", ran)
+    line = _fail(capsys, ["demo", *SMALL, "--ess", "--buffer-tokens", "24", "--host-budget-mib", "1",
+                          "--disk-dir", str(tmp_path)])
+    assert f"--disk-dir {tmp_path}: the disk tier's page file needs" in line and "free there" in line
+
+
+@pytest.mark.parametrize("requests, context, message", [
+    (1, 10**12, "a trace's positions are int32, at most 2147483647"),  # the allocator's message before
+    (1024, 2**30, "of memory free here"),  # int32 positions, but 1024 requests' tables take 4 TiB a layer
+])
+def test_a_trace_too_long_to_replay_is_refused_naming_the_file_and_its_field(tmp_path, capsys, requests, context,
+                                                                               message):
+    path = tmp_path / "long.npz"
+    topk = np.broadcast_to(np.arange(4, dtype=np.int32), (requests, 2, 1, 4)).copy()
+    save_trace(path, Trace(topk, np.full(requests, context, dtype=np.int64)))
+    line = _fail(capsys, ["cache", "replay", str(path), "--buffer", "8", "--quiet"])
+    assert f"{path}: 'context_len' {context} + 2 decode steps: " in line and message in line
