@@ -42,17 +42,18 @@ def check_replay(args) -> None:
     check_policy_flags(args)
 
 
-def _check_replay_fits(args, trace) -> None:
+def check_replay_fits(path: str, trace, policy: str = "lru") -> None:
     """The replay's position -> slot tables have a column per position of the trace: its positions must be int32
-    (as the trace's top-k is) and one layer's tables must fit the memory free here."""
+    (as the trace's top-k is) and one layer's tables must fit the memory free here (`ess cache replay`, `ess
+    profile`)."""
     from ess.analysis.replay import position_table_bytes
     from ess.core.trace import TRACE_POSITIONS
 
     longest, steps = int(trace.context_len.max()), trace.topk.shape[1]
-    where = f"{args.trace}: 'context_len' {longest} + {steps} decode steps"
+    where = f"{path}: 'context_len' {longest} + {steps} decode steps"
     if longest + steps > TRACE_POSITIONS:
         raise ValueError(f"{where}: a trace's positions are int32, at most {TRACE_POSITIONS}")
-    need, free = position_table_bytes(trace, args.policy), free_memory_bytes()
+    need, free = position_table_bytes(trace, policy), free_memory_bytes()
     if need > free:
         raise ValueError(f"{where}: the replay's position tables take {need / GIB:.1f} GiB a layer, more than the "
                          f"{free / GIB:.1f} GiB of memory free here")
@@ -68,7 +69,7 @@ def run_replay(args) -> int:
     if args.warmup_windows is not None and held is not None and args.warmup_windows > held:  # (the default takes all)
         raise ValueError(f"--warmup-windows {args.warmup_windows}: {args.trace} holds {held} prefill windows "
                          "('prefill_topk')")
-    _check_replay_fits(args, trace)
+    check_replay_fits(args.trace, trace, args.policy)
     with ProgressBar(not args.quiet) as progress:
         c = replay_counts(
             trace, args.buffer, args.warmup, WARMUP_WINDOWS if args.warmup_windows is None else args.warmup_windows,

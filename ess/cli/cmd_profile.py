@@ -8,6 +8,7 @@ import os
 
 from rich.table import Table
 
+from ess.cli.cmd_cache import check_replay_fits
 from ess.cli.common import (JSON_HELP, POSITIVE, ProgressBar, add_force, check_policy_flags, decay_shift, emit, floats,
                             ints, output, output_dir, output_file, say)
 from ess.core.settings import DEFAULT_DECAY_SHIFT, REPLAY_POLICIES
@@ -53,6 +54,8 @@ def run_profile(args) -> int:
     from ess.core.trace import load_trace
 
     traces = [(path, load_trace(path)) for path in args.traces]
+    for path, trace in traces:
+        check_replay_fits(path, trace)
     ratios = None if args.buffer_tokens else args.ratios
     if ratios is None and not args.buffer_tokens:  # the defaults that give top-k + 1 slots at least, said
         first = traces[0][1]

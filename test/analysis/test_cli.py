@@ -318,10 +318,11 @@ def test_a_disk_that_cannot_hold_the_page_file_is_refused_before_the_model_runs(
     (1, 10**12, "a trace's positions are int32, at most 2147483647"),  # the allocator's message before
     (1024, 2**30, "of memory free here"),  # int32 positions, but 1024 requests' tables take 4 TiB a layer
 ])
-def test_a_trace_too_long_to_replay_is_refused_naming_the_file_and_its_field(tmp_path, capsys, requests, context,
+def test_a_trace_too_long_to_replay_or_profile_is_refused_naming_the_file_and_its_field(tmp_path, capsys, requests, context,
                                                                                message):
     path = tmp_path / "long.npz"
     topk = np.broadcast_to(np.arange(4, dtype=np.int32), (requests, 2, 1, 4)).copy()
     save_trace(path, Trace(topk, np.full(requests, context, dtype=np.int64)))
-    line = _fail(capsys, ["cache", "replay", str(path), "--buffer", "8", "--quiet"])
-    assert f"{path}: 'context_len' {context} + 2 decode steps: " in line and message in line
+    for command in (["cache", "replay", str(path), "--buffer", "8"], ["profile", str(path), "--buffer-tokens", "8"]):
+        line = _fail(capsys, [*command, "--quiet"])
+        assert f"{path}: 'context_len' {context} + 2 decode steps: " in line and message in line, command
