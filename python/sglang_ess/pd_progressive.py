@@ -160,7 +160,7 @@ class Nixl:
         settled, failed = mgr._await_handles([handle], failure_seen=False)
         return settled and not failed
 
-    NO_SEND = object()  # what send_aux returns for a send ESS skips: a handle `_await_handles` drops (hooks.py)
+    NO_SEND = object()  # what send_aux returns for a send ESS skips: a handle `_await_handles` drops (sglang_ess.hooks.pd)
 
 
 def engine(mgr):

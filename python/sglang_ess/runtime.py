@@ -62,6 +62,11 @@ def layer_modes(ess: EssArgs, num_layers: int, plan: list[str] | None) -> list[s
     return [mode] * num_layers
 
 
+def request_slot(req) -> int | None:
+    """A Req's row of SGLang's request table: 0.5.23 keeps it in the Req's KV record (`req.kv`), no longer on the Req."""
+    return req.kv.req_pool_idx
+
+
 def _per_request(x: torch.Tensor, B: int, S: int) -> torch.Tensor:
     """Per query row values [B*S] as the LRU step takes own positions: [B], or [B, S] with S rows per request."""
     return x.long().reshape(B, S) if S > 1 else x.long()
@@ -97,8 +102,9 @@ class EssRuntime:
         # one forward's decode rows: every layer of every request slot
         self.ring = (StepRing(self.num_layers * token_table.shape[0], facts.topk, device, ess.record_lookahead)
                      if self.recorder else None)
-        # with --ess-record-lookahead: the next-ranked positions of each indexer call (sglang_ess.hooks), first in first
-        # out: every call's step takes the oldest (TBO's micro-batches run their indexers and steps in the same order)
+        # with --ess-record-lookahead: the next-ranked positions of each indexer call (sglang_ess.hooks.forward), first
+        # in first out: every call's step takes the oldest (TBO's micro-batches run their indexers and steps in the same
+        # order)
         self.next_ranked: list[torch.Tensor] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
@@ -278,14 +284,15 @@ class EssRuntime:
 
     @property
     def split_pending(self) -> bool:
-        """A DA split step waits for its FlashMLA call (sglang_ess.hooks then routes that call to split_attention)."""
+        """A DA split step waits for its FlashMLA call (sglang_ess.hooks.forward then routes that call to
+        split_attention)."""
         return self._split is not None
 
     def split_attention(self, attn0, q: torch.Tensor, scale: float | None):
-        """The FlashMLA call of a split DA step (sglang_ess.hooks wraps FlashMLA's interface, when split_pending):
-        attn0() makes the backend's own call, over the top-k with the misses set to -1, q [B, 1, H, 576] its query
-        (heads padded as the backend pads them). Returns FlashMLA's (o [B, 1, H, 512] in o's dtype, lse [B, H, 1];
-        +inf for a row without entries) of the merged attention over every entry."""
+        """The FlashMLA call of a split DA step (sglang_ess.hooks.forward wraps FlashMLA's interface, when
+        split_pending): attn0() makes the backend's own call, over the top-k with the misses set to -1, q [B, 1, H,
+        576] its query (heads padded as the backend pads them). Returns FlashMLA's (o [B, 1, H, 512] in o's dtype,
+        lse [B, H, 1]; +inf for a row without entries) of the merged attention over every entry."""
         if self._split is None:
             raise RuntimeError("ESS DA split: no split pending (the FlashMLA hook checks split_pending first)")
         layer, req, r, fetched = self._split
@@ -352,7 +359,7 @@ class EssRuntime:
         self._resets.extend(rows)
         for r in rows:
             self._loads.pop(r, None)  # a state loaded for the row's previous request does not carry over
-            if self.cache.tier is not None:  # nor a lost row that request read (sglang_ess.hooks.after_run_batch)
+            if self.cache.tier is not None:  # nor a lost row that request read (hooks.forward.after_run_batch)
                 self.cache.tier.lost_reads.pop(r, None)
 
     def apply_admissions(self) -> None:

@@ -160,7 +160,7 @@ PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake", "nixl")
 def _check_progressive_pd(cfg: Any) -> None:
     """--ess-progressive-pd (docs/plugin.md, "Progressive PD transfer"): a decode node's flag, over a backend whose
     prefill node sends in the progressive order and reports it (decode CUDA graphs may stay on: a batch holding a
-    request still landing runs eagerly, sglang_ess.hooks.after_can_run_graph)."""
+    request still landing runs eagerly, sglang_ess.hooks.pd.after_can_run_graph)."""
     mode = cfg.disaggregation_mode
     if mode != "decode":
         node = "a co-located node (--disaggregation-mode null)" if mode in (None, "null") else \
@@ -257,7 +257,7 @@ def check_device(cfg: Any, facts: EssFacts, memory_bytes: float, source: str) ->
 
 def _check_device_capacity(cfg: Any, facts: EssFacts) -> None:
     """At launch, before any weight loads: check_device on the device's capacity as SGLang reads it. Each scheduler
-    checks again with the free memory it measures before its load (sglang_ess.hooks.before_load_model)."""
+    checks again with the free memory it measures before its load (sglang_ess.hooks.startup.before_load_model)."""
     from sglang.srt.utils.common import get_device_memory_capacity
 
     capacity_mib = get_device_memory_capacity(cfg.device)

@@ -115,7 +115,7 @@ def test_launch_error_hook_passes_other_exceptions_on(plugin, capsys):
     from sglang_ess.args import EssArgsError
 
     seen = []
-    hook = plugin.launch_error_hook(lambda *exc: seen.append(exc[1]))
+    hook = plugin.startup.launch_error_hook(lambda *exc: seen.append(exc[1]))
     hook(EssArgsError, EssArgsError("--ess-sparse-ratio must be in (0, 1], got 2.0"), None)
     assert capsys.readouterr().err == "sglang: error: --ess-sparse-ratio must be in (0, 1], got 2.0\n" and not seen
     other = RuntimeError("not ours")
@@ -366,10 +366,10 @@ def test_weights_that_leave_no_room_for_one_request_are_refused_before_the_load(
     sa = resolve(argv)
     runner = types.SimpleNamespace(server_args=sa, device="cuda", is_draft_worker=False,
                                    pre_model_load_memory=DEVICE_MIB / 1024)  # GB, as SGLang measures it
-    plugin.before_load_model(runner)  # the whole device free: fits
+    plugin.startup.before_load_model(runner)  # the whole device free: fits
     runner.pre_model_load_memory -= 2 / 1024  # another process holds 2 MiB of it
     with pytest.raises(EssArgsError, match="the free memory of cuda before the load"):
-        plugin.before_load_model(runner)
+        plugin.startup.before_load_model(runner)
 
 
 def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
@@ -420,7 +420,7 @@ def test_ess_target_workers_build_the_ess_pool_with_a_scratch_for_every_captured
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", *flags))
     ctx = runtime_context.create_context(sa, role="test")
     with runtime_context.use_context(ctx), runtime_context.get_parallel().override(**parallel):
-        cls = plugin.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
+        cls = plugin.startup.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
                                               max_total_num_tokens=1 << 20, max_running_requests=running,
                                               dsa_pool_class=DSATokenToKVPool)
         table = types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace(size=running + 1), server_args=sa)
@@ -432,10 +432,10 @@ def test_ess_target_workers_build_the_ess_pool_with_a_scratch_for_every_captured
     if case == "dp-attention-deepep-tbo":
         assert largest == 32 > running  # SGLang captures 32 for 29 rows (the scratch once held 28)
     draft = types.SimpleNamespace(server_args=sa, is_draft_worker=True)
-    assert plugin.around_build_dsa_kv_pool(build, draft, max_total_num_tokens=1, max_running_requests=9,
+    assert plugin.startup.around_build_dsa_kv_pool(build, draft, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
     off = types.SimpleNamespace(server_args=resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3")), is_draft_worker=False)
-    assert plugin.around_build_dsa_kv_pool(build, off, max_total_num_tokens=1, max_running_requests=9,
+    assert plugin.startup.around_build_dsa_kv_pool(build, off, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
 
 
@@ -453,15 +453,15 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
     build = lambda kvc, **kw: kw["dsa_pool_class"]  # noqa: E731
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"))
     kvc = types.SimpleNamespace(server_args=sa, is_draft_worker=False)
-    assert plugin.around_build_dsa_kv_pool(build, kvc, max_total_num_tokens=1, max_running_requests=9,
+    assert plugin.startup.around_build_dsa_kv_pool(build, kvc, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
     pool = types.SimpleNamespace(size=4096, page_size=64, start_layer=0)
     runner = types.SimpleNamespace(server_args=sa, is_draft_worker=True, token_to_kv_pool=pool,
                                    req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32)))
-    plugin.after_init_sparse_coordinator(None, runner)
+    plugin.startup.after_init_sparse_coordinator(None, runner)
     assert plugin.state.sender is None  # the draft worker
     runner.is_draft_worker = False
-    plugin.after_init_sparse_coordinator(None, runner)
+    plugin.startup.after_init_sparse_coordinator(None, runner)
     assert isinstance(plugin.state.sender, pd_warmup.WarmupSender) and plugin.state.sender_pool is pool and plugin.state.runtime is None
     assert plugin.state.wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
     other = types.SimpleNamespace(token_to_kv_pool=object(), use_fused_topk=False)  # the draft worker's backend
@@ -469,9 +469,9 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
 
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([1]),
                                   seq_lens_cpu=torch.tensor([5]), extend_prefix_lens_cpu=[0])
-    plugin.after_init_forward_metadata(None, other, batch)
+    plugin.forward.after_init_forward_metadata(None, other, batch)
     assert not plugin.state.sender._forwards
-    plugin.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
+    plugin.forward.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
     assert len(plugin.state.sender._forwards) == 1
 
 

@@ -19,6 +19,7 @@ import torch
 
 from ess.core.landing import LandingTracker
 from ess.core.send_order import send_order
+from sglang_ess import pd_progressive
 from sglang_ess.args import EssArgs
 from sglang_ess.progressive import ProgressiveDecode
 from sglang_ess.runtime import EssRuntime
@@ -322,7 +323,7 @@ def test_decode_graphs_wait_out_a_request_still_landing(plugin, monkeypatch, glo
 
     def graphs() -> tuple:
         return (dp_attn._local_decode_cuda_graph_vote(local_batch=None, disable_cuda_graph=False),
-                plugin.after_can_run_graph(True, None, None) is not False)
+                plugin.pd.after_can_run_graph(True, None, None) is not False)
 
     rt, pool, q, req, rcv, alloc, _, _ = join(plugin, monkeypatch, gloo)
     assert graphs() == (True, True)  # tracked, not joined yet: not in a batch
@@ -354,7 +355,7 @@ def test_a_request_released_mid_transfer_keeps_its_kv_until_the_transfer_ends(pl
         pass
     assert rt.progressive.tracker.open_rows() == [SLOT] and SLOT in rt.progressive.streams
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(rcv.landed), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(rcv.landed), req)
     assert released == [] and DecodeTransferQueue.has_pending_deferred_releases(q)  # held: pages still landing
     q.resolve_deferred_releases()  # SGLang's every-iteration call, the hook pumping the streams
     deadline = time.monotonic() + 5
@@ -819,7 +820,7 @@ def test_pd_sends_in_the_progressive_order_and_the_request_joins_early(plugin, m
     order = [p for p in order if p is not None]
     phase = [0 if p < last else 1 if p in (7, 8, 9) else 2 for p in order]  # earlier chunk, phase 2, phase 3
     assert sorted(set(order)) == list(range(prefix, PROMPT_PAGES)) and phase == sorted(phase)
-    assert plugin.pd_progressive.INBOX == {}
+    assert pd_progressive.INBOX == {}
 
 
 @pytest.mark.parametrize("kinds, layer", [(("DRAM", "DRAM"), 0), (("DRAM", "VRAM"), 1)],
@@ -832,7 +833,7 @@ def test_pd_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, pd, ki
     mc = pd
     if mc.backend == "mooncake" and layer:
         pytest.skip("memory kinds are NIXL's")
-    monkeypatch.setattr(plugin.pd_progressive, "SLICE_PAGES", 1)
+    monkeypatch.setattr(pd_progressive, "SLICE_PAGES", 1)
     rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={2},
                                                                  kinds=kinds)
     pop_until_joined(q, req)
@@ -852,11 +853,11 @@ def test_pd_a_request_finished_mid_transfer_frees_its_pages_after_the_last_write
     """A request that finishes (or is aborted) while its phase 3 still lands: its KV release waits for the room to
     conclude, so no prefill write lands in a page after SGLang has freed it; the transfer ends as a success."""
     mc = pd
-    monkeypatch.setattr(plugin.pd_progressive, "SLICE_PAGES", 2)
+    monkeypatch.setattr(pd_progressive, "SLICE_PAGES", 2)
     rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={2})
     pop_until_joined(q, req)
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
     assert released == [] and q.has_pending_deferred_releases()
     mc.engine.go.set()
     until(lambda: q.resolve_deferred_releases() or released, "the held release never ran")
@@ -898,7 +899,7 @@ def test_pd_a_stalled_transfer_aborts_its_request_and_the_step_goes_on(plugin, m
     rt.progressive.pump(q)  # between forwards: aborted (on every rank), its transfer too
     assert "KV transfer stalled" in req.to_finish.message and SLOT in rt.progressive.streams
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
     # the prefill node took the abort, its write still in flight
     until(lambda: sender.poll() == KVPoll.Failed, "the prefill node never heard of the abort")
     rt.progressive.pump(q)
@@ -926,7 +927,7 @@ def test_pd_another_ranks_failure_aborts_the_request_on_this_rank_too(plugin, mo
         rt.progressive.pump(q)
     assert "KV transfer failed" in req.to_finish.message and receiver.abort_notified
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
     rt.progressive.pump(q)
     assert released == []  # the write in flight has not drained
     mc.engine.go.set()
@@ -943,8 +944,8 @@ def nothing_left(plugin, mc, rt, sender) -> None:
     # the worker skips the parts left of a failed room
     until(lambda: not mc.p_mgr._staging_outstanding.get(room, 0), "the prefill worker still counts a chunk of the room")
     assert room not in mc.p_mgr.request_status and room not in mc.p_mgr.transfer_infos
-    assert plugin.pd_progressive.take_need(room) is None and room not in plugin.pd_progressive._held
-    assert room not in mc.d_mgr.request_status and room not in plugin.pd_progressive.INBOX
+    assert pd_progressive.take_need(room) is None and room not in pd_progressive._held
+    assert room not in mc.d_mgr.request_status and room not in pd_progressive.INBOX
     assert room not in mc.d_mgr.failure_records and room not in mc.d_mgr._deferred_abort_ack_tracker
     assert rt.progressive.streams == {} and rt.progressive.held == {} and rt.progressive.tracker.open_rows() == []
     assert int((rt.progressive.tracker.slot_of >= 0).sum()) == 0
@@ -976,7 +977,7 @@ def test_pd_without_progressive_decode_sends_as_sglang_does(plugin, monkeypatch,
     assert receiver.poll() == KVPoll.Success and list(req.output_ids) == [FIRST_TOKEN]
     loc = pool.req_to_token[SLOT, :CTX].long()
     assert all(torch.equal(mc.host[layer][loc], rows_of(loc, layer)) for layer in range(L))
-    assert plugin.pd_progressive.INBOX == {}
+    assert pd_progressive.INBOX == {}
 
 
 def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(plugin):
@@ -987,7 +988,7 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
     import numpy as np
     from sglang.srt.disaggregation.common.utils import TransferKVChunk
 
-    mp = plugin.pd_progressive
+    mp = pd_progressive
     rng = random.Random(3)
     for _ in range(200):
         first, count, step = rng.randrange(0, 9), rng.randrange(1, 30), rng.randrange(1, 6)
@@ -1016,7 +1017,7 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
 
 def test_malformed_progress_and_need_messages_are_dropped(plugin):
     """A bad message costs nothing but itself: the threads that read them go on, nothing is recorded."""
-    mp = plugin.pd_progressive
+    mp = pd_progressive
     mgr = types.SimpleNamespace(request_status={1: None}, required_prefill_response_num_table={1: 1})
     assert mp.take([mp.TAG, b"not a room", b"phase1", b"3"], mgr) is True
     assert mp.take([mp.TAG, b"1", b"phase9", b""], mgr) is True
