@@ -130,10 +130,11 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "6400",
                       "--ess-host-pool-gib", "512", "--ess-layer-plan", str(plan), "--ess-warmup-windows", "16",
                       "--ess-record-trace", str(tmp_path / "traces"), "--ess-da-attn1", "fused"))
-    from sglang_ess.args import EssArgs, EssArgsError, ess_args
-    from sglang_ess.validate import EssFacts, validate_server_args
+    from sglang_ess.args import EssArgs, EssArgsError
+    from sglang_ess.launch import ess_launch, validate_server_args
+    from sglang_ess.validate import EssFacts
 
-    ess = ess_args(pickle.loads(pickle.dumps(sa)))  # as the scheduler processes receive it
+    ess = ess_launch(pickle.loads(pickle.dumps(sa))).args  # as the scheduler processes receive it
     assert (ess.enable, ess.buffer_tokens, ess.host_pool_gib, ess.warmup_windows) == (True, 6400, 512.0, 16)
     assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces") and ess.da_attn1 == "fused"
     assert EssArgs().da_attn1 == "calls"  # one FlashMLA call unless asked (docs/plugin.md, "Overlap")
@@ -143,7 +144,7 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     assert facts.topk == 2048 and facts.layers == 61 and facts.buffer == 6400
     # DBA is DA over SGLang's two-batch overlap: without it the plan's dba layers run as da
     assert facts.plan == ("da",) * 61 and facts.role == "co-located"
-    assert ess_args(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).enable is False
+    assert ess_launch(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).args.enable is False
     prefill = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "24",
                            "--disaggregation-mode", "prefill"))
     assert validate_server_args(prefill) == EssFacts("pd-prefill", 2048, 61, 163840, windows=24)
@@ -266,9 +267,9 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
 
 def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
     """Without --ess-progressive-pd a PD decode node's record says so."""
-    from sglang_ess.args import ess_args
+    from sglang_ess.launch import ess_launch
 
-    assert ess_args(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).progressive_pd is False
+    assert ess_launch(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).args.progressive_pd is False
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
@@ -276,22 +277,20 @@ def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
 def test_progressive_pd_resolves_over_mooncake_and_nixl(plugin, hopper, tmp_path, graphs, backend):
     """A PD decode node with --ess-progressive-pd over Mooncake or NIXL: SGLang's resolution keeps it, decode CUDA
     graphs on or off (on: a batch holding a request still landing runs eagerly)."""
-    from sglang_ess.args import ess_args
-    from sglang_ess.validate import validate_server_args
+    from sglang_ess.launch import ess_launch, validate_server_args
 
     sa = resolve(base(tmp_path, *PROGRESSIVE[:-4], *graphs, "--disaggregation-transfer-backend", backend))
-    assert ess_args(pickle.loads(pickle.dumps(sa))).progressive_pd is True
+    assert ess_launch(pickle.loads(pickle.dumps(sa))).args.progressive_pd is True
     assert validate_server_args(sa).role == "pd-decode"
 
 
 def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):
     """--ess-disk-dir with CUDA graphs off on a co-located node: SGLang's resolution keeps the flags for the pool."""
-    from sglang_ess.args import ess_args
-    from sglang_ess.validate import validate_server_args
+    from sglang_ess.launch import ess_launch, validate_server_args
 
     (tmp_path / "disk").mkdir()
     sa = resolve(base(tmp_path, *DISK[:-1], str(tmp_path / "disk"), "--ess-disk-gib", "100", *NO_GRAPHS))
-    ess = ess_args(pickle.loads(pickle.dumps(sa)))
+    ess = ess_launch(pickle.loads(pickle.dumps(sa))).args
     assert (ess.disk_dir, ess.disk_gib, ess.host_pool_gib) == (str(tmp_path / "disk"), 100.0, 8.0)
     assert validate_server_args(sa).role == "co-located"
 

@@ -21,7 +21,7 @@ from sglang_ess import cpu, hook_table
 from sglang_ess.hook_table import Hook
 from sglang_ess.hooks import forward, pd, startup
 from sglang_ess.hooks.state import state
-from sglang_ess.validate import resolution_step
+from sglang_ess.launch import resolution_step
 
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
 

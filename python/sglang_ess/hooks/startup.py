@@ -1,6 +1,6 @@
 """ESS's hooks as a server starts: its flags, the KV pool and its sizing, the device check before the weights load,
-and the runtime that answers the DSA backend. (The launch's checks run inside SGLang's argument resolution:
-sglang_ess.validate.)"""
+and the runtime that answers the DSA backend. Each reads ESS's settings of the launch through
+sglang_ess.launch.ess_launch (the launch's checks run inside SGLang's argument resolution: launch.resolution_step)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ import sys
 
 from ess.core.landing import LandingTracker
 from ess.core.settings import PROGRESSIVE_REQUESTS
-from sglang_ess import args as ess_args_mod
 from sglang_ess import pd_warmup, progressive, sizing
-from sglang_ess.args import EssArgs
+from sglang_ess.args import EssArgsError, add_cli_args
 from sglang_ess.hooks.state import state
+from sglang_ess.launch import EssLaunch, attach_flags, ess_launch
 from sglang_ess.pool import EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.validate import MIB, check_device, runtime_facts
+from sglang_ess.validate import MIB, check_device
 
 logger = logging.getLogger("sglang_ess")
 
 
 # -- flags -------------------------------------------------------------------------------------------------------------
 def after_add_cli_args(result, parser, *a, **kw):
-    ess_args_mod.add_cli_args(parser)
+    add_cli_args(parser)
 
 
 def after_from_cli_args(server_args, cls, namespace, *a, **kw):
-    ess_args_mod.attach(server_args, ess_args_mod.from_namespace(namespace))
+    attach_flags(server_args, namespace)
 
 
 def launch_error_hook(previous):
@@ -34,7 +34,7 @@ def launch_error_hook(previous):
     argument errors do, not as the last line of a traceback; every other exception goes to `previous`."""
 
     def hook(kind, value, tb):
-        if isinstance(value, ess_args_mod.EssArgsError):
+        if isinstance(value, EssArgsError):
             print(f"sglang: error: {value}", file=sys.stderr)
             return
         previous(kind, value, tb)
@@ -44,27 +44,27 @@ def launch_error_hook(previous):
 
 
 # -- pool: ESS's DSA pool class and its sizing -------------------------------------------------------------------------
-def _ess_target(kvc) -> tuple[EssArgs, dict] | None:
-    """(settings, facts) when this configurator builds an ESS target pool (not the MTP draft worker's)."""
-    ess = ess_args_mod.ess_args(kvc.server_args)
-    if not ess.enable or getattr(kvc, "is_draft_worker", False):
+def _ess_target(kvc) -> EssLaunch | None:
+    """ESS's settings when this configurator builds an ESS target pool (not the MTP draft worker's; a PD prefill node
+    keeps SGLang's pool)."""
+    launch = ess_launch(kvc.server_args)
+    if not launch.on or getattr(kvc, "is_draft_worker", False) or launch.facts.role == "pd-prefill":
         return None
-    facts = runtime_facts(kvc.server_args)
-    return None if facts.role == "pd-prefill" else (ess, facts)  # a prefill node keeps SGLang's pool
+    return launch
 
 
 def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, **kw):
-    target = _ess_target(kvc)
-    if target is None:
+    launch = _ess_target(kvc)
+    if launch is None:
         return original(kvc, pre_model_load_memory, *a, **kw)
-    config, state.tier_spec = sizing.resolve_memory_pool_config(kvc, pre_model_load_memory, *target)
+    config, state.tier_spec = sizing.resolve_memory_pool_config(kvc, pre_model_load_memory, launch.args, launch.facts)
     return config
 
 
 def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_class, **kw):
-    target = _ess_target(kvc)
-    if target is not None:
-        facts = target[1]
+    launch = _ess_target(kvc)
+    if launch is not None:
+        facts = launch.facts
         dsa_pool_class = pool_class(
             scratch_rows=sizing.scratch_requests(max_running_requests) * facts.query_rows,
             stage_rows=max(facts.context, sizing.relabel_stage_rows(kvc.server_args, max_running_requests, facts)),
@@ -78,13 +78,14 @@ def before_load_model(model_runner, *a, **kw):
     """In each scheduler, before its weights load: the launch's device check (sglang_ess.validate.check_device) again
     with the free memory SGLang measured after its own start-up (`pre_model_load_memory`, what its KV budget is taken
     from), so memory other processes hold is found before the load, not after it."""
-    facts = runtime_facts(model_runner.server_args)
+    launch = ess_launch(model_runner.server_args)
     free_gib = getattr(model_runner, "pre_model_load_memory", None)
-    if facts is None or facts.role == "pd-prefill" or getattr(model_runner, "is_draft_worker", False) or free_gib is None:
+    if not launch.on or launch.facts.role == "pd-prefill" or getattr(model_runner, "is_draft_worker", False) \
+            or free_gib is None:
         return
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    check_device(resolving_view(model_runner.server_args), facts, free_gib * 1024 * MIB,
+    check_device(resolving_view(model_runner.server_args), launch.facts, free_gib * 1024 * MIB,
                  f"the free memory of {model_runner.device} before the load")
 
 
@@ -93,10 +94,10 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     install it as the runner's sparse-offload coordinator: the DSA backend (built later) then asks it for the selected
     rows in decode and verify, takes un-fused top-k positions, and keeps the token-granular page table."""
     server_args = model_runner.server_args
-    ess = ess_args_mod.ess_args(server_args)
-    if not ess.enable or getattr(model_runner, "is_draft_worker", False):
+    launch = ess_launch(server_args)
+    if not launch.on or getattr(model_runner, "is_draft_worker", False):
         return
-    facts = runtime_facts(server_args)
+    ess, facts = launch.args, launch.facts
     pool = model_runner.token_to_kv_pool
     if facts.role == "pd-prefill":
         if facts.windows:
