@@ -43,9 +43,9 @@ class EssArgs:
     layer_plan: str | None = flag(None, "--ess-layer-plan", "Per-layer overlap plan from `ess plan` (format "
                                   "ess-layer-plan/1).", type=str)
     da_attn1: str = flag(PLUGIN_DA_ATTN1, "--ess-da-attn1", "DA / DBA decode attention: calls (one FlashMLA call over "
-                         "every entry after the misses' copy; default), miss (FlashMLA over the hits, ESS's kernel over "
-                         "the misses, merged by log-sum-exp), fused (as miss, the misses' copy and attention in one "
-                         "kernel). Not yet timed on a GPU.", choices=DA_ATTN1_KINDS)  # docs/plugin.md, "Overlap"
+                         "every entry after the misses' copy; default), miss (FlashMLA over the hits, ESS's kernel "
+                         "over the misses, merged by log-sum-exp), fused (as miss, the misses' copy and attention in "
+                         "one kernel). Not yet timed on a GPU.", choices=DA_ATTN1_KINDS)  # docs/plugin.md, "Overlap"
     warmup_windows: int = flag(WARMUP_WINDOWS, "--ess-warmup-windows", "LRU-Warmup: replay the top-k sets of the last "
                                "W prefill positions before decode (0: off).", type=int)
     record_trace: str | None = flag(None, "--ess-record-trace", "Directory to write top-k trace files (.npz, the `ess "

@@ -23,7 +23,7 @@ Overlap (docs/design.md, Overlap), per layer from the plan or --ess-overlap:
               round differently from one call).
 LRU-Warmup: a prefill forward's last W query rows per request give its warm-up sets (`plan_prefill`,
 `warm_from_prefill`), so decode starts with the rows prefill attended to last. On a PD decode node the prefill node
-sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).
+sends the state those sets leave (`admit_transferred`, sglang_ess.pd.warmup).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ess.core.disk_tier import DISK_PAGE
 from ess.core.policy import PolicyResult
 from ess.core.serving import ServingLatentCache
 from ess.core.streams import Streams
-from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs
+from sglang_ess.pd import warmup as pd_warmup
 from sglang_ess.recorder import StepRing, TraceRecorder
 from sglang_ess.validate import EssFacts
 from sglang_ess.warmup_plan import WarmupPlan
@@ -120,7 +120,7 @@ class EssRuntime:
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
         self.released = 0  # requests let go (finished or aborted), a host count
-        self.progressive = None  # a PD decode node's --ess-progressive-pd (sglang_ess.progressive.ProgressiveDecode)
+        self.progressive = None  # a PD decode node's --ess-progressive-pd (sglang_ess.pd.landing.ProgressiveDecode)
         # Request rows to reset and PD warm-up states to load, from the scheduler (its request lifecycle), applied at
         # the start of the next forward (`apply_admissions`), in the forward's stream order: a forward still in flight
         # under SGLang's overlap scheduler may hold a finished request's row, and its LRU step would otherwise write
@@ -350,7 +350,7 @@ class EssRuntime:
 
     def admit_transferred(self, req_slot: int, entries: torch.Tensor) -> None:
         """PD decode: a request whose KV arrived from a prefill node, with the warm-up state that node sent
-        (entries [layers, N], sglang_ess.pd_warmup's wire format): at the next forward its GPU slots start as a
+        (entries [layers, N], sglang_ess.pd.warmup's wire format): at the next forward its GPU slots start as a
         co-located warm-up would leave them, the most recently used rows first when the union exceeds the slots."""
         self._loads[req_slot] = entries
 

@@ -11,8 +11,8 @@ from typing import Any
 from ess.core.disk_tier import PAGE_BYTES
 from ess.core.plan import PlanError, load_plan
 from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB
-from sglang_ess import pd_warmup
 from sglang_ess.args import FLAGS, EssArgs, EssArgsError
+from sglang_ess.pd import warmup as pd_warmup
 
 logger = logging.getLogger("sglang_ess")
 
@@ -68,7 +68,8 @@ def gpu_slots(ess: EssArgs, context: int, topk: int, rows: int) -> int:
     need = rows * (topk + 1)
     buffer = ess.buffer_for(context)
     if buffer < need:
-        flag = "--ess-buffer-tokens" if ess.buffer_tokens is not None else f"--ess-sparse-ratio {ess.ratio} x context {context}"
+        flag = ("--ess-buffer-tokens" if ess.buffer_tokens is not None
+                else f"--ess-sparse-ratio {ess.ratio} x context {context}")
         what = "top-k + 1" if rows == 1 else f"{rows} verify rows x (top-k + 1)"
         raise EssArgsError(f"{flag} gives {buffer} GPU slots per request, below {what} = {need}")
     return min(buffer, context)
@@ -153,14 +154,14 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes))
 
 
-# Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd_warmup).
+# Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd.warmup).
 DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "layer_plan", "da_attn1", "record_trace",
                "disk_dir", "disk_gib")
 GRAPH_PHASES = ("decode", "prefill")  # SGLang's cuda_graph_config phases
 
 
 # Transfer backends over which a decode node hears of a request's KV as it lands, in the order the prefill node sent
-# it: Mooncake and NIXL, through ESS's hooks on both nodes (sglang_ess.pd_progressive: the prefill worker sends the
+# it: Mooncake and NIXL, through ESS's hooks on both nodes (sglang_ess.pd.sending: the prefill worker sends the
 # last chunk in phases and reports each). mori and Ascend are not audited; "fake" transfers nothing.
 PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake", "nixl")
 

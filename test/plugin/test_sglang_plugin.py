@@ -445,10 +445,11 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
 
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-    from sglang_ess import pd_warmup
+    from sglang_ess.pd import warmup as pd_warmup
 
-    for name in ("runtime", "sender", "sender_pool", "wire"):
-        monkeypatch.setattr(plugin.state, name, None)
+    monkeypatch.setattr(plugin.state, "runtime", None)
+    for name in ("sender", "sender_pool", "wire"):
+        monkeypatch.setattr(plugin.state.pd, name, None)
     build = lambda kvc, **kw: kw["dsa_pool_class"]  # noqa: E731
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"))
     kvc = types.SimpleNamespace(server_args=sa, is_draft_worker=False)
@@ -458,20 +459,21 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
     runner = types.SimpleNamespace(server_args=sa, is_draft_worker=True, token_to_kv_pool=pool,
                                    req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32)))
     plugin.startup.after_init_sparse_coordinator(None, runner)
-    assert plugin.state.sender is None  # the draft worker
+    assert plugin.state.pd.sender is None  # the draft worker
     runner.is_draft_worker = False
     plugin.startup.after_init_sparse_coordinator(None, runner)
-    assert isinstance(plugin.state.sender, pd_warmup.WarmupSender) and plugin.state.sender_pool is pool and plugin.state.runtime is None
-    assert plugin.state.wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
+    assert isinstance(plugin.state.pd.sender, pd_warmup.WarmupSender) and plugin.state.pd.sender_pool is pool \
+        and plugin.state.runtime is None
+    assert plugin.state.pd.wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
     other = types.SimpleNamespace(token_to_kv_pool=object(), use_fused_topk=False)  # the draft worker's backend
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([1]),
                                   seq_lens_cpu=torch.tensor([5]), extend_prefix_lens_cpu=[0])
     plugin.forward.after_init_forward_metadata(None, other, batch)
-    assert not plugin.state.sender._forwards
+    assert not plugin.state.pd.sender._forwards
     plugin.forward.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
-    assert len(plugin.state.sender._forwards) == 1
+    assert len(plugin.state.pd.sender._forwards) == 1
 
 
 def test_an_unwritable_disk_dir_is_refused(tmp_path, monkeypatch):

@@ -486,7 +486,8 @@ def test_move_and_cpu_copy_through_a_disk_tier(tiered, monkeypatch):
 def test_a_pd_decode_node_charges_its_warmup_metadata_to_the_host(monkeypatch):
     """A PD decode node's metadata buffers (two slots per request-table row, in host memory) each carry ESS's
     warm-up row (about 2 MB for DeepSeek-V3.2): sizing charges them to the same host budget as the latent rows."""
-    from sglang_ess import pd_warmup, sizing
+    from sglang_ess import sizing
+    from sglang_ess.pd import warmup as pd_warmup
 
     layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
     kvc, _, schedule, disagg = configurator(monkeypatch, layers, avail)

@@ -25,7 +25,8 @@ from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sglang_ess import hooks, pd_warmup  # noqa: E402
+from sglang_ess import hooks  # noqa: E402
+from sglang_ess.pd import warmup as pd_warmup  # noqa: E402
 
 L, K, C, CTX, STEPS = 2, 8, 12, 40, 12
 NEEDS_INTERPRETER = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8")  # fused, on a CPU
@@ -347,7 +348,7 @@ def test_a_malformed_pd_warmup_record_costs_its_request_the_warmup_only(plugin, 
 
     rt, _ = setup_runtime(warmup=4)
     monkeypatch.setattr(hooks.state, "runtime", rt)
-    monkeypatch.setattr(hooks.state, "wire", (L_, K_))
+    monkeypatch.setattr(hooks.state.pd, "wire", (L_, K_))
     meta = metadata_buffers(4)
     for i, entries in enumerate([past, good]):
         pd_warmup.write_row(meta.ess_warmup[i], L_, n, entries, 4, 1000 + i)
@@ -562,9 +563,9 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     # the prefill node (its pool: a stand-in object; its req_to_token: the same table)
     target_pool = object()
     sender = pd_warmup.WarmupSender(L, K, W, pool.req_to_token, 200 * 64 + 1)
-    monkeypatch.setattr(hooks.state, "sender", sender)
-    monkeypatch.setattr(hooks.state, "sender_pool", target_pool)
-    monkeypatch.setattr(hooks.state, "wire", (L, K))
+    monkeypatch.setattr(hooks.state.pd, "sender", sender)
+    monkeypatch.setattr(hooks.state.pd, "sender_pool", target_pool)
+    monkeypatch.setattr(hooks.state.pd, "wire", (L, K))
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
 
     backend = types.SimpleNamespace(token_to_kv_pool=target_pool, req_to_token=pool.req_to_token, use_fused_topk=True,
@@ -611,7 +612,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     other = decode_request(sglang_req(SLOTS[0], 77), 5)  # row 5 holds room 1000's state
     hooks.pd.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), other)
     stale.start_forward()
-    monkeypatch.setattr(hooks.state, "wire", None)
+    monkeypatch.setattr(hooks.state.pd, "wire", None)
     plain = metadata_buffers(4)  # a prefill node without ESS: one buffer fewer, so row 5 is not written
     assert not hasattr(plain, "ess_warmup")
     send_aux(plain, 1, decode_meta, 5)

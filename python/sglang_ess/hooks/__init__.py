@@ -1,12 +1,13 @@
 """Where ESS hooks into SGLang 0.5.23: one table of every touch point (sglang_ess.hook_table.Hook: target, hook type,
-hook, the parameters it reads, why), registered through SGLang's own HookRegistry. Every hook is a no-op unless the
+hook, the parameters it reads, why), registered through SGLang's own HookRegistry, and one step of SGLang's argument
+resolution (RESOLUTION_STEP: the launch's checks, sglang_ess.launch.resolution_step). Every hook is a no-op unless the
 server was launched with --enable-ess. The hooks themselves live by concern:
     startup.py   the flags, the KV pool and its sizing, the device check, the runtime
     forward.py   a prefill batch's admission and staging, each forward and the DSA backend's calls, a request's
                  release, a disk-tier page lost, the state readout
     pd.py        PD disaggregation: the warm-up metadata, the decode node's transfer queue, the ordered sends and
                  progress reports over Mooncake and NIXL, the transfer engines' memory registration
-    state.py     what they share in one process (`state`)
+    shared.py    what they share in one process (`state`; its PD part is sglang_ess.pd.state)
 The test suite resolves every target in the installed sglang and checks the parameters each row names, so an upstream
 rename fails a test.
 """
@@ -20,7 +21,7 @@ from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess import cpu, hook_table
 from sglang_ess.hook_table import Hook
 from sglang_ess.hooks import forward, pd, startup
-from sglang_ess.hooks.state import state
+from sglang_ess.hooks.shared import state
 from sglang_ess.launch import resolution_step
 
 AFTER, AROUND, BEFORE = HookType.AFTER, HookType.AROUND, HookType.BEFORE
@@ -44,7 +45,7 @@ INTERNAL_STATE = "sglang.srt.managers.scheduler_components.internal_state.Schedu
 DECODE_GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
 DECODE_GRAPH_VOTE = "sglang.srt.managers.scheduler_components.dp_attn._local_decode_cuda_graph_vote"
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-FLASH_MLA = "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"  # imported per call by the backend
+FLASH_MLA = "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"  # the backend imports it per call
 RESOLUTION_STEP = "handle_other_validations"  # the argument resolution step the launch's checks wrap
 
 # What each hook does there is its docstring's; `why` says it in a line.

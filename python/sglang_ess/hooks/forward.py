@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from sglang_ess.hooks.state import state
+from sglang_ess.hooks.shared import state
 from sglang_ess.pool import DECODE, EXTEND, EssDSATokenToKVPool
 from sglang_ess.runtime import request_slot
 
@@ -49,7 +49,7 @@ def _forward_backend():
 
 def _sending(backend) -> bool:
     """This backend serves the target model of a PD prefill node that sends warm-up state."""
-    return state.sender is not None and getattr(backend, "token_to_kv_pool", None) is state.sender_pool
+    return state.pd.sender is not None and getattr(backend, "token_to_kv_pool", None) is state.pd.sender_pool
 
 
 def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
@@ -71,7 +71,7 @@ def after_init_forward_metadata(result, backend, forward_batch, *a, **kw):
     prefix_lens = list(forward_batch.extend_prefix_lens_cpu or [0] * len(seq_lens))
     extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
     if sending:
-        state.sender.plan(forward_batch.req_pool_indices, seq_lens, extend_lens, backend.use_fused_topk)
+        state.pd.sender.plan(forward_batch.req_pool_indices, seq_lens, extend_lens, backend.use_fused_topk)
         return
     pool.stage_extend(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, prefix_lens)
     if pool.ess_runtime is not None:
@@ -155,8 +155,8 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, 
     out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
     if _sending(backend) and not verify and top_k is not None:
         positions = ragged_positions(backend, forward_batch, top_k)
-        state.sender.record(layer.layer_id, top_k if positions is None else positions,
-                            getattr(forward_batch, "tbo_parent_token_range", None), positions=positions is not None)
+        state.pd.sender.record(layer.layer_id, top_k if positions is None else positions,
+                               getattr(forward_batch, "tbo_parent_token_range", None), positions=positions is not None)
     if pool is not None and pool.ess_runtime is not None and not verify and top_k is not None:
         to_positions = pool.stage_positions if backend.use_fused_topk else None  # fused: token locations
         token_range = getattr(forward_batch, "tbo_parent_token_range", None)
@@ -219,7 +219,7 @@ def around_topk_transform(original, metadata, logits, topk, *a, **kw):
 def around_release_kv_cache(original, req, *a, **kw):
     """SGLang releases a request's KV (finish, abort, retract): ESS lets go of its rows first. Under
     --ess-progressive-pd a request whose transfer still lands keeps its KV until the transfer has ended
-    (sglang_ess.progressive.ProgressiveDecode.hold); SGLang's queue then reports a pending release
+    (sglang_ess.pd.landing.ProgressiveDecode.hold); SGLang's queue then reports a pending release
     (after_has_pending_releases), so the scheduler neither idles nor checks for leaks meanwhile."""
     rt, idx = state.runtime, request_slot(req)
     prog = rt.progressive if rt is not None else None

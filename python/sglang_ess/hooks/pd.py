@@ -1,6 +1,7 @@
-"""ESS's hooks on PD disaggregation: the warm-up state in an extra metadata buffer (sglang_ess.pd_warmup), the decode
-node's transfer queue under --ess-progressive-pd (sglang_ess.progressive), the ordered sends and progress reports
-over Mooncake and NIXL (sglang_ess.pd_progressive), and the transfer engines' memory registration."""
+"""ESS's hooks on PD disaggregation: the warm-up state in an extra metadata buffer (sglang_ess.pd.warmup), the decode
+node's transfer queue under --ess-progressive-pd (sglang_ess.pd.landing), the ordered sends and progress reports
+over Mooncake and NIXL (sglang_ess.pd.sending, sglang_ess.pd.engines), and the transfer engines' memory registration.
+What they share across SGLang's threads is `state.pd` (sglang_ess.pd.state)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,21 @@ import logging
 
 import torch
 
-from sglang_ess import pd_progressive, pd_warmup
-from sglang_ess.hooks.state import state
+from sglang_ess.hooks.shared import state
+from sglang_ess.pd import engines, sending
+from sglang_ess.pd import warmup as pd_warmup
 from sglang_ess.runtime import request_slot
 
 logger = logging.getLogger("sglang_ess")
 
 
-# -- the warm-up state travels in an extra metadata buffer (sglang_ess.pd_warmup) --------------------------------------
+# -- the warm-up state travels in an extra metadata buffer (sglang_ess.pd.warmup) --------------------------------------
 def after_metadata_buffers_init(result, buffers, size, *a, **kw):
     """Both PD nodes append the same buffer (its size depends on the model only), so Mooncake / NIXL send it with the
     rest of a request's metadata."""
-    if state.wire is not None:
-        ints = pd_warmup.row_ints(*state.wire)
-        buffers.ess_warmup = state.warmup_rows = torch.zeros((size, ints), dtype=torch.int32,
+    if state.pd.wire is not None:
+        ints = pd_warmup.row_ints(*state.pd.wire)
+        buffers.ess_warmup = state.pd.warmup_rows = torch.zeros((size, ints), dtype=torch.int32,
                                                              device=buffers.output_ids.device)
         logger.info("ESS PD warm-up metadata: %d slots x %.2f MB", size, ints * 4 / 2**20)
 
@@ -37,8 +39,8 @@ def after_get_buf_infos(result, buffers, *a, **kw):
 def after_set_buf(result, buffers, req, *a, **kw):
     """Prefill node, a request's last chunk: its warm-up state into its metadata row."""
     buf = getattr(buffers, "ess_warmup", None)
-    if buf is not None and state.sender is not None:
-        state.sender.write(buf[req.metadata_buffer_index], int(request_slot(req)), req.bootstrap_room)
+    if buf is not None and state.pd.sender is not None:
+        state.pd.sender.write(buf[req.metadata_buffer_index], int(request_slot(req)), req.bootstrap_room)
 
 
 def after_commit_transfer(result, queue, decode_req, *a, **kw):
@@ -47,7 +49,7 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
     req = decode_req.req
     if buf is None or state.runtime is None or req.finished_reason is not None or request_slot(req) is None:
         return
-    entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *state.wire)
+    entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *state.pd.wire)
     if entries is None:
         return
     prompt = getattr(req, "origin_input_ids", None)
@@ -58,10 +60,10 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
     state.runtime.admit_transferred(int(request_slot(req)), entries)
 
 
-# -- the decode node's transfer queue, --ess-progressive-pd (sglang_ess.progressive) -----------------------------------
+# -- the decode node's transfer queue, --ess-progressive-pd (sglang_ess.pd.landing) ------------------------------------
 def around_pop_transferred(original, queue, *a, **kw):
     """Decode node, --ess-progressive-pd: requests whose phases 1 and 2 have landed pass SGLang's poll as
-    transferred (sglang_ess.progressive); SGLang's own commit then admits them, the rest of their rows streaming."""
+    transferred (sglang_ess.pd.landing); SGLang's own commit then admits them, the rest of their rows streaming."""
     rt = state.runtime
     prog = rt.progressive if rt is not None else None
     if prog is None:
@@ -114,66 +116,58 @@ def after_decode_graph_vote(result, *a, **kw):
     return None
 
 
-# -- PD over Mooncake or NIXL, --ess-progressive-pd: ordered sends and progress reports (sglang_ess.pd_progressive) ----
-def _warmup_pages(mgr, chunk, prefix_pages: int):
-    """Prefill node: the warm-up pages of a chunk's request, hottest first, from its metadata row."""
-    rows, page = state.warmup_rows, mgr.kv_args.page_size
-    if rows is None or state.wire is None or chunk.prefill_aux_index is None:
-        return pd_progressive.hot_pages(None, 0, page)
-    entries = pd_warmup.read_row(rows[chunk.prefill_aux_index], chunk.room, *state.wire)
-    return pd_progressive.hot_pages(entries, (prefix_pages + chunk.index_slice.stop) * page, page)
-
-
+# -- Mooncake and NIXL, --ess-progressive-pd: ordered sends and progress reports (sglang_ess.pd.sending, .engines) -----
 def around_transfer_worker(original, mgr, queue, executor, *a, **kw):
     """Prefill node with ESS (Mooncake): the worker takes its chunks through OrderedQueue, which sends a progressive
     room's last chunk in phases and reports each (a room no decode peer asked that of passes through unchanged)."""
-    if state.sender is None:
+    if state.pd.sender is None:
         return original(mgr, queue, executor, *a, **kw)
-    return original(mgr, pd_progressive.OrderedQueue(queue, mgr, executor, _warmup_pages), executor, *a, **kw)
+    ordered = sending.OrderedQueue(queue, mgr, executor, engines.Mooncake(state.pd), state.pd)
+    return original(mgr, ordered, executor, *a, **kw)
 
 
 def around_nixl_transfer_worker(original, mgr, queue, *a, **kw):
     """around_transfer_worker for NIXL's worker (no executor: its writes are handles it waits on)."""
-    if state.sender is None:
+    if state.pd.sender is None:
         return original(mgr, queue, *a, **kw)
-    return original(mgr, pd_progressive.OrderedQueue(queue, mgr, None, _warmup_pages), *a, **kw)
+    return original(mgr, sending.OrderedQueue(queue, mgr, None, engines.Nixl(state.pd), state.pd), *a, **kw)
 
 
 def around_conclude_transfer(original, mgr, *a, **kw):
     """A phase1 part's Success is held back until the room's last part (the decode node hears of phase 1 from ESS);
-    any other conclusion ends the hold (pd_progressive.concluded)."""
+    any other conclusion ends the hold (sglang_ess.pd.sending.concluded)."""
     room = kw.get("bootstrap_room")
-    if pd_progressive.hold_conclusion(mgr, room, kw.get("status")):
+    if sending.hold_conclusion(state.pd, mgr, room, kw.get("status")):
         return None
     result = original(mgr, *a, **kw)
-    pd_progressive.concluded(mgr, room, result)
+    sending.concluded(state.pd, mgr, room, result)
     return result
 
 
 def around_send_aux(original, mgr, *a, **kw):
     """The last part of a progressive room sends no metadata: phase 1 did, and the decode node may have reused the
     slot since the request joined."""
-    if pd_progressive.skip_metadata():
-        return pd_progressive.engine(mgr).NO_SEND
+    if sending.skip_metadata(state.pd):
+        return engines.engine_of(mgr, state.pd).NO_SEND
     return original(mgr, *a, **kw)
 
 
 def around_await_handles(original, mgr, handles, *a, **kw):
     """NIXL's worker waits on every handle of a chunk, the metadata's among them: a send ESS skipped has none."""
-    return original(mgr, [h for h in handles if h is not pd_progressive.Nixl.NO_SEND], *a, **kw)
+    return original(mgr, [h for h in handles if h is not engines.Nixl.NO_SEND], *a, **kw)
 
 
 def after_registration_message(result, mgr, *a, **kw):
     """Decode node with --ess-progressive-pd: its Mooncake or NIXL registration asks prefill nodes for progressive
     sends (one frame more, past every field SGLang reads)."""
     if state.runtime is not None and state.runtime.progressive is not None:
-        return [*result, pd_progressive.REGISTRATION]
+        return [*result, engines.REGISTRATION]
     return None
 
 
 def after_registration_info(result, cls, msg, *a, **kw):
     """Prefill node: whether a decode rank's registration asked for progressive sends."""
-    result.ess_progressive = bool(msg) and msg[-1] == pd_progressive.REGISTRATION
+    result.ess_progressive = bool(msg) and msg[-1] == engines.REGISTRATION
     return None
 
 
@@ -181,7 +175,7 @@ def around_abort_notification(original, mgr, msg, *a, **kw):
     """Prefill node: a decode node's NEED (the pages a step waits for) into the notes its transfer workers read; every
     other message goes on to SGLang (its abort notifications, then its bootstrap messages)."""
     try:
-        if pd_progressive.note_need(msg, mgr):
+        if sending.note_need(state.pd, msg, mgr):
             return True
     except Exception:  # SGLang's bootstrap thread dies on an exception, and with it the node's new transfers
         logger.exception("ESS progressive PD: a NEED message could not be noted")
@@ -192,14 +186,14 @@ def around_abort_notification(original, mgr, msg, *a, **kw):
 def around_handle_chunk_ready(original, mgr, msg, *a, **kw):
     """Decode node: ESS's progress reports are taken into the inbox (dropped without --ess-progressive-pd); every
     other message goes on to SGLang."""
-    if msg and msg[0] == pd_progressive.TAG:
+    if msg and msg[0] == engines.TAG:
         if state.runtime is not None and state.runtime.progressive is not None:
-            return pd_progressive.take(msg, mgr)
+            return engines.take(state.pd, msg, mgr)
         return True
     return original(mgr, msg, *a, **kw)
 
 
-# -- the transfer engines: ESS's latent layers are pinned host memory ----------------------------------------------------
+# -- the transfer engines: ESS's latent layers are pinned host memory --------------------------------------------------
 def host_memory_kinds(ptrs: list[int], kinds: list[str], host: torch.Tensor) -> list[str]:
     """NIXL memory kinds of KV buffers: DRAM for the ones inside ESS's host pool, the others as given."""
     low = host.data_ptr()
@@ -218,7 +212,7 @@ def before_nixl_manager(manager, args, *a, **kw):
 def after_mooncake_register(result, engine, *a, **kw):
     """Mooncake's batch registration only logs a failure at debug level; with ESS a node whose buffers are not
     registered would send or receive nothing, so it stops here instead."""
-    if result != 0 and (state.runtime is not None or state.sender is not None):
+    if result != 0 and (state.runtime is not None or state.pd.sender is not None):
         raise RuntimeError(f"--enable-ess: Mooncake could not register the KV buffers (batch_register returned {result}); "
                            "check the transfer engine's memory registration limits")
     return None

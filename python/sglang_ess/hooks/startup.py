@@ -9,10 +9,13 @@ import sys
 
 from ess.core.landing import LandingTracker
 from ess.core.settings import PROGRESSIVE_REQUESTS
-from sglang_ess import pd_warmup, progressive, sizing
+from sglang_ess import sizing
 from sglang_ess.args import EssArgsError, add_cli_args
-from sglang_ess.hooks.state import state
+from sglang_ess.hooks.shared import state
 from sglang_ess.launch import EssLaunch, attach_flags, ess_launch
+from sglang_ess.pd.engines import sglang_engines
+from sglang_ess.pd.landing import ProgressiveDecode
+from sglang_ess.pd.warmup import WarmupSender
 from sglang_ess.pool import EssDSATokenToKVPool, pool_class
 from sglang_ess.runtime import EssRuntime
 from sglang_ess.validate import MIB, check_device
@@ -101,11 +104,11 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     pool = model_runner.token_to_kv_pool
     if facts.role == "pd-prefill":
         if facts.windows:
-            state.sender = pd_warmup.WarmupSender(
+            state.pd.sender = WarmupSender(
                 facts.layers, facts.topk, facts.windows, model_runner.req_to_token_pool.req_to_token,
                 pool.size + pool.page_size + 1, start_layer=pool.start_layer,
             )
-            state.sender_pool, state.wire = pool, (facts.layers, facts.topk)
+            state.pd.sender_pool, state.pd.wire = pool, (facts.layers, facts.topk)
             logger.info("ESS on a PD prefill node: sends %d warm-up windows per request", facts.windows)
         return
     if not isinstance(pool, EssDSATokenToKVPool):
@@ -126,11 +129,11 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     model_runner.hisparse_coordinator = state.runtime
     model_runner.ess_runtime = state.runtime
     if facts.role == "pd-decode" and ess.warmup_windows:
-        state.wire = (facts.layers, facts.topk)
+        state.pd.wire = (facts.layers, facts.topk)
     if ess.progressive_pd:  # validate: a PD decode node's flag only
-        state.runtime.progressive = progressive.ProgressiveDecode(LandingTracker(
+        state.runtime.progressive = ProgressiveDecode(LandingTracker(
             facts.layers, facts.context, PROGRESSIVE_REQUESTS, model_runner.req_to_token_pool.req_to_token.shape[0],
-            model_runner.device, page=pool.page_size))
+            model_runner.device, page=pool.page_size), sglang_engines(state.pd))
     logger.info("ESS runtime: %s", state.runtime.stats())
 
 
