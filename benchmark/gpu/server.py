@@ -87,8 +87,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 def context_length(args) -> int:
     """Room for every request of the batch in one context: ESS stages at most one context of tokens per prefill batch
-    (sglang_ess.hooks.around_add_one_req), so with less, its prefill batches (and their float rounding) would differ
-    from stock's."""
+    (sglang_ess.hooks.forward.around_add_one_req), so with less, its prefill batches (and their float rounding) would
+    differ from stock's."""
     lo, hi = args.lengths
     total = sum(lo + (hi - lo) * i // max(1, args.requests - 1) for i in range(args.requests))
     return -(-(total + args.requests * args.new_tokens + 64) // 64) * 64

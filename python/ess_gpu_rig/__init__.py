@@ -62,9 +62,7 @@ def register() -> None:
 
     if not active() or not torch.cuda.is_available():
         return
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
     from ess_gpu_rig.patches import PATCHES
+    from sglang_ess import hook_table
 
-    for p in PATCHES:
-        HookRegistry.register(p.target, p.hook, p.kind)
+    hook_table.register(PATCHES)

@@ -1,7 +1,7 @@
 """The GPU rig's patch points: SGLang's JIT kernels (tvm-ffi modules compiled by nvcc at their first call) that a
 dense bf16 DeepSeek-V3.2 server still reaches on SGLang's torch paths, each replaced by the torch it computes, and
-the rotary fix the CPU path also needs. A table as sglang_ess.cpu.patches's; the tests resolve every target in the
-installed SGLang and check the parameters each hook relies on (EXPECTED_PARAMS)."""
+the rotary fix the CPU path also needs. A table of sglang_ess.hook_table rows, as sglang_ess.cpu.patches's; the tests
+resolve every target in the installed SGLang and check the parameters each row names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.cpu import kernels
-from sglang_ess.cpu.patches import ROTARY, Patch, around_rotary_native
+from sglang_ess.cpu.patches import ROTARY, around_rotary_native
+from sglang_ess.hook_table import Hook, expected_params
 
 
 def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -50,26 +51,20 @@ FUSED_A = "sglang.kernels.ops.gemm.fused_a_gemm.dsv3_fused_a_gemm"
 DSV4_OPS = "sglang.kernels.ops.attention.dsv4"
 
 PATCHES = [
-    Patch(HADAMARD, HookType.REPLACE, hadamard_transform,
-          "the indexer's rotate_activation: a JIT kernel (hadamard_jit.cuh), no switch"),
-    Patch(f"{INDEXER}.can_use_dsa_fused_store", HookType.REPLACE, no_fused_store,
-          "the index-K store's JIT kernel (fused_store_index_k_cache); SGLang falls back to Triton only if its build fails"),
-    Patch(f"{DSA_BACKEND}.concat_mla_absorb_q_general", HookType.REPLACE, concat_mla_absorb_q,
-          "the DSA backend's absorbed query: a JIT kernel (concat_mla_absorb_q) on CUDA, no switch"),
-    Patch(FUSED_A, HookType.REPLACE, dsv3_fused_a_gemm,
-          "the q_a / kv_a projection of 1-16 tokens (decode, graph capture): a JIT kernel, off only with deterministic inference"),
-    Patch(f"{DSV4_OPS}.get_paged_mqa_logits_metadata", HookType.REPLACE, paged_mqa_logits_metadata,
-          "the paged logits' schedule: a JIT kernel (paged_mqa_metadata.cuh) even on SGLang's torch logits path"),
-    Patch(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native,
-          "forward_native (SGLANG_FORCE_FUSED_OP_BACKEND=torch) broadcasts the indexer's 2-D key into [tokens, tokens, dim]"),
+    Hook(HADAMARD, HookType.REPLACE, hadamard_transform, ("x", "scale"),
+         "the indexer's rotate_activation: a JIT kernel (hadamard_jit.cuh), no switch"),
+    Hook(f"{INDEXER}.can_use_dsa_fused_store", HookType.REPLACE, no_fused_store,
+         ("key_dtype", "indices_dtype", "page_size"),
+         "the index-K store's JIT kernel (fused_store_index_k_cache); SGLang falls back to Triton only if its build fails"),
+    Hook(f"{DSA_BACKEND}.concat_mla_absorb_q_general", HookType.REPLACE, concat_mla_absorb_q, ("q_nope", "q_rope"),
+         "the DSA backend's absorbed query: a JIT kernel (concat_mla_absorb_q) on CUDA, no switch"),
+    Hook(FUSED_A, HookType.REPLACE, dsv3_fused_a_gemm, ("mat_a", "mat_b", "output", "backend"),
+         "the q_a / kv_a projection of 1-16 tokens (decode, graph capture): a JIT kernel, off only with deterministic inference"),
+    Hook(f"{DSV4_OPS}.get_paged_mqa_logits_metadata", HookType.REPLACE, paged_mqa_logits_metadata,
+         ("seq_lens", "page_size", "num_sm"),
+         "the paged logits' schedule: a JIT kernel (paged_mqa_metadata.cuh) even on SGLang's torch logits path"),
+    Hook(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native, ("self", "positions", "query", "key"),
+         "forward_native (SGLANG_FORCE_FUSED_OP_BACKEND=torch) broadcasts the indexer's 2-D key into [tokens, tokens, dim]"),
 ]
 
-# Parameters of each target that its hook relies on (by name, in order from the first).
-EXPECTED_PARAMS = {
-    HADAMARD: ["x", "scale"],
-    f"{INDEXER}.can_use_dsa_fused_store": ["key_dtype", "indices_dtype", "page_size"],
-    f"{DSA_BACKEND}.concat_mla_absorb_q_general": ["q_nope", "q_rope"],
-    FUSED_A: ["mat_a", "mat_b", "output", "backend"],
-    f"{DSV4_OPS}.get_paged_mqa_logits_metadata": ["seq_lens", "page_size", "num_sm"],
-    f"{ROTARY}.forward_native": ["self", "positions", "query", "key"],
-}
+EXPECTED_PARAMS = expected_params(PATCHES)  # the tests' view: target -> the parameters its hook reads

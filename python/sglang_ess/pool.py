@@ -74,7 +74,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
                                      dtype=torch.uint8, device=self.device)
         self.ess_stage_of_loc = torch.full((locs + 1,), -1, dtype=torch.int32, device=self.device)
         self.ess_phase = EXTEND
-        self.ess_relabelled = False  # this forward is DP attention's relabelled decode (sglang_ess.hooks)
+        self.ess_relabelled = False  # this forward is DP attention's relabelled decode (sglang_ess.hooks.forward)
         self.ess_runtime = None  # set by the plugin once the runtime exists
         self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
         self._stage_pos: torch.Tensor | None = None  # the position of each staging row's token (-1: row 0)

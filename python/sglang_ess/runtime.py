@@ -23,7 +23,7 @@ Overlap (docs/design.md, Overlap), per layer from the plan or --ess-overlap:
               round differently from one call).
 LRU-Warmup: a prefill forward's last W query rows per request give its warm-up sets (`plan_prefill`,
 `warm_from_prefill`), so decode starts with the rows prefill attended to last. On a PD decode node the prefill node
-sends the state those sets leave (`admit_transferred`, sglang_ess.pd_warmup).
+sends the state those sets leave (`admit_transferred`, sglang_ess.pd.warmup).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ess.core.disk_tier import DISK_PAGE
 from ess.core.policy import PolicyResult
 from ess.core.serving import ServingLatentCache
 from ess.core.streams import Streams
-from sglang_ess import pd_warmup
 from sglang_ess.args import EssArgs
+from sglang_ess.pd import warmup as pd_warmup
 from sglang_ess.recorder import StepRing, TraceRecorder
 from sglang_ess.validate import EssFacts
 from sglang_ess.warmup_plan import WarmupPlan
@@ -60,6 +60,11 @@ def layer_modes(ess: EssArgs, num_layers: int, plan: list[str] | None) -> list[s
         return list(plan[:num_layers])
     mode = "da" if ess.overlap == "auto" else ess.overlap
     return [mode] * num_layers
+
+
+def request_slot(req) -> int | None:
+    """A Req's row of SGLang's request table: 0.5.23 keeps it in the Req's KV record (`req.kv`), no longer on the Req."""
+    return req.kv.req_pool_idx
 
 
 def _per_request(x: torch.Tensor, B: int, S: int) -> torch.Tensor:
@@ -97,8 +102,9 @@ class EssRuntime:
         # one forward's decode rows: every layer of every request slot
         self.ring = (StepRing(self.num_layers * token_table.shape[0], facts.topk, device, ess.record_lookahead)
                      if self.recorder else None)
-        # with --ess-record-lookahead: the next-ranked positions of each indexer call (sglang_ess.hooks), first in first
-        # out: every call's step takes the oldest (TBO's micro-batches run their indexers and steps in the same order)
+        # with --ess-record-lookahead: the next-ranked positions of each indexer call (sglang_ess.hooks.forward), first
+        # in first out: every call's step takes the oldest (TBO's micro-batches run their indexers and steps in the same
+        # order)
         self.next_ranked: list[torch.Tensor] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
@@ -114,7 +120,7 @@ class EssRuntime:
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
         self.released = 0  # requests let go (finished or aborted), a host count
-        self.progressive = None  # a PD decode node's --ess-progressive-pd (sglang_ess.progressive.ProgressiveDecode)
+        self.progressive = None  # a PD decode node's --ess-progressive-pd (sglang_ess.pd.landing.ProgressiveDecode)
         # Request rows to reset and PD warm-up states to load, from the scheduler (its request lifecycle), applied at
         # the start of the next forward (`apply_admissions`), in the forward's stream order: a forward still in flight
         # under SGLang's overlap scheduler may hold a finished request's row, and its LRU step would otherwise write
@@ -278,14 +284,15 @@ class EssRuntime:
 
     @property
     def split_pending(self) -> bool:
-        """A DA split step waits for its FlashMLA call (sglang_ess.hooks then routes that call to split_attention)."""
+        """A DA split step waits for its FlashMLA call (sglang_ess.hooks.forward then routes that call to
+        split_attention)."""
         return self._split is not None
 
     def split_attention(self, attn0, q: torch.Tensor, scale: float | None):
-        """The FlashMLA call of a split DA step (sglang_ess.hooks wraps FlashMLA's interface, when split_pending):
-        attn0() makes the backend's own call, over the top-k with the misses set to -1, q [B, 1, H, 576] its query
-        (heads padded as the backend pads them). Returns FlashMLA's (o [B, 1, H, 512] in o's dtype, lse [B, H, 1];
-        +inf for a row without entries) of the merged attention over every entry."""
+        """The FlashMLA call of a split DA step (sglang_ess.hooks.forward wraps FlashMLA's interface, when
+        split_pending): attn0() makes the backend's own call, over the top-k with the misses set to -1, q [B, 1, H,
+        576] its query (heads padded as the backend pads them). Returns FlashMLA's (o [B, 1, H, 512] in o's dtype,
+        lse [B, H, 1]; +inf for a row without entries) of the merged attention over every entry."""
         if self._split is None:
             raise RuntimeError("ESS DA split: no split pending (the FlashMLA hook checks split_pending first)")
         layer, req, r, fetched = self._split
@@ -343,7 +350,7 @@ class EssRuntime:
 
     def admit_transferred(self, req_slot: int, entries: torch.Tensor) -> None:
         """PD decode: a request whose KV arrived from a prefill node, with the warm-up state that node sent
-        (entries [layers, N], sglang_ess.pd_warmup's wire format): at the next forward its GPU slots start as a
+        (entries [layers, N], sglang_ess.pd.warmup's wire format): at the next forward its GPU slots start as a
         co-located warm-up would leave them, the most recently used rows first when the union exceeds the slots."""
         self._loads[req_slot] = entries
 
@@ -352,7 +359,7 @@ class EssRuntime:
         self._resets.extend(rows)
         for r in rows:
             self._loads.pop(r, None)  # a state loaded for the row's previous request does not carry over
-            if self.cache.tier is not None:  # nor a lost row that request read (sglang_ess.hooks.after_run_batch)
+            if self.cache.tier is not None:  # nor a lost row that request read (hooks.forward.after_run_batch)
                 self.cache.tier.lost_reads.pop(r, None)
 
     def apply_admissions(self) -> None:

@@ -214,8 +214,8 @@ def node_ranks(server_args) -> int:
 def warmup_metadata_bytes(facts, ess) -> int:
     """Host bytes per request-table row of a PD decode node's warm-up metadata: SGLang keeps two metadata slots per
     row (scheduler.py: buffer_size = req_to_token_pool.size * 2), and the plugin appends one warm-up row to each
-    (sglang_ess.pd_warmup); 0 elsewhere."""
-    from sglang_ess import pd_warmup
+    (sglang_ess.pd.warmup); 0 elsewhere."""
+    from sglang_ess.pd import warmup as pd_warmup
 
     if facts.role != "pd-decode" or not ess.warmup_windows:
         return 0

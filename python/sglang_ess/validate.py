@@ -1,5 +1,6 @@
 """Checks of --enable-ess against the model and the rest of the launch, run inside SGLang's own argument resolution
-(wrapped around its `handle_other_validations` step, after the DSA KV dtype and backends are resolved)."""
+(wrapped around its `handle_other_validations` step, after the DSA KV dtype and backends are resolved:
+sglang_ess.launch.resolution_step). What they resolve, EssFacts, rides on the record into every process."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from typing import Any
 from ess.core.disk_tier import PAGE_BYTES
 from ess.core.plan import PlanError, load_plan
 from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB
-from sglang_ess import pd_warmup
-from sglang_ess.args import EssArgs, EssArgsError, ess_args
+from sglang_ess.args import FLAGS, EssArgs, EssArgsError
+from sglang_ess.pd import warmup as pd_warmup
 
 logger = logging.getLogger("sglang_ess")
 
 
 @dataclasses.dataclass(frozen=True)
 class EssFacts:
-    """What the launch checks resolved, for the pool, the sizing and the runtime of every process."""
+    """What the launch checks resolved, for the pool, the sizing and the runtime of every process (carried there in
+    sglang_ess.launch.EssLaunch)."""
 
     role: str  # "co-located", "pd-decode" (the ESS cache lives here) or "pd-prefill" (sends warm-up state only)
     topk: int
@@ -57,6 +59,20 @@ def query_rows_per_request(cfg: Any) -> int:
     if algo is None or str(algo).upper() == "NONE":
         return 1
     return int(cfg.speculative_num_draft_tokens or 1)
+
+
+def gpu_slots(ess: EssArgs, context: int, topk: int, rows: int) -> int:
+    """C, the GPU latent slots of each (request, layer): --ess-buffer-tokens, or --ess-sparse-ratio (default
+    DEFAULT_SPARSE_RATIO) x the longest context served, rounded up (EssArgs.buffer_for); at least what one step reads,
+    rows x (top-k + 1), and at most the context (more slots than tokens buy nothing)."""
+    need = rows * (topk + 1)
+    buffer = ess.buffer_for(context)
+    if buffer < need:
+        flag = ("--ess-buffer-tokens" if ess.buffer_tokens is not None
+                else f"--ess-sparse-ratio {ess.ratio} x context {context}")
+        what = "top-k + 1" if rows == 1 else f"{rows} verify rows x (top-k + 1)"
+        raise EssArgsError(f"{flag} gives {buffer} GPU slots per request, below {what} = {need}")
+    return min(buffer, context)
 
 
 def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
@@ -111,14 +127,7 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
         )
     context = int(cfg.context_length or hf_config.max_position_embeddings)
     rows = query_rows_per_request(cfg)
-    need = rows * (topk + 1)
-    buffer = ess.buffer_for(context)
-    if buffer < need:
-        flag = "--ess-buffer-tokens" if ess.buffer_tokens is not None else f"--ess-sparse-ratio {ess.sparse_ratio or DEFAULT_SPARSE_RATIO} x context {context}"
-        what = "top-k + 1" if rows == 1 else f"{rows} verify rows x (top-k + 1)"
-        raise EssArgsError(f"{flag} gives {buffer} GPU slots per request, below {what} = {need}")
-    if buffer > context:
-        buffer = context  # more slots than tokens buys nothing
+    buffer = gpu_slots(ess, context, topk, rows)
 
     if cfg.disaggregation_mode == "decode":  # the prefill node sends the warm-up state
         _check_pd_warmup(ess, context)
@@ -145,14 +154,14 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes))
 
 
-# Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd_warmup).
+# Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd.warmup).
 DECODE_ONLY = ("buffer_tokens", "sparse_ratio", "host_pool_gib", "overlap", "layer_plan", "da_attn1", "record_trace",
                "disk_dir", "disk_gib")
 GRAPH_PHASES = ("decode", "prefill")  # SGLang's cuda_graph_config phases
 
 
 # Transfer backends over which a decode node hears of a request's KV as it lands, in the order the prefill node sent
-# it: Mooncake and NIXL, through ESS's hooks on both nodes (sglang_ess.pd_progressive: the prefill worker sends the
+# it: Mooncake and NIXL, through ESS's hooks on both nodes (sglang_ess.pd.sending: the prefill worker sends the
 # last chunk in phases and reports each). mori and Ascend are not audited; "fake" transfers nothing.
 PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake", "nixl")
 
@@ -160,7 +169,7 @@ PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake", "nixl")
 def _check_progressive_pd(cfg: Any) -> None:
     """--ess-progressive-pd (docs/plugin.md, "Progressive PD transfer"): a decode node's flag, over a backend whose
     prefill node sends in the progressive order and reports it (decode CUDA graphs may stay on: a batch holding a
-    request still landing runs eagerly, sglang_ess.hooks.after_can_run_graph)."""
+    request still landing runs eagerly, sglang_ess.hooks.pd.after_can_run_graph)."""
     mode = cfg.disaggregation_mode
     if mode != "decode":
         node = "a co-located node (--disaggregation-mode null)" if mode in (None, "null") else \
@@ -255,9 +264,9 @@ def check_device(cfg: Any, facts: EssFacts, memory_bytes: float, source: str) ->
                                facts.context, facts.buffer)
 
 
-def _check_device_capacity(cfg: Any, facts: EssFacts) -> None:
+def check_device_capacity(cfg: Any, facts: EssFacts) -> None:
     """At launch, before any weight loads: check_device on the device's capacity as SGLang reads it. Each scheduler
-    checks again with the free memory it measures before its load (sglang_ess.hooks.before_load_model)."""
+    checks again with the free memory it measures before its load (sglang_ess.hooks.startup.before_load_model)."""
     from sglang.srt.utils.common import get_device_memory_capacity
 
     capacity_mib = get_device_memory_capacity(cfg.device)
@@ -282,7 +291,7 @@ def _check_pd_warmup(ess: EssArgs, context: int) -> None:
 def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     """--enable-ess on a PD prefill node: the node keeps SGLang's own KV cache and sends each request's warm-up state
     to the decode node with its metadata; only --ess-warmup-windows applies."""
-    given = [EssArgs.FLAGS[f] for f in DECODE_ONLY if getattr(ess, f) != EssArgs.__dataclass_fields__[f].default]
+    given = [FLAGS[f] for f in DECODE_ONLY if getattr(ess, f) != EssArgs.__dataclass_fields__[f].default]
     if given:
         raise EssArgsError(f"{', '.join(given)} shape(s) the decode node's cache; on a prefill node (--disaggregation-mode "
                            "prefill) --enable-ess only sends warm-up state (--ess-warmup-windows)")
@@ -290,36 +299,3 @@ def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     _check_pd_warmup(ess, context)
     return EssFacts("pd-prefill", int(hf_config.index_topk), int(hf_config.num_hidden_layers), context,
                     windows=ess.warmup_windows)
-
-
-def validate_server_args(server_args: Any) -> EssFacts | None:
-    """The resolution step: None when ESS is off."""
-    ess = ess_args(server_args)
-    if not ess.enable:
-        return None
-    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
-
-    return validate_model(ess, resolving_view(server_args), model_config_of(server_args).hf_config)
-
-
-FACTS_ATTR = "_ess_facts"
-
-
-def runtime_facts(server_args: Any) -> EssFacts | None:
-    """validate_server_args once per process for the resolved record (the KV cache configurator's hooks and the
-    runtime each need the facts); None when ESS is off."""
-    facts = getattr(server_args, FACTS_ATTR, None)
-    if facts is None:
-        facts = validate_server_args(server_args)
-        setattr(server_args, FACTS_ATTR, facts)
-    return facts
-
-
-def resolution_step(server_args: Any, previous) -> None:
-    """Registered around SGLang's `handle_other_validations`: the launch's checks, once, in the launcher."""
-    previous(server_args)
-    facts = validate_server_args(server_args)
-    if facts is not None and facts.role != "pd-prefill":
-        from sglang.srt.arg_groups.overrides import resolving_view
-
-        _check_device_capacity(resolving_view(server_args), facts)

@@ -1,6 +1,6 @@
 """Which query rows of a prefill forward give each request's LRU-Warmup sets (docs/design.md, LRU-Warmup): its last W
 query rows, oldest first. Used where prefill runs: the co-located runtime warms its GPU slots from them, a PD prefill
-node sends the state they leave (sglang_ess.pd_warmup)."""
+node sends the state they leave (sglang_ess.pd.warmup)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def test_at_infinite_bandwidth_both_are_the_step_time_floor():
 
 
 def test_phase_bytes_are_the_index_k_share_then_the_warm_set_then_the_rest():
-    pd_warmup = pytest.importorskip("sglang_ess.pd_warmup")
+    pd_warmup = pytest.importorskip("sglang_ess.pd.warmup")
     assert warmup_state_bytes(DSV32) == pd_warmup.row_ints(61, 2048) * 4
     ph = phases(DSV32, K128, 0.2)
     assert ph["phase1_bytes"] - warmup_state_bytes(DSV32) == K128 * 61 * 132  # every token's index-K

@@ -95,7 +95,7 @@ def build(plugin, sa, mc):
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
-    from sglang_ess.args import ess_args
+    from sglang_ess.launch import ess_launch
     from sglang_ess.pool import EssDSATokenToKVPool, pool_class
     from sglang_ess.sizing import disk_tier_spec
 
@@ -105,11 +105,12 @@ def build(plugin, sa, mc):
     locs = torch.randperm(SIZE - 1, generator=torch.Generator().manual_seed(0))  # scattered, the same every run
     tokens.req_to_token[REQ] = (locs[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
     stock_pool = DSATokenToKVPool(**kw)
-    ess_pool = pool_class(scratch_rows=8, stage_rows=64, backend="torch", tier=disk_tier_spec(ess_args(sa), 1))(**kw)
+    ess_pool = pool_class(scratch_rows=8, stage_rows=64, backend="torch",
+                          tier=disk_tier_spec(ess_launch(sa).args, 1))(**kw)
     assert isinstance(ess_pool, EssDSATokenToKVPool)
 
     runner = model_runner(sa, mc, ess_pool, tokens)
-    plugin.after_init_sparse_coordinator(None, runner)  # SGLang calls it after maybe_init_hisparse_coordinator
+    plugin.startup.after_init_sparse_coordinator(None, runner)  # SGLang calls it after maybe_init_hisparse_coordinator
     rt = plugin.state.runtime
     assert rt is not None and runner.hisparse_coordinator is rt and rt.modes == ["da"] * L
     # prefill admission keeps batches within the staging rows (row 0 is SGLang's writer's reserved row)
@@ -215,7 +216,7 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
             events.clear()
             with forward_context(ForwardContext(attn_backend=ess)):
                 events.append("indexer")
-                plugin.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
+                plugin.forward.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
                 events.append("attention")
                 got = ess.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
             assert events == DA_EVENTS[attn1], events  # DA: the H2D started at the indexer (fused: at the attention)
@@ -266,7 +267,7 @@ def test_recorded_traces_carry_the_positions_the_indexer_ranks_next(launch, plug
             logits = torch.randn(len(REQ), MAX_LEN, generator=gen)
             with forward_context(ForwardContext(attn_backend=ess)):
                 topk = ess.get_indexer_metadata(layer.layer_id, batch).topk_transform(logits, K)  # SGLang's call
-                plugin.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
+                plugin.forward.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
                 q = torch.randn(len(REQ), HEADS, 576, generator=gen).bfloat16()
                 k = torch.randn(len(REQ), 1, 576, generator=gen).bfloat16()
                 ess.forward_decode(q[..., :512], k[..., :512], k[..., :512], layer, batch, q_rope=q[..., 512:],
@@ -325,7 +326,7 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
             q = torch.randn(len(pos), HEADS, 576, generator=gen).bfloat16()
             k = torch.randn(len(pos), 1, 576, generator=gen).bfloat16()
             with forward_context(ForwardContext(attn_backend=ess)):
-                plugin.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
+                plugin.forward.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
                 assert len(rt._pending) == 1  # DA: the union's step started at the indexer
                 got = ess.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch, q_rope=q[..., 512:],
                                          k_rope=k[..., 512:], topk_indices=topk)
@@ -451,10 +452,10 @@ def test_a_prefill_nodes_ragged_top_k_becomes_positions(tmp_path, monkeypatch, p
         base = torch.tensor([0] * ext[0] + [lens[0]] * ext[1]).unsqueeze(1)  # request 1's KV follows request 0's
         ragged = torch.where(want >= 0, want + base, -1)
         ragged[3, 5:] = want[3, 5:] = -1
-        assert torch.equal(plugin.ragged_positions(backend, batch, ragged), want)
+        assert torch.equal(plugin.forward.ragged_positions(backend, batch, ragged), want)
         monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "0")  # the CPU path's: positions already
         backend.use_fused_topk = False
-        assert plugin.ragged_positions(backend, batch, want) is None
+        assert plugin.forward.ragged_positions(backend, batch, want) is None
 
 
 def relabel_as_sglang_does(batch):
@@ -510,7 +511,7 @@ def test_a_decode_step_relabelled_by_dp_attention_reads_its_rows_without_losing_
             for backend, b in ((ess, batch), (stock, stock_batch)):
                 with forward_context(ForwardContext(attn_backend=backend)):
                     if backend is ess and not relabel:
-                        plugin.after_indexer(topk, None, None, None, b.positions, b, layer.layer_id)
+                        plugin.forward.after_indexer(topk, None, None, None, b.positions, b, layer.layer_id)
                     outs.append(getattr(backend, call)(q[..., :512], k[..., :512], k[..., :512], layer, b,
                                                        q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=topk))
             assert torch.equal(outs[0], outs[1]), (step, layer.layer_id)

@@ -10,7 +10,7 @@ import torch
 from ess.core.policy import STAMP_MOD, lru_update
 from ess.core.sparse_pool import SparseMemoryPool
 from ess.reference.lru_oracle import OracleLRU
-from sglang_ess import pd_warmup
+from sglang_ess.pd import warmup as pd_warmup
 
 sglang = pytest.importorskip("sglang")
 

@@ -115,7 +115,7 @@ def test_launch_error_hook_passes_other_exceptions_on(plugin, capsys):
     from sglang_ess.args import EssArgsError
 
     seen = []
-    hook = plugin.launch_error_hook(lambda *exc: seen.append(exc[1]))
+    hook = plugin.startup.launch_error_hook(lambda *exc: seen.append(exc[1]))
     hook(EssArgsError, EssArgsError("--ess-sparse-ratio must be in (0, 1], got 2.0"), None)
     assert capsys.readouterr().err == "sglang: error: --ess-sparse-ratio must be in (0, 1], got 2.0\n" and not seen
     other = RuntimeError("not ours")
@@ -130,10 +130,11 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "6400",
                       "--ess-host-pool-gib", "512", "--ess-layer-plan", str(plan), "--ess-warmup-windows", "16",
                       "--ess-record-trace", str(tmp_path / "traces"), "--ess-da-attn1", "fused"))
-    from sglang_ess.args import EssArgs, EssArgsError, ess_args
-    from sglang_ess.validate import EssFacts, validate_server_args
+    from sglang_ess.args import EssArgs, EssArgsError
+    from sglang_ess.launch import ess_launch, validate_server_args
+    from sglang_ess.validate import EssFacts
 
-    ess = ess_args(pickle.loads(pickle.dumps(sa)))  # as the scheduler processes receive it
+    ess = ess_launch(pickle.loads(pickle.dumps(sa))).args  # as the scheduler processes receive it
     assert (ess.enable, ess.buffer_tokens, ess.host_pool_gib, ess.warmup_windows) == (True, 6400, 512.0, 16)
     assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces") and ess.da_attn1 == "fused"
     assert EssArgs().da_attn1 == "calls"  # one FlashMLA call unless asked (docs/plugin.md, "Overlap")
@@ -143,7 +144,7 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     assert facts.topk == 2048 and facts.layers == 61 and facts.buffer == 6400
     # DBA is DA over SGLang's two-batch overlap: without it the plan's dba layers run as da
     assert facts.plan == ("da",) * 61 and facts.role == "co-located"
-    assert ess_args(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).enable is False
+    assert ess_launch(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).args.enable is False
     prefill = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "24",
                            "--disaggregation-mode", "prefill"))
     assert validate_server_args(prefill) == EssFacts("pd-prefill", 2048, 61, 163840, windows=24)
@@ -266,9 +267,9 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
 
 def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
     """Without --ess-progressive-pd a PD decode node's record says so."""
-    from sglang_ess.args import ess_args
+    from sglang_ess.launch import ess_launch
 
-    assert ess_args(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).progressive_pd is False
+    assert ess_launch(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).args.progressive_pd is False
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
@@ -276,22 +277,20 @@ def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
 def test_progressive_pd_resolves_over_mooncake_and_nixl(plugin, hopper, tmp_path, graphs, backend):
     """A PD decode node with --ess-progressive-pd over Mooncake or NIXL: SGLang's resolution keeps it, decode CUDA
     graphs on or off (on: a batch holding a request still landing runs eagerly)."""
-    from sglang_ess.args import ess_args
-    from sglang_ess.validate import validate_server_args
+    from sglang_ess.launch import ess_launch, validate_server_args
 
     sa = resolve(base(tmp_path, *PROGRESSIVE[:-4], *graphs, "--disaggregation-transfer-backend", backend))
-    assert ess_args(pickle.loads(pickle.dumps(sa))).progressive_pd is True
+    assert ess_launch(pickle.loads(pickle.dumps(sa))).args.progressive_pd is True
     assert validate_server_args(sa).role == "pd-decode"
 
 
 def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):
     """--ess-disk-dir with CUDA graphs off on a co-located node: SGLang's resolution keeps the flags for the pool."""
-    from sglang_ess.args import ess_args
-    from sglang_ess.validate import validate_server_args
+    from sglang_ess.launch import ess_launch, validate_server_args
 
     (tmp_path / "disk").mkdir()
     sa = resolve(base(tmp_path, *DISK[:-1], str(tmp_path / "disk"), "--ess-disk-gib", "100", *NO_GRAPHS))
-    ess = ess_args(pickle.loads(pickle.dumps(sa)))
+    ess = ess_launch(pickle.loads(pickle.dumps(sa))).args
     assert (ess.disk_dir, ess.disk_gib, ess.host_pool_gib) == (str(tmp_path / "disk"), 100.0, 8.0)
     assert validate_server_args(sa).role == "co-located"
 
@@ -366,10 +365,10 @@ def test_weights_that_leave_no_room_for_one_request_are_refused_before_the_load(
     sa = resolve(argv)
     runner = types.SimpleNamespace(server_args=sa, device="cuda", is_draft_worker=False,
                                    pre_model_load_memory=DEVICE_MIB / 1024)  # GB, as SGLang measures it
-    plugin.before_load_model(runner)  # the whole device free: fits
+    plugin.startup.before_load_model(runner)  # the whole device free: fits
     runner.pre_model_load_memory -= 2 / 1024  # another process holds 2 MiB of it
     with pytest.raises(EssArgsError, match="the free memory of cuda before the load"):
-        plugin.before_load_model(runner)
+        plugin.startup.before_load_model(runner)
 
 
 def test_mtp_verify_rows_need_room_for_every_row(plugin, tmp_path):
@@ -420,7 +419,7 @@ def test_ess_target_workers_build_the_ess_pool_with_a_scratch_for_every_captured
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", *flags))
     ctx = runtime_context.create_context(sa, role="test")
     with runtime_context.use_context(ctx), runtime_context.get_parallel().override(**parallel):
-        cls = plugin.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
+        cls = plugin.startup.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
                                               max_total_num_tokens=1 << 20, max_running_requests=running,
                                               dsa_pool_class=DSATokenToKVPool)
         table = types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace(size=running + 1), server_args=sa)
@@ -432,10 +431,10 @@ def test_ess_target_workers_build_the_ess_pool_with_a_scratch_for_every_captured
     if case == "dp-attention-deepep-tbo":
         assert largest == 32 > running  # SGLang captures 32 for 29 rows (the scratch once held 28)
     draft = types.SimpleNamespace(server_args=sa, is_draft_worker=True)
-    assert plugin.around_build_dsa_kv_pool(build, draft, max_total_num_tokens=1, max_running_requests=9,
+    assert plugin.startup.around_build_dsa_kv_pool(build, draft, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
     off = types.SimpleNamespace(server_args=resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3")), is_draft_worker=False)
-    assert plugin.around_build_dsa_kv_pool(build, off, max_total_num_tokens=1, max_running_requests=9,
+    assert plugin.startup.around_build_dsa_kv_pool(build, off, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
 
 
@@ -446,33 +445,35 @@ def test_a_prefill_node_keeps_sglangs_pool_and_sends_warmup(plugin, hopper, tmp_
 
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
-    from sglang_ess import pd_warmup
+    from sglang_ess.pd import warmup as pd_warmup
 
-    for name in ("runtime", "sender", "sender_pool", "wire"):
-        monkeypatch.setattr(plugin.state, name, None)
+    monkeypatch.setattr(plugin.state, "runtime", None)
+    for name in ("sender", "sender_pool", "wire"):
+        monkeypatch.setattr(plugin.state.pd, name, None)
     build = lambda kvc, **kw: kw["dsa_pool_class"]  # noqa: E731
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "prefill"))
     kvc = types.SimpleNamespace(server_args=sa, is_draft_worker=False)
-    assert plugin.around_build_dsa_kv_pool(build, kvc, max_total_num_tokens=1, max_running_requests=9,
+    assert plugin.startup.around_build_dsa_kv_pool(build, kvc, max_total_num_tokens=1, max_running_requests=9,
                                            dsa_pool_class=DSATokenToKVPool) is DSATokenToKVPool
     pool = types.SimpleNamespace(size=4096, page_size=64, start_layer=0)
     runner = types.SimpleNamespace(server_args=sa, is_draft_worker=True, token_to_kv_pool=pool,
                                    req_to_token_pool=types.SimpleNamespace(req_to_token=torch.zeros(4, 64, dtype=torch.int32)))
-    plugin.after_init_sparse_coordinator(None, runner)
-    assert plugin.state.sender is None  # the draft worker
+    plugin.startup.after_init_sparse_coordinator(None, runner)
+    assert plugin.state.pd.sender is None  # the draft worker
     runner.is_draft_worker = False
-    plugin.after_init_sparse_coordinator(None, runner)
-    assert isinstance(plugin.state.sender, pd_warmup.WarmupSender) and plugin.state.sender_pool is pool and plugin.state.runtime is None
-    assert plugin.state.wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
+    plugin.startup.after_init_sparse_coordinator(None, runner)
+    assert isinstance(plugin.state.pd.sender, pd_warmup.WarmupSender) and plugin.state.pd.sender_pool is pool \
+        and plugin.state.runtime is None
+    assert plugin.state.pd.wire == (61, 2048) and pd_warmup.row_ints(61, 2048) * 4 == 32 + 61 * 8192 * 4
     other = types.SimpleNamespace(token_to_kv_pool=object(), use_fused_topk=False)  # the draft worker's backend
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([1]),
                                   seq_lens_cpu=torch.tensor([5]), extend_prefix_lens_cpu=[0])
-    plugin.after_init_forward_metadata(None, other, batch)
-    assert not plugin.state.sender._forwards
-    plugin.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
-    assert len(plugin.state.sender._forwards) == 1
+    plugin.forward.after_init_forward_metadata(None, other, batch)
+    assert not plugin.state.pd.sender._forwards
+    plugin.forward.after_init_forward_metadata(None, types.SimpleNamespace(token_to_kv_pool=pool, use_fused_topk=False), batch)
+    assert len(plugin.state.pd.sender._forwards) == 1
 
 
 def test_an_unwritable_disk_dir_is_refused(tmp_path, monkeypatch):

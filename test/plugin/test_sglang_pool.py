@@ -138,7 +138,7 @@ def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatc
         topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
         for layer in range(L):
             with in_forward(ess):
-                hooks.after_indexer(topk, None, None, None, positions=pos, forward_batch=batch, layer_id=layer)
+                hooks.forward.after_indexer(topk, None, None, None, positions=pos, forward_batch=batch, layer_id=layer)
             assert len(rt._pending) == (overlap == "da")
             write(stock, ess, layer, tokens.req_to_token[req, pos], salt=step)
             slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
@@ -326,7 +326,7 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
     backend = types.SimpleNamespace(token_to_kv_pool=ess, req_to_token=tokens.req_to_token)
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor(REQ),
                                   seq_lens_cpu=torch.tensor([5, 3]), extend_prefix_lens_cpu=[2, 0])
-    hooks.after_init_forward_metadata(None, backend, batch)
+    hooks.forward.after_init_forward_metadata(None, backend, batch)
     staged = tokens.req_to_token[REQ[0], :5].long()
     # staging rows from 1 on (SGLang's writer skips row 0)
     assert torch.equal(ess.translate_loc_to_hisparse_device(staged), torch.arange(1, 6, dtype=torch.int32))
@@ -335,13 +335,13 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
     seen = []
     for mode, phase in [(ForwardMode.EXTEND, EXTEND), (ForwardMode.TARGET_VERIFY, DECODE)]:
         batch.forward_mode = mode
-        hooks.around_forward_extend(lambda b, *a: seen.append(b.token_to_kv_pool.ess_phase), backend, None, None, None, None, batch)
+        hooks.forward.around_forward_extend(lambda b, *a: seen.append(b.token_to_kv_pool.ess_phase), backend, None, None, None, None, batch)
         assert seen[-1] == phase and ess.ess_phase == EXTEND  # restored after the call
-    hooks.around_forward_decode(lambda b, *a: seen.append(b.token_to_kv_pool.ess_phase), backend)
+    hooks.forward.around_forward_decode(lambda b, *a: seen.append(b.token_to_kv_pool.ess_phase), backend)
     assert seen[-1] == DECODE
     batch.forward_mode = ForwardMode.TARGET_VERIFY  # verify batches are not staged
     ess.ess_stage_of_loc.fill_(-7)
-    hooks.after_init_forward_metadata(None, backend, batch)
+    hooks.forward.after_init_forward_metadata(None, backend, batch)
     assert (ess.ess_stage_of_loc == -7).all()
 
 
@@ -356,13 +356,13 @@ def test_indexer_hook_skips_prefill_and_the_draft_worker(pools, monkeypatch):
     topk, pos = torch.zeros(2, K, dtype=torch.int32), torch.tensor([5, 5])
     for mode, pool in [(ForwardMode.EXTEND, ess), (ForwardMode.DECODE, stock)]:  # prefill; the MTP draft's pool
         with in_forward(pool):
-            hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos, mode), 0)
+            hooks.forward.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos, mode), 0)
     with in_forward(ess):
-        hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), L)  # the NextN layer
-    hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)  # outside a forward
+        hooks.forward.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), L)  # the NextN layer
+    hooks.forward.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)  # outside a forward
     assert not rt._pending
     with in_forward(ess):  # the target's decode forward: the step starts at its indexer
-        hooks.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)
+        hooks.forward.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)
     assert len(rt._pending) == 1
 
 
@@ -382,19 +382,19 @@ def test_prefill_top_k_warms_up_through_the_hooks(pools):
     backend = types.SimpleNamespace(token_to_kv_pool=ess, req_to_token=tokens.req_to_token, use_fused_topk=True)
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=req,
                                   seq_lens_cpu=torch.tensor([5, 3]), extend_prefix_lens_cpu=[2, 0])
-    hooks.after_init_forward_metadata(None, backend, batch)  # query rows: request 0 at 2..4, request 1 at 0..2
+    hooks.forward.after_init_forward_metadata(None, backend, batch)  # query rows: request 0 at 2..4, request 1 at 0..2
     pos = torch.tensor([[0, 1, -1], [1, 2, 3], [2, 3, 4], [0, -1, -1], [0, 1, -1], [1, 2, -1]])
     row_req = torch.tensor([REQ[0]] * 3 + [REQ[1]] * 3).unsqueeze(1)
     loc = torch.where(pos >= 0, tokens.req_to_token[row_req, pos.clamp(min=0)].long(), -1)
     assert torch.equal(ess.stage_positions(loc), pos)
-    hooks.around_forward_extend(lambda *a, **kw: None, backend, None, None, None, Layer(1), batch, topk_indices=loc)
+    hooks.forward.around_forward_extend(lambda *a, **kw: None, backend, None, None, None, Layer(1), batch, topk_indices=loc)
     assert rt.cache.sparse.resident(1, REQ[0]) == {1, 2, 3, 4}  # its last 2 query rows
     assert rt.cache.sparse.resident(1, REQ[1]) == {0, 1, 2}
     assert rt.cache.sparse.resident(0, REQ[0]) == set()  # layer 0 did not run
     child = types.SimpleNamespace(**vars(batch), tbo_parent_token_range=(0, 3))
     child.req_pool_indices = req[:1]
     ess.ess_stage_of_loc.fill_(-7)
-    hooks.after_init_forward_metadata(None, backend, child)
+    hooks.forward.after_init_forward_metadata(None, backend, child)
     assert (ess.ess_stage_of_loc == -7).all()
 
 
@@ -439,7 +439,7 @@ def test_prefill_and_decode_through_a_disk_tier_equal_the_stock_pool(tiered, mon
         topk = torch.tensor([rng.sample(range(p + 1), K) for p in pos.tolist()], dtype=torch.int32)
         for layer in range(L):
             with in_forward(ess):
-                hooks.after_indexer(topk, None, None, None, positions=pos, forward_batch=decode_batch(req, pos),
+                hooks.forward.after_indexer(topk, None, None, None, positions=pos, forward_batch=decode_batch(req, pos),
                                     layer_id=layer)
             write(stock, ess, layer, tokens.req_to_token[req, pos], salt=step)
             slots = rt.swap_in_selected_pages(req, pos + 1, topk, layer)
@@ -486,7 +486,8 @@ def test_move_and_cpu_copy_through_a_disk_tier(tiered, monkeypatch):
 def test_a_pd_decode_node_charges_its_warmup_metadata_to_the_host(monkeypatch):
     """A PD decode node's metadata buffers (two slots per request-table row, in host memory) each carry ESS's
     warm-up row (about 2 MB for DeepSeek-V3.2): sizing charges them to the same host budget as the latent rows."""
-    from sglang_ess import pd_warmup, sizing
+    from sglang_ess import sizing
+    from sglang_ess.pd import warmup as pd_warmup
 
     layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
     kvc, _, schedule, disagg = configurator(monkeypatch, layers, avail)
@@ -545,7 +546,7 @@ def test_a_page_that_fails_its_checksum_aborts_its_readers_only(tiered, plugin, 
     for req, slot in zip((a, b), REQ):
         req.kv.req_pool_idx, req.kv.kv_allocated_len = slot, 30  # as the scheduler leaves them: rows held
     scheduler = types.SimpleNamespace(chunked_req=a, _pending_chunked_abort_req=None)
-    plugin.after_run_batch(None, scheduler, ScheduleBatch(reqs=[a, b]))
+    plugin.forward.after_run_batch(None, scheduler, ScheduleBatch(reqs=[a, b]))
     reason = a.discard_output_reason
     assert reason is a.to_finish and reason.status_code == 500 and f"page {page} of {tier.file.path}" in reason.message
     assert a.skip_radix_cache_insert and scheduler._pending_chunked_abort_req is a
@@ -554,11 +555,11 @@ def test_a_page_that_fails_its_checksum_aborts_its_readers_only(tiered, plugin, 
     tree = types.SimpleNamespace(evictable_size=lambda: 77, evict=lambda p: evicted.append(p.num_tokens) or
                                  types.SimpleNamespace(num_tokens_evicted=p.num_tokens))
     scheduler.tree_cache = tree
-    plugin.before_get_next_batch(scheduler)
+    plugin.forward.before_get_next_batch(scheduler)
     assert evicted == []  # the aborted request still holds its prefix
     a.kv.mark_kv_released()
     rt.release(REQ[0])  # SGLang's release hook: the row's charge goes with its request
-    plugin.before_get_next_batch(scheduler)
+    plugin.forward.before_get_next_batch(scheduler)
     assert evicted == [77] and not plugin.state.lost_readers and REQ[0] not in tier.lost_reads
     ess.stage_extend(tokens.req_to_token, torch.tensor([REQ[1]]), [33], [20])  # the other request reads on unharmed
     for layer in range(L):

@@ -20,7 +20,10 @@ import torch
 from ess.core.landing import LandingTracker
 from ess.core.send_order import send_order
 from sglang_ess.args import EssArgs
-from sglang_ess.progressive import ProgressiveDecode
+from sglang_ess.hooks.shared import state as ess_state
+from sglang_ess.pd import engines as pd_engines
+from sglang_ess.pd import sending as pd_sending
+from sglang_ess.pd.landing import ProgressiveDecode
 from sglang_ess.runtime import EssRuntime
 from sglang_ess.validate import EssFacts
 
@@ -48,7 +51,7 @@ class LoopbackReceiver:
     inside this process. Its chunks land in the progressive order, one every `delay` polls: phase 1 (the
     metadata row, as Mooncake's send_aux writes it, standing for index-K and the warm-up state too), the phase-2
     pages, then the phase-3 pages; a landed page's latent rows are copied into the decode node's host pool. It reports
-    what landed through `ess_progress`, the protocol sglang_ess.progressive reads."""
+    what landed through `ess_progress`, which its engine (Loopback) hands to sglang_ess.pd.landing."""
 
     def __init__(self, host, locs, meta: MetadataBuffers, meta_index: int, hot, rest, delay: float, fail_after=None):
         self.host, self.locs, self.meta, self.meta_index = host, locs, meta, meta_index
@@ -110,6 +113,23 @@ class LoopbackReceiver:
         raise RuntimeError("loopback transfer failed")
 
 
+class Loopback(pd_engines.Engine):
+    """The loopback receivers' engine (sglang_ess.pd.engines.Engine, the decode node's half): each receiver lands its
+    own chunks and reports them; it sends in its fixed order, so a step's ask changes nothing."""
+
+    def reports(self, receiver):
+        return isinstance(receiver, LoopbackReceiver)
+
+    def events(self, receiver):
+        return receiver.ess_progress()
+
+    def ask(self, receiver, layer, pages):
+        pass
+
+    def forget(self, receiver):
+        pass
+
+
 @pytest.fixture(scope="module")
 def gloo():
     """SGLang's poll all-reduces over the attention-TP gloo group: a one-rank group here."""
@@ -149,7 +169,8 @@ def decode_node(progressive: bool, host=None, query_rows=1, overlap="auto"):
     host.zero_()
     rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend="torch", kernel="torch")
     if progressive:
-        rt.progressive = ProgressiveDecode(LandingTracker(L, CTX + STEPS, 2, 5, "cpu", page=PAGE))
+        rt.progressive = ProgressiveDecode(LandingTracker(L, CTX + STEPS, 2, 5, "cpu", page=PAGE),
+                                           (Loopback(), *pd_engines.sglang_engines(ess_state.pd)))
     return rt, pool
 
 
@@ -322,7 +343,7 @@ def test_decode_graphs_wait_out_a_request_still_landing(plugin, monkeypatch, glo
 
     def graphs() -> tuple:
         return (dp_attn._local_decode_cuda_graph_vote(local_batch=None, disable_cuda_graph=False),
-                plugin.after_can_run_graph(True, None, None) is not False)
+                plugin.pd.after_can_run_graph(True, None, None) is not False)
 
     rt, pool, q, req, rcv, alloc, _, _ = join(plugin, monkeypatch, gloo)
     assert graphs() == (True, True)  # tracked, not joined yet: not in a batch
@@ -354,7 +375,7 @@ def test_a_request_released_mid_transfer_keeps_its_kv_until_the_transfer_ends(pl
         pass
     assert rt.progressive.tracker.open_rows() == [SLOT] and SLOT in rt.progressive.streams
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(rcv.landed), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(rcv.landed), req)
     assert released == [] and DecodeTransferQueue.has_pending_deferred_releases(q)  # held: pages still landing
     q.resolve_deferred_releases()  # SGLang's every-iteration call, the hook pumping the streams
     deadline = time.monotonic() + 5
@@ -607,12 +628,12 @@ def pd(request, plugin, gloo):
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
-    from sglang_ess import pd_warmup
+    from sglang_ess.pd import warmup as pd_warmup
 
     backend = request.param
     library = engine_library(backend)
     env, modules = dict(os.environ), {m: sys.modules.get(m) for m in library}
-    saved = dataclasses.replace(plugin.state)
+    saved, saved_pd = dataclasses.replace(plugin.state), dataclasses.replace(plugin.state.pd)
     os.environ.update(SGLANG_HOST_IP="127.0.0.1", SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT="30",
                       SGLANG_DISAGGREGATION_WAITING_TIMEOUT="30")
     sys.modules.update(library)
@@ -632,10 +653,10 @@ def pd(request, plugin, gloo):
         mte.init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     getattr(conn, f"{names}KVBootstrapServer")(host="127.0.0.1", port=port)
     addr = f"127.0.0.1:{port}"
-    plugin.state.wire = (L, K)
+    plugin.state.pd.wire = (L, K)
     d_meta = meta_buffers()
-    p_meta = meta_buffers()  # the prefill node's warm-up rows (state.warmup_rows: the last built)
-    plugin.state.sender = pd_warmup.WarmupSender(L, K, 4, torch.zeros(5, CTX, dtype=torch.int32), CTX)
+    p_meta = meta_buffers()  # the prefill node's warm-up rows (state.pd.warmup_rows: the last built)
+    plugin.state.pd.sender = pd_warmup.WarmupSender(L, K, 4, torch.zeros(5, CTX, dtype=torch.int32), CTX)
     host = torch.zeros(L, HOST_ROWS, 656, dtype=torch.uint8)
     p_kv = torch.zeros(L, HOST_ROWS - 1, 656, dtype=torch.uint8)
     p_idx, d_idx = (torch.zeros(L, HOST_ROWS - 1, IDX_K, dtype=torch.uint8) for _ in range(2))
@@ -654,6 +675,8 @@ def pd(request, plugin, gloo):
                                 peer=d_mgr.get_session_id() if backend == "mooncake" else d_mgr.agent.name)
     for f in dataclasses.fields(saved):
         setattr(plugin.state, f.name, getattr(saved, f.name))
+    for f in dataclasses.fields(saved_pd):
+        setattr(plugin.state.pd, f.name, getattr(saved_pd, f.name))
     os.environ.clear()
     os.environ.update(env)
     for m, mod in modules.items():
@@ -670,7 +693,7 @@ PROMPT_PAGES = CTX // PAGE  # 10: pages 0, 1 go in an earlier chunk, 2 .. 9 in t
 
 def warmup_entries() -> torch.Tensor:
     """The warm-up state of hot_and_rest: its rows are on pages 9, 8, 7."""
-    from sglang_ess import pd_warmup
+    from sglang_ess.pd import warmup as pd_warmup
 
     positions = torch.tensor([[39, 38, 33, 30], [36, 35, 34, 32]])
     windows = torch.tensor([[31, 31, 30, 20], [31, 30, 30, 29]])
@@ -685,7 +708,7 @@ def send_over_engine(mc, rt, pool, gloo, hold=frozenset(), prefix=0, fail=False,
     decode_prefix_len): they are not sent. NIXL: the decode node registers its KV layers as `kinds` (ESS's host
     layers are DRAM). Returns the transfer queue, the request, its receiver and sender, its decode pages and the
     metadata allocator."""
-    from sglang_ess import pd_warmup
+    from sglang_ess.pd import warmup as pd_warmup
 
     room = next(ROOMS)
     g = torch.Generator().manual_seed(room)
@@ -819,7 +842,7 @@ def test_pd_sends_in_the_progressive_order_and_the_request_joins_early(plugin, m
     order = [p for p in order if p is not None]
     phase = [0 if p < last else 1 if p in (7, 8, 9) else 2 for p in order]  # earlier chunk, phase 2, phase 3
     assert sorted(set(order)) == list(range(prefix, PROMPT_PAGES)) and phase == sorted(phase)
-    assert plugin.pd_progressive.INBOX == {}
+    assert plugin.state.pd.inbox == {}
 
 
 @pytest.mark.parametrize("kinds, layer", [(("DRAM", "DRAM"), 0), (("DRAM", "VRAM"), 1)],
@@ -832,7 +855,7 @@ def test_pd_a_waiting_step_gets_its_pages_next(plugin, monkeypatch, gloo, pd, ki
     mc = pd
     if mc.backend == "mooncake" and layer:
         pytest.skip("memory kinds are NIXL's")
-    monkeypatch.setattr(plugin.pd_progressive, "SLICE_PAGES", 1)
+    monkeypatch.setattr(pd_sending, "SLICE_PAGES", 1)
     rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={2},
                                                                  kinds=kinds)
     pop_until_joined(q, req)
@@ -852,11 +875,11 @@ def test_pd_a_request_finished_mid_transfer_frees_its_pages_after_the_last_write
     """A request that finishes (or is aborted) while its phase 3 still lands: its KV release waits for the room to
     conclude, so no prefill write lands in a page after SGLang has freed it; the transfer ends as a success."""
     mc = pd
-    monkeypatch.setattr(plugin.pd_progressive, "SLICE_PAGES", 2)
+    monkeypatch.setattr(pd_sending, "SLICE_PAGES", 2)
     rt, pool, q, req, receiver, sender, d_pages, _ = over_engine(plugin, monkeypatch, mc, gloo, hold={2})
     pop_until_joined(q, req)
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
     assert released == [] and q.has_pending_deferred_releases()
     mc.engine.go.set()
     until(lambda: q.resolve_deferred_releases() or released, "the held release never ran")
@@ -898,7 +921,7 @@ def test_pd_a_stalled_transfer_aborts_its_request_and_the_step_goes_on(plugin, m
     rt.progressive.pump(q)  # between forwards: aborted (on every rank), its transfer too
     assert "KV transfer stalled" in req.to_finish.message and SLOT in rt.progressive.streams
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
     # the prefill node took the abort, its write still in flight
     until(lambda: sender.poll() == KVPoll.Failed, "the prefill node never heard of the abort")
     rt.progressive.pump(q)
@@ -926,7 +949,7 @@ def test_pd_another_ranks_failure_aborts_the_request_on_this_rank_too(plugin, mo
         rt.progressive.pump(q)
     assert "KV transfer failed" in req.to_finish.message and receiver.abort_notified
     released = []
-    plugin.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
+    plugin.forward.around_release_kv_cache(lambda r, *a, **kw: released.append(len(mc.engine.log)), req)
     rt.progressive.pump(q)
     assert released == []  # the write in flight has not drained
     mc.engine.go.set()
@@ -943,8 +966,8 @@ def nothing_left(plugin, mc, rt, sender) -> None:
     # the worker skips the parts left of a failed room
     until(lambda: not mc.p_mgr._staging_outstanding.get(room, 0), "the prefill worker still counts a chunk of the room")
     assert room not in mc.p_mgr.request_status and room not in mc.p_mgr.transfer_infos
-    assert plugin.pd_progressive.take_need(room) is None and room not in plugin.pd_progressive._held
-    assert room not in mc.d_mgr.request_status and room not in plugin.pd_progressive.INBOX
+    assert plugin.state.pd.take_need(room) is None and room not in plugin.state.pd.held
+    assert room not in mc.d_mgr.request_status and room not in plugin.state.pd.inbox
     assert room not in mc.d_mgr.failure_records and room not in mc.d_mgr._deferred_abort_ack_tracker
     assert rt.progressive.streams == {} and rt.progressive.held == {} and rt.progressive.tracker.open_rows() == []
     assert int((rt.progressive.tracker.slot_of >= 0).sum()) == 0
@@ -976,7 +999,7 @@ def test_pd_without_progressive_decode_sends_as_sglang_does(plugin, monkeypatch,
     assert receiver.poll() == KVPoll.Success and list(req.output_ids) == [FIRST_TOKEN]
     loc = pool.req_to_token[SLOT, :CTX].long()
     assert all(torch.equal(mc.host[layer][loc], rows_of(loc, layer)) for layer in range(L))
-    assert plugin.pd_progressive.INBOX == {}
+    assert plugin.state.pd.inbox == {}
 
 
 def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(plugin):
@@ -987,7 +1010,7 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
     import numpy as np
     from sglang.srt.disaggregation.common.utils import TransferKVChunk
 
-    mp = plugin.pd_progressive
+    mp = pd_sending
     rng = random.Random(3)
     for _ in range(200):
         first, count, step = rng.randrange(0, 9), rng.randrange(1, 30), rng.randrange(1, 6)
@@ -1016,16 +1039,16 @@ def test_parts_send_each_page_of_the_last_chunk_once_in_the_progressive_order(pl
 
 def test_malformed_progress_and_need_messages_are_dropped(plugin):
     """A bad message costs nothing but itself: the threads that read them go on, nothing is recorded."""
-    mp = plugin.pd_progressive
+    mp, note, pd = pd_engines, pd_sending.note_need, plugin.state.pd
     mgr = types.SimpleNamespace(request_status={1: None}, required_prefill_response_num_table={1: 1})
-    assert mp.take([mp.TAG, b"not a room", b"phase1", b"3"], mgr) is True
-    assert mp.take([mp.TAG, b"1", b"phase9", b""], mgr) is True
-    assert mp.take([mp.TAG, b"1"], mgr) is True and mp.INBOX == {}
-    assert mp.take([b"other"], mgr) is False
+    assert mp.take(pd, [mp.TAG, b"not a room", b"phase1", b"3"], mgr) is True
+    assert mp.take(pd, [mp.TAG, b"1", b"phase9", b""], mgr) is True
+    assert mp.take(pd, [mp.TAG, b"1"], mgr) is True and pd.inbox == {}
+    assert mp.take(pd, [b"other"], mgr) is False
     mgr.required_prefill_response_num_table[1] = 2  # a room several prefill ranks serve: its reports are not read
-    assert mp.take([mp.TAG, b"1", b"phase3", b""], mgr) is True and mp.INBOX == {}
+    assert mp.take(pd, [mp.TAG, b"1", b"phase3", b""], mgr) is True and pd.inbox == {}
     sending = types.SimpleNamespace(transfer_infos={7: {}}, request_status={7: KVPoll.Transferring}, failure_records={},
                                     check_status=lambda room: KVPoll.Transferring)
-    assert mp.note_need([mp.NEED, b"7", b"x", b""], sending) is True and mp.take_need(7) is None
-    assert mp.note_need([mp.NEED, b"8", b"0", b""], sending) is True and mp.take_need(8) is None  # not sent here
-    assert mp.note_need([b"ROOM"], sending) is False
+    assert note(pd, [mp.NEED, b"7", b"x", b""], sending) is True and pd.take_need(7) is None
+    assert note(pd, [mp.NEED, b"8", b"0", b""], sending) is True and pd.take_need(8) is None  # not sent here
+    assert note(pd, [b"ROOM"], sending) is False

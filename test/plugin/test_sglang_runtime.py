@@ -25,7 +25,8 @@ from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sglang_ess import hooks, pd_warmup  # noqa: E402
+from sglang_ess import hooks  # noqa: E402
+from sglang_ess.pd import warmup as pd_warmup  # noqa: E402
 
 L, K, C, CTX, STEPS = 2, 8, 12, 40, 12
 NEEDS_INTERPRETER = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8")  # fused, on a CPU
@@ -290,7 +291,7 @@ def test_record_trace_writes_profileable_files(tmp_path, plugin):
     for t in range(3):
         topk = torch.tensor(random_topk(rng, [CTX + t] * 3), dtype=torch.int32)
         sent.append(topk)
-        plugin.around_model_forward(forward, runner, torch.tensor([CTX + t + 1] * 2 + [1]))
+        plugin.forward.around_model_forward(forward, runner, torch.tensor([CTX + t + 1] * 2 + [1]))
     path = rt.release(SLOTS[1], rid="req/1")
     tr = load_trace(path)
     assert tr.topk.shape == (1, 3, L, K) and tr.context_len.tolist() == [CTX]
@@ -316,7 +317,7 @@ def test_a_trace_folder_that_goes_away_costs_the_traces_not_the_server(tmp_path,
             rt.swap_in_selected_pages(req, torch.tensor([CTX + t + 1] * 2), topk, layer)
 
     for t in range(2):
-        plugin.around_model_forward(forward, runner, t)
+        plugin.forward.around_model_forward(forward, runner, t)
     path = rt.release(SLOTS[0], rid="r3")
     assert path.endswith("000001-r3.npz") and (tmp_path / "000000-r3.npz").read_bytes() == b"an earlier run's trace"
     shutil.rmtree(tmp_path)
@@ -324,7 +325,7 @@ def test_a_trace_folder_that_goes_away_costs_the_traces_not_the_server(tmp_path,
     with caplog.at_level("ERROR", logger="sglang_ess"):
         assert rt.release(SLOTS[1], rid="r1") is None
     assert "trace of request 'r1' not written (--ess-record-trace" in caplog.text
-    plugin.around_model_forward(forward, runner, 2)  # the runtime serves on
+    plugin.forward.around_model_forward(forward, runner, 2)  # the runtime serves on
     tmp_path.unlink()
     tmp_path.mkdir()
 
@@ -347,13 +348,13 @@ def test_a_malformed_pd_warmup_record_costs_its_request_the_warmup_only(plugin, 
 
     rt, _ = setup_runtime(warmup=4)
     monkeypatch.setattr(hooks.state, "runtime", rt)
-    monkeypatch.setattr(hooks.state, "wire", (L_, K_))
+    monkeypatch.setattr(hooks.state.pd, "wire", (L_, K_))
     meta = metadata_buffers(4)
     for i, entries in enumerate([past, good]):
         pd_warmup.write_row(meta.ess_warmup[i], L_, n, entries, 4, 1000 + i)
         req = sglang_req(SLOTS[i], 1000 + i, prompt=CTX)
         with caplog.at_level("WARNING", logger="sglang_ess"):
-            hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=meta), decode_request(req, i))
+            hooks.pd.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=meta), decode_request(req, i))
     rt.start_forward()
     assert "warm-up of request 1000 refused: position" in caplog.text
     assert rt.cache.sparse.resident(0, SLOTS[0]) == set()  # refused: empty slots
@@ -410,10 +411,10 @@ def test_release_through_the_scheduler_hook_reads_sglangs_req(plugin, monkeypatc
         rt.swap_in_selected_pages(torch.tensor(SLOTS), torch.full((2,), CTX + 1), torch.arange(K).repeat(2, 1).int(), layer)
     assert rt.cache.sparse.resident(0, SLOTS[0])
     released = []
-    plugin.around_release_kv_cache(lambda req, *a, **kw: released.append(req), sglang_req(SLOTS[0]))
+    plugin.forward.around_release_kv_cache(lambda req, *a, **kw: released.append(req), sglang_req(SLOTS[0]))
     rt.start_forward()
     assert not rt.cache.sparse.resident(0, SLOTS[0]) and rt.cache.sparse.resident(0, SLOTS[1])
-    plugin.around_release_kv_cache(lambda req, *a, **kw: released.append(req), sglang_req(None))  # never held a row
+    plugin.forward.around_release_kv_cache(lambda req, *a, **kw: released.append(req), sglang_req(None))  # never held a row
     assert len(released) == 2  # SGLang's own release follows
 
 
@@ -426,14 +427,14 @@ def test_a_row_handed_to_a_new_request_starts_empty(plugin):
         rt.swap_in_selected_pages(torch.tensor(SLOTS), torch.full((2,), CTX + 1), torch.arange(K).repeat(2, 1).int(), layer)
     seen = []
     pool.register_on_alloc_rows(seen.append)  # a callback SGLang registered first keeps running, ahead of ESS's
-    plugin.reset_on_admit(pool, rt)
+    plugin.startup.reset_on_admit(pool, rt)
     assert pool.alloc([sglang_req(None)]) == [4]  # SGLang hands out its free rows from the tail: 4, then 3
     assert pool.alloc([sglang_req(None)]) == [SLOTS[0]]
     assert seen == [[4], [SLOTS[0]]]
     # a forward still in flight under the overlap scheduler may hold the row's previous request: its step writes the
     # row after the scheduler handed the row out, so the reset waits for the next forward, in the stream's order
     assert rt.cache.sparse.resident(0, SLOTS[0])
-    plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))  # SGLang's next forward
+    plugin.forward.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))  # SGLang's next forward
     assert all(not rt.cache.sparse.resident(layer, SLOTS[0]) for layer in range(L))
     assert rt.cache.sparse.resident(0, SLOTS[1])  # the other request keeps its rows
 
@@ -452,13 +453,13 @@ def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_droppe
         assert not rt.cache.sparse.resident(layer, 0)  # SGLang's padding row holds nothing
     assert rt.begin(0, req, pos, topk)  # an indexer whose attention call never comes (an aborted forward)
     with caplog.at_level("WARNING", logger="sglang_ess"):  # the next forward (SGLang's ModelRunner.forward)
-        plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
+        plugin.forward.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
     assert not rt._pending and "never consumed" in caplog.text
     rt.attn1 = "fused"  # a dropped step whose misses the fused miss kernel was to copy: they land all the same
     step = 5
     topk = torch.tensor([list(range(step, step + K))] * 3, dtype=torch.int32)
     assert rt.begin(0, req, pos, topk) and rt._pending[next(iter(rt._pending))][1] is None
-    plugin.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
+    plugin.forward.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
     held = rt.cache.sparse.pos_slot[0, SLOTS[0], step : step + K].long()
     assert bool((held >= 0).all())
     slots = held + SLOTS[0] * rt.cache.capacity
@@ -476,13 +477,13 @@ def test_pd_transfer_engines_see_the_host_pool_as_host_memory(plugin, monkeypatc
     args = KVArgs()
     args.kv_data_ptrs = [rt.cache.host[0].data_ptr(), rt.cache.host[1].data_ptr(), index_k.data_ptr()]
     args.kv_data_mem_kinds = ["VRAM"] * 3  # what SGLang 0.5.23 states without HiSparse
-    plugin.before_nixl_manager(None, args)
+    plugin.pd.before_nixl_manager(None, args)
     assert args.kv_data_mem_kinds == ["DRAM", "DRAM", "VRAM"]
-    assert plugin.after_mooncake_register(0, None, [1], [1]) is None
+    assert plugin.pd.after_mooncake_register(0, None, [1], [1]) is None
     with pytest.raises(RuntimeError, match="Mooncake could not register"):
-        plugin.after_mooncake_register(-1, None, [1], [1])
+        plugin.pd.after_mooncake_register(-1, None, [1], [1])
     monkeypatch.setattr(plugin.state, "runtime", None)  # a node without ESS: SGLang's own behaviour
-    assert plugin.after_mooncake_register(-1, None, [1], [1]) is None
+    assert plugin.pd.after_mooncake_register(-1, None, [1], [1]) is None
 
 
 # -- LRU-Warmup across PD disaggregation, through SGLang's metadata buffers -----------------------------------------
@@ -518,13 +519,13 @@ def test_prefill_admission_keeps_the_staged_tokens_within_the_charged_buffer(plu
 
     adder = types.SimpleNamespace(can_run_list=[])
     monkeypatch.setattr(plugin.state, "stage_tokens", 10)
-    assert plugin.around_add_one_req(admit, adder, req(12), False, None) == AddReqResult.CONTINUE  # alone: fits
+    assert plugin.forward.around_add_one_req(admit, adder, req(12), False, None) == AddReqResult.CONTINUE  # alone: fits
     adder.can_run_list = []
     for n, want in [(6, AddReqResult.CONTINUE), (4, AddReqResult.CONTINUE), (1, AddReqResult.OTHER)]:
-        assert plugin.around_add_one_req(admit, adder, req(n), False, None) == want
+        assert plugin.forward.around_add_one_req(admit, adder, req(n), False, None) == want
     assert [len(r.origin_input_ids) for r in adder.can_run_list] == [6, 4]
     monkeypatch.setattr(plugin.state, "stage_tokens", None)  # no ESS runtime in this process: SGLang's admission
-    assert plugin.around_add_one_req(admit, adder, req(50), False, None) == AddReqResult.CONTINUE
+    assert plugin.forward.around_add_one_req(admit, adder, req(50), False, None) == AddReqResult.CONTINUE
 
 
 def decode_request(req, metadata_index: int):
@@ -562,27 +563,27 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     # the prefill node (its pool: a stand-in object; its req_to_token: the same table)
     target_pool = object()
     sender = pd_warmup.WarmupSender(L, K, W, pool.req_to_token, 200 * 64 + 1)
-    monkeypatch.setattr(hooks.state, "sender", sender)
-    monkeypatch.setattr(hooks.state, "sender_pool", target_pool)
-    monkeypatch.setattr(hooks.state, "wire", (L, K))
+    monkeypatch.setattr(hooks.state.pd, "sender", sender)
+    monkeypatch.setattr(hooks.state.pd, "sender_pool", target_pool)
+    monkeypatch.setattr(hooks.state.pd, "wire", (L, K))
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
 
     backend = types.SimpleNamespace(token_to_kv_pool=target_pool, req_to_token=pool.req_to_token, use_fused_topk=True,
                                     get_topk_transform_method=lambda mode: TopkTransformMethod.PAGED)
     batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=req,
                                   seq_lens_cpu=torch.tensor([CTX, CTX]), extend_prefix_lens_cpu=[0, CTX - 3])
-    hooks.after_init_forward_metadata(None, backend, batch)
+    hooks.forward.after_init_forward_metadata(None, backend, batch)
     split, total = CTX - 1, CTX + 3  # the second micro-batch holds request 0's newest window only
     for layer in range(L):
         for rows, rng_ in [(slice(0, split), (0, split)), (slice(split, total), (split, total))]:
             child = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, tbo_parent_token_range=rng_)
-            hooks.around_forward_extend(lambda *a, **kw: None, backend, None, None, None,
+            hooks.forward.around_forward_extend(lambda *a, **kw: None, backend, None, None, None,
                                         types.SimpleNamespace(layer_id=layer), child, topk_indices=topk_loc[rows])
     prefill_meta = metadata_buffers(4)  # SGLang's class, through the plugin's hook on its constructor
     reqs = [sglang_req(s, 2**63 + 1000 if i else 1000, metadata_index=i + 1)  # bootstrap rooms: unsigned 64-bit ids
             for i, s in enumerate(SLOTS)]
     for r in reqs:
-        hooks.after_set_buf(None, prefill_meta, r)
+        hooks.pd.after_set_buf(None, prefill_meta, r)
 
     # the decode node: the same slots, an empty cache; the KV already in its host pool
     decode_rt, _ = setup_runtime(warmup=W, pool=pool)
@@ -593,7 +594,7 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
         decode_rt.reset_rows([r.kv.req_pool_idx])  # SGLang's prealloc handed the row out (its on-alloc-rows callback)
         send_aux(prefill_meta, r.metadata_buffer_index, decode_meta, 5 + i)
         decode_req = decode_request(sglang_req(r.kv.req_pool_idx, r.bootstrap_room, prompt=CTX), 5 + i)
-        hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), decode_req)
+        hooks.pd.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), decode_req)
     decode_rt.start_forward()  # the reset, then the load, in the next forward's order
 
     for slot in SLOTS:
@@ -609,9 +610,9 @@ def test_warmup_state_travels_in_the_metadata_buffers(plugin, monkeypatch):
     stale, _ = setup_runtime(warmup=W, pool=pool)
     monkeypatch.setattr(hooks.state, "runtime", stale)
     other = decode_request(sglang_req(SLOTS[0], 77), 5)  # row 5 holds room 1000's state
-    hooks.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), other)
+    hooks.pd.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=decode_meta), other)
     stale.start_forward()
-    monkeypatch.setattr(hooks.state, "wire", None)
+    monkeypatch.setattr(hooks.state.pd, "wire", None)
     plain = metadata_buffers(4)  # a prefill node without ESS: one buffer fewer, so row 5 is not written
     assert not hasattr(plain, "ess_warmup")
     send_aux(plain, 1, decode_meta, 5)

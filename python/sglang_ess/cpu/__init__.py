@@ -7,7 +7,7 @@ in place of each kernel where SGLang calls it and sets the launch settings a CPU
     resolution.py           launch settings, inside SGLang's argument resolution (the switch of the whole path)
     standin/sgl_kernel      sgl_kernel's stand-in: importable, every kernel raises if called
     flash_mla_interface.py  SGLang's FlashMLA interface module, computed in torch
-    patches.py              every other patch point: a named SGLang target, its hook, and why
+    patches.py              every other patch point: a named SGLang target, its hook, the parameters it reads, and why
 Every target is checked by the tests to exist in the installed version, as the plugin's hook table is; every
 replacement keeps SGLang's contract, and one that takes tensors runs only for CPU tensors (a CUDA tensor goes to
 SGLang's own kernel). docs/plugin.md, "The CPU path".
@@ -50,14 +50,13 @@ def install() -> None:
     may be needed (kernels_needed), its patches and SGLang's FlashMLA interface too. On a GPU server nothing is
     patched."""
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
+    from sglang_ess import hook_table
     from sglang_ess.cpu.patches import PATCHES
     from sglang_ess.cpu.resolution import RESOLUTION_STEPS
 
     for step, wrapper in RESOLUTION_STEPS.items():
         register_resolution_hook(step)(wrapper)
     if kernels_needed():
-        for p in PATCHES:
-            HookRegistry.register(p.target, p.hook, p.kind)
+        hook_table.register(PATCHES)
         install_flash_mla_interface()

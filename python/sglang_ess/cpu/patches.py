@@ -1,12 +1,12 @@
-"""The CPU path's patch points: one table of (SGLang target, hook type, hook, why), registered through SGLang's own
-HookRegistry as the plugin's hooks are (sglang_ess.hooks). Every hook that takes tensors hands CUDA tensors to SGLang's
-own code unchanged; the others act only for a DSA model on the CPU. The tests resolve every target in the installed
-sglang and check the parameters each hook relies on (EXPECTED_PARAMS), so an upstream rename fails a test."""
+"""The CPU path's patch points: one table of sglang_ess.hook_table rows (SGLang target, hook type, hook, the
+parameters it reads, why), registered through SGLang's own HookRegistry as the plugin's hooks are (sglang_ess.hooks).
+Every hook that takes tensors hands CUDA tensors to SGLang's own code unchanged; the others act only for a DSA model
+on the CPU. The tests resolve every target in the installed sglang and check the parameters each row names, so an
+upstream rename fails a test."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import inspect
 from typing import Callable
@@ -16,14 +16,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.cpu import indexer, kernels
 from sglang_ess.cpu.resolution import capability_answered, replaced
-
-
-@dataclasses.dataclass(frozen=True)
-class Patch:
-    target: str  # dotted path in sglang 0.5.23
-    kind: HookType
-    hook: Callable
-    why: str  # what fails on a CPU without it
+from sglang_ess.hook_table import Hook, expected_params
 
 
 def _on_cpu(t) -> bool:
@@ -151,81 +144,66 @@ QUANT_K_CACHE = "sglang.kernels.ops.quantization.dsa_quant_k_cache"
 ROTARY = "sglang.srt.layers.rotary_embedding.rope_variant.DeepseekScalingRotaryEmbedding"
 
 PATCHES = [
-    Patch(f"{KV_CONFIGURATOR}.KVCacheConfigurator.configure", HookType.AROUND, around_configure,
-          "refuses an FP8 KV cache on the CPU for every MLA model ('CPU FP8 KV cache is only supported for MHA')"),
-    Patch(f"{DSA_BACKEND}.__init__", HookType.AROUND, around_dsa_backend_init,
-          "asks torch.cuda for the device capability (no driver: RuntimeError)"),
-    Patch(f"{INDEXER}.Indexer.forward_native", HookType.REPLACE, indexer_forward_native,
-          "raises NotImplementedError ('Indexer has no native (pure-torch) path')"),
-    Patch(f"{INDEXER}.Indexer.forward_cuda", HookType.AROUND, on_cpu("x", indexer.forward),
-          "refuses devices other than CUDA, HIP and XPU, and reaches DeepGEMM's logits and CUDA-only asserts"),
-    Patch(f"{INDEXER}.rotate_activation", HookType.AROUND, on_cpu("x", kernels.rotate_activation),
-          "the indexer's Hadamard transform is a CUDA kernel"),
-    Patch(f"{INDEX_K_CACHE}.SetKAndS.triton", HookType.AROUND, on_cpu("buf", kernels.set_k_and_s),
-          "the index-K store is a Triton kernel"),
-    Patch(f"{INDEX_K_CACHE}.GetKAndS.triton", HookType.AROUND, on_cpu("buf", kernels.get_k_and_s),
-          "the index-K gather of a prefill is a Triton kernel"),
-    Patch(f"{QUANT_K_CACHE}.quantize_k_cache_separate", HookType.AROUND, on_cpu("k_nope", kernels.quantize_k_cache_separate),
-          "the FP8 quantiser of the 656-byte latent rows is a Triton kernel"),
-    Patch(f"{TRANSFORM_INDEX}.transform_index_page_table_decode", HookType.AROUND,
-          on_cpu("topk_indices", kernels.transform_index_page_table_decode), "the decode top-k -> locations map is a Triton kernel"),
-    Patch(f"{TRANSFORM_INDEX}.transform_index_page_table_prefill", HookType.AROUND,
-          on_cpu("topk_indices", kernels.transform_index_page_table_prefill), "the prefill top-k -> locations map is a Triton kernel"),
-    Patch(f"{PAD}.seqlens_expand_triton", HookType.AROUND, on_cpu("seq_lens", kernels.seqlens_expand),
-          "MTP verify metadata: asserts CUDA tensors"),
-    Patch(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native,
-          "broadcasts a 2-D key into [tokens, tokens, dim]"),
-    Patch(f"{DEEPSEEK}.set_embed_and_head", HookType.AROUND, around_set_embed_and_head,
-          "MTP: torch.cuda.synchronize (no driver: RuntimeError)"),
-    Patch(f"{ALLOCATION}.get_last_loc", HookType.AROUND, on_cpu("req_to_token", get_last_loc),
-          "MTP decode: a Triton kernel for every attention backend but torch_native and ascend"),
-    Patch(f"{ALLOCATION}.assign_req_to_token_pool_func", HookType.AROUND,
-          on_cpu("req_to_token", kernels.assign_req_to_token_pool),
-          "MTP decode: sgl_kernel's CPU build (assign_req_to_token_pool_cpu)"),
-    Patch(f"{CACHE_LOCS}.assign_draft_cache_locs_contiguous_func", HookType.AROUND,
-          on_cpu("req_to_token", kernels.assign_draft_cache_locs_contiguous),
-          "MTP draft: sgl_kernel's CPU build (assign_draft_cache_locs_contiguous_cpu)"),
-    Patch(f"{CACHE_LOCS}.assign_extend_cache_locs_func", HookType.AROUND,
-          on_cpu("req_to_token", kernels.assign_extend_cache_locs),
-          "MTP verify: sgl_kernel's CPU build (assign_extend_cache_locs_cpu)"),
-    Patch(f"{SPEC_TREE}.build_tree_kernel_efficient_func", HookType.AROUND, gpu_branch(SPEC_TREE, _is_xpu=True),
-          "MTP draft: sgl_kernel's CPU build (build_tree_kernel_efficient_cpu); XPU's branch is a Triton kernel"),
-    Patch(f"{SPEC_TREE}.verify_tree_greedy_func", HookType.AROUND, gpu_branch(SPEC_TREE, _is_xpu=True),
-          "MTP verify: sgl_kernel's CPU build (verify_tree_greedy_cpu); XPU's branch is a Triton kernel"),
-    Patch(f"{EAGLE_OPS}.fill_bonus_tokens_func", HookType.AROUND, gpu_branch(EAGLE_OPS),
-          "MTP verify: sgl_kernel's CPU build (fill_bonus_tokens_cpu)"),
-    Patch(f"{EAGLE_OPS}.fill_accept_out_cache_loc_func", HookType.AROUND, gpu_branch(EAGLE_OPS),
-          "MTP verify: sgl_kernel's CPU build (fill_accept_out_cache_loc_cpu)"),
+    Hook(f"{KV_CONFIGURATOR}.KVCacheConfigurator.configure", HookType.AROUND, around_configure,
+         ("self", "pre_model_load_memory"),
+         "refuses an FP8 KV cache on the CPU for every MLA model ('CPU FP8 KV cache is only supported for MHA')"),
+    Hook(f"{DSA_BACKEND}.__init__", HookType.AROUND, around_dsa_backend_init, ("self", "model_runner"),
+         "asks torch.cuda for the device capability (no driver: RuntimeError)"),
+    Hook(f"{INDEXER}.Indexer.forward_native", HookType.REPLACE, indexer_forward_native, ("self",),
+         "raises NotImplementedError ('Indexer has no native (pure-torch) path')"),
+    Hook(f"{INDEXER}.Indexer.forward_cuda", HookType.AROUND, on_cpu("x", indexer.forward),
+         ("self", "x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices", "use_cuda_graph"),
+         "refuses devices other than CUDA, HIP and XPU, and reaches DeepGEMM's logits and CUDA-only asserts"),
+    Hook(f"{INDEXER}.rotate_activation", HookType.AROUND, on_cpu("x", kernels.rotate_activation), ("x",),
+         "the indexer's Hadamard transform is a CUDA kernel"),
+    Hook(f"{INDEX_K_CACHE}.SetKAndS.triton", HookType.AROUND, on_cpu("buf", kernels.set_k_and_s),
+         ("cls", "pool", "buf", "loc", "index_k", "index_k_scale"), "the index-K store is a Triton kernel"),
+    Hook(f"{INDEX_K_CACHE}.GetKAndS.triton", HookType.AROUND, on_cpu("buf", kernels.get_k_and_s),
+         ("cls", "pool", "buf", "page_indices", "seq_len_tensor", "seq_len_sum", "max_seq_len"),
+         "the index-K gather of a prefill is a Triton kernel"),
+    Hook(f"{QUANT_K_CACHE}.quantize_k_cache_separate", HookType.AROUND,
+         on_cpu("k_nope", kernels.quantize_k_cache_separate), ("k_nope", "k_rope", "tile_size"),
+         "the FP8 quantiser of the 656-byte latent rows is a Triton kernel"),
+    Hook(f"{TRANSFORM_INDEX}.transform_index_page_table_decode", HookType.AROUND,
+         on_cpu("topk_indices", kernels.transform_index_page_table_decode),
+         ("page_table", "topk_indices", "result", "page_size"), "the decode top-k -> locations map is a Triton kernel"),
+    Hook(f"{TRANSFORM_INDEX}.transform_index_page_table_prefill", HookType.AROUND,
+         on_cpu("topk_indices", kernels.transform_index_page_table_prefill),
+         ("page_table", "topk_indices", "extend_lens_cpu", "page_size", "output_num_tokens", "page_table_is_expanded",
+          "cu_seqlens_q"), "the prefill top-k -> locations map is a Triton kernel"),
+    Hook(f"{PAD}.seqlens_expand_triton", HookType.AROUND, on_cpu("seq_lens", kernels.seqlens_expand),
+         ("extend_seq_lens", "seq_lens", "total_len", "max_q_len"), "MTP verify metadata: asserts CUDA tensors"),
+    Hook(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native, ("self", "positions", "query", "key"),
+         "broadcasts a 2-D key into [tokens, tokens, dim]"),
+    Hook(f"{DEEPSEEK}.set_embed_and_head", HookType.AROUND, around_set_embed_and_head, ("self", "embed", "head"),
+         "MTP: torch.cuda.synchronize (no driver: RuntimeError)"),
+    Hook(f"{ALLOCATION}.get_last_loc", HookType.AROUND, on_cpu("req_to_token", get_last_loc),
+         ("req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"),
+         "MTP decode: a Triton kernel for every attention backend but torch_native and ascend"),
+    Hook(f"{ALLOCATION}.assign_req_to_token_pool_func", HookType.AROUND,
+         on_cpu("req_to_token", kernels.assign_req_to_token_pool),
+         ("req_pool_indices", "req_to_token", "start_offset", "end_offset", "out_cache_loc", "batch_size"),
+         "MTP decode: sgl_kernel's CPU build (assign_req_to_token_pool_cpu)"),
+    Hook(f"{CACHE_LOCS}.assign_draft_cache_locs_contiguous_func", HookType.AROUND,
+         on_cpu("req_to_token", kernels.assign_draft_cache_locs_contiguous),
+         ("req_pool_indices", "req_to_token", "seq_lens", "out_cache_loc", "topk", "num_cols", "positions", "mrope"),
+         "MTP draft: sgl_kernel's CPU build (assign_draft_cache_locs_contiguous_cpu)"),
+    Hook(f"{CACHE_LOCS}.assign_extend_cache_locs_func", HookType.AROUND,
+         on_cpu("req_to_token", kernels.assign_extend_cache_locs),
+         ("req_pool_indices", "req_to_token", "start_offset", "end_offset", "batch_size", "draft_token_num", "device"),
+         "MTP verify: sgl_kernel's CPU build (assign_extend_cache_locs_cpu)"),
+    Hook(f"{SPEC_TREE}.build_tree_kernel_efficient_func", HookType.AROUND, gpu_branch(SPEC_TREE, _is_xpu=True),
+         ("parent_list", "top_scores_index", "seq_lens"),
+         "MTP draft: sgl_kernel's CPU build (build_tree_kernel_efficient_cpu); XPU's branch is a Triton kernel"),
+    Hook(f"{SPEC_TREE}.verify_tree_greedy_func", HookType.AROUND, gpu_branch(SPEC_TREE, _is_xpu=True),
+         ("predicts", "accept_index", "accept_token_num"),
+         "MTP verify: sgl_kernel's CPU build (verify_tree_greedy_cpu); XPU's branch is a Triton kernel"),
+    Hook(f"{EAGLE_OPS}.fill_bonus_tokens_func", HookType.AROUND, gpu_branch(EAGLE_OPS),
+         ("accept_tokens", "accept_lens", "bonus_tokens"),
+         "MTP verify: sgl_kernel's CPU build (fill_bonus_tokens_cpu)"),
+    Hook(f"{EAGLE_OPS}.fill_accept_out_cache_loc_func", HookType.AROUND, gpu_branch(EAGLE_OPS),
+         ("accept_index", "out_cache_loc", "accept_out_cache_loc"),
+         "MTP verify: sgl_kernel's CPU build (fill_accept_out_cache_loc_cpu)"),
 ]
 
-# Parameters of each target that its hook relies on (by name, in order from the first).
-EXPECTED_PARAMS = {
-    f"{KV_CONFIGURATOR}.KVCacheConfigurator.configure": ["self", "pre_model_load_memory"],
-    f"{DSA_BACKEND}.__init__": ["self", "model_runner"],
-    f"{INDEXER}.Indexer.forward_native": ["self"],
-    f"{INDEXER}.Indexer.forward_cuda": ["self", "x", "q_lora", "positions", "forward_batch", "layer_id",
-                                        "return_indices", "use_cuda_graph"],
-    f"{INDEXER}.rotate_activation": ["x"],
-    f"{INDEX_K_CACHE}.SetKAndS.triton": ["cls", "pool", "buf", "loc", "index_k", "index_k_scale"],
-    f"{INDEX_K_CACHE}.GetKAndS.triton": ["cls", "pool", "buf", "page_indices", "seq_len_tensor", "seq_len_sum",
-                                         "max_seq_len"],
-    f"{QUANT_K_CACHE}.quantize_k_cache_separate": ["k_nope", "k_rope", "tile_size"],
-    f"{TRANSFORM_INDEX}.transform_index_page_table_decode": ["page_table", "topk_indices", "result", "page_size"],
-    f"{TRANSFORM_INDEX}.transform_index_page_table_prefill": ["page_table", "topk_indices", "extend_lens_cpu",
-                                                              "page_size", "output_num_tokens",
-                                                              "page_table_is_expanded", "cu_seqlens_q"],
-    f"{PAD}.seqlens_expand_triton": ["extend_seq_lens", "seq_lens", "total_len", "max_q_len"],
-    f"{ROTARY}.forward_native": ["self", "positions", "query", "key"],
-    f"{DEEPSEEK}.set_embed_and_head": ["self", "embed", "head"],
-    f"{ALLOCATION}.get_last_loc": ["req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"],
-    f"{ALLOCATION}.assign_req_to_token_pool_func": ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
-                                                    "out_cache_loc", "batch_size"],
-    f"{CACHE_LOCS}.assign_draft_cache_locs_contiguous_func": ["req_pool_indices", "req_to_token", "seq_lens",
-                                                              "out_cache_loc", "topk", "num_cols", "positions", "mrope"],
-    f"{CACHE_LOCS}.assign_extend_cache_locs_func": ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
-                                                    "batch_size", "draft_token_num", "device"],
-    f"{SPEC_TREE}.build_tree_kernel_efficient_func": ["parent_list", "top_scores_index", "seq_lens"],
-    f"{SPEC_TREE}.verify_tree_greedy_func": ["predicts", "accept_index", "accept_token_num"],
-    f"{EAGLE_OPS}.fill_bonus_tokens_func": ["accept_tokens", "accept_lens", "bonus_tokens"],
-    f"{EAGLE_OPS}.fill_accept_out_cache_loc_func": ["accept_index", "out_cache_loc", "accept_out_cache_loc"],
-}
+EXPECTED_PARAMS = expected_params(PATCHES)  # the tests' view: target -> the parameters its hook reads

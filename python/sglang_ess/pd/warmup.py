@@ -51,7 +51,7 @@ def row_ints(layers: int, topk: int) -> int:
     return HEADER + layers * entries_per_layer(topk)
 
 
-# -- the entries ------------------------------------------------------------------------------------------------
+# -- the entries -------------------------------------------------------------------------------------------------------
 def encode(sets: torch.Tensor) -> torch.Tensor:
     """Warm-up sets [R, W, K] (positions, -1: none; W <= 32, oldest first) -> wire values [R, W * K] int64, window
     w numbered so that the newest is 31."""
@@ -101,7 +101,7 @@ def check_entries(entries: torch.Tensor, positions: int) -> str | None:
     return None
 
 
-# -- the metadata row ---------------------------------------------------------------------------------------------
+# -- the metadata row --------------------------------------------------------------------------------------------------
 def _room_ints(room) -> list[int]:
     """A bootstrap room (an unsigned 64-bit id) as two int32."""
     r = int(room or 0) & (2**64 - 1)
@@ -132,7 +132,7 @@ def read_row(row: torch.Tensor, room, layers: int, topk: int) -> torch.Tensor | 
     return row[HEADER:].view(layers, n)
 
 
-# -- the prefill node ---------------------------------------------------------------------------------------------
+# -- the prefill node --------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class PrefillForward:
     """One prefill forward's warm-up record on a PD prefill node."""

@@ -1,13 +1,15 @@
-"""Progressive PD transfer on a decode node (--ess-progressive-pd; docs/plugin.md, "Progressive PD transfer").
+"""Progressive PD transfer, the decode node (--ess-progressive-pd; docs/plugin.md, "Progressive PD transfer"): its
+requests' landing.
 
 A request joins decode once its phase 1 (index-K rows, warm-up state and SGLang's metadata) and phase 2 (the warm-up
 set's latent pages) have landed, while phase 3 streams on; a step that needs a row not landed yet waits for it
 (`wait`, called by the runtime before each layer's LRU step). What has landed is `ess.core.landing.LandingTracker`'s.
 
-A receiver takes part when it reports its progress: the events since the last call, ("phase1",), ("pages", page
-indices [n], layers [m] or None) and ("phase2",). A Mooncake or NIXL receiver's come from its prefill node's reports
-(sglang_ess.pd_progressive); the tests' loopback engine has `ess_progress()`. A receiver that reports nothing (a
-prefill node without ESS) lets its request join after its whole transfer, as without the flag.
+A receiver takes part when its engine reports its progress (sglang_ess.pd.engines.Engine, the decode node's half:
+SGLang's Mooncake and NIXL through the prefill node's reports, or an engine a test plugs in): the events since the
+last call, ("phase1",), ("pages", page indices [n], layers [m] or None) and ("phase2",). A receiver no engine
+reports (a prefill node without ESS, a room several prefill ranks serve) lets its request join after its whole
+transfer, as without the flag.
 """
 
 from __future__ import annotations
@@ -22,40 +24,11 @@ import torch.distributed as dist
 
 from ess.core import settings
 from ess.core.landing import LandingTracker
-from sglang_ess import pd_progressive
+from sglang_ess.pd.engines import Engine
 
 logger = logging.getLogger("sglang_ess")
 
 POLL_S = 0.0005  # between two polls of the receivers while a step waits for a row (host wait)
-
-
-def reports(receiver) -> bool:
-    """Whether a receiver's progress is read: the tests' loopback engine, or a Mooncake or NIXL receiver served by
-    one prefill rank."""
-    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
-    from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
-
-    return hasattr(receiver, "ess_progress") or (isinstance(receiver, (MooncakeKVReceiver, NixlKVReceiver))
-                                                 and pd_progressive.reports(receiver))
-
-
-def progress(receiver) -> list:
-    if hasattr(receiver, "ess_progress"):
-        return receiver.ess_progress()
-    return pd_progressive.events(receiver)
-
-
-def ask(receiver, layer: int, pages: torch.Tensor) -> None:
-    """Ask a receiver's sender for these request pages of `layer` ahead of the rest (a Mooncake or NIXL receiver's; the
-    tests' loopback engine sends in its fixed order)."""
-    if not hasattr(receiver, "ess_progress"):
-        pd_progressive.ask(receiver, layer, pages)
-
-
-def forget(receiver) -> None:
-    """Its events not read yet are dropped (a request no longer tracked)."""
-    if receiver is not None and not hasattr(receiver, "ess_progress"):
-        pd_progressive.forget(getattr(receiver, "bootstrap_room", None))
 
 
 class JoinEarly:
@@ -86,22 +59,32 @@ class JoinEarly:
 class Stream:
     req: object  # SGLang's Req, decoding
     receiver: object  # its transfer, phase 3 still landing
+    engine: Engine  # the receiver's
     stalled: bool = False  # a step of this rank gave up waiting for its rows (PROGRESSIVE_WAIT_S)
     drain: tuple | None = None  # once aborted: (deadline, prefill drain acks to await) before its KV may be freed
 
 
 class ProgressiveDecode:
-    def __init__(self, tracker: LandingTracker):
+    """A decode node's requests under --ess-progressive-pd (one per rank, the runtime's `progressive`): their landings
+    into the tracker, their early joins, their streams while phase 3 lands, their held releases, their steps' waits."""
+
+    def __init__(self, tracker: LandingTracker, engines: tuple[Engine, ...]):
+        """engines: those that report their receivers' progress (on a server sglang_ess.pd.engines.sglang_engines)."""
         self.tracker = tracker
+        self.engines = engines
         self.streams: dict[int, Stream] = {}  # request row -> a joined request whose transfer goes on
         self.warm_done: set[int] = set()  # request rows whose phase 2 landed
         self.early: dict[int, JoinEarly] = {}  # request row -> its stand-in, during one pop_transferred call
         self.held: dict[int, Callable] = {}  # request row -> SGLang's release of its KV, run once the transfer ends
         self.waits = 0  # steps that waited for a row (a counter for the readout and the tests)
 
-    # -- the transfer queue ----------------------------------------------------------------------------------------
-    def _land(self, row: int, receiver) -> None:
-        for event in progress(receiver):
+    # -- the transfer queue --------------------------------------------------------------------------------------------
+    def _engine(self, receiver) -> Engine | None:
+        """The engine that reports this receiver's progress, or None: its request joins after its whole transfer."""
+        return next((e for e in self.engines if e.reports(receiver)), None)
+
+    def _land(self, row: int, receiver, engine: Engine) -> None:
+        for event in engine.events(receiver):
             if event[0] == "phase1":
                 self.tracker.mark_base(row)
             elif event[0] == "pages":
@@ -111,21 +94,22 @@ class ProgressiveDecode:
 
     def before_pop(self, queue, request_slot) -> list:
         """Before SGLang polls its transfer queue: the progress of each progressive receiver into the tracker, and a
-        JoinEarly in place of each whose phases 1 and 2 have landed. Returns [(decode request, JoinEarly or None)] of
-        the tracked requests."""
+        JoinEarly in place of each whose phases 1 and 2 have landed. Returns [(decode request, JoinEarly or None,
+        engine)] of the tracked requests."""
         swapped = []
         for dr in queue.queue:
             receiver, row = dr.kv_receiver, request_slot(dr.req)
-            if receiver is None or row is None or not reports(receiver):
+            engine = None if receiver is None or row is None else self._engine(receiver)
+            if engine is None:
                 continue
             if not self.tracker.tracked(row) and not self.tracker.open(row, len(dr.req.origin_input_ids)):
-                forget(receiver)  # every tracker slot taken: this one waits for its whole transfer
+                engine.forget(receiver)  # every tracker slot taken: this one waits for its whole transfer
                 continue
-            self._land(row, receiver)
+            self._land(row, receiver, engine)
             proxy = None
             if row in self.warm_done and self.tracker.complete_base(row):
                 dr.kv_receiver = proxy = self.early[row] = JoinEarly(receiver)
-            swapped.append((dr, proxy))
+            swapped.append((dr, proxy, engine))
         return swapped
 
     def after_pop(self, queue, swapped: list, request_slot) -> None:
@@ -134,24 +118,24 @@ class ProgressiveDecode:
         that left the queue otherwise (its whole transfer landed, or it failed and SGLang released it) is no longer
         tracked."""
         queued = {id(dr) for dr in queue.queue}
-        for dr, proxy in swapped:
+        for dr, proxy, engine in swapped:
             row = request_slot(dr.req)
             if proxy is not None and proxy.committed:
-                self.streams[row] = Stream(dr.req, proxy.receiver)
+                self.streams[row] = Stream(dr.req, proxy.receiver, engine)
             elif id(dr) in queued:
                 if proxy is not None:
                     dr.kv_receiver = proxy.receiver
             elif row is not None and row not in self.streams:
                 self.tracker.close(row)
                 self.warm_done.discard(row)
-                forget(proxy.receiver if proxy is not None else dr.kv_receiver)
+                engine.forget(proxy.receiver if proxy is not None else dr.kv_receiver)
         self.early.clear()
 
     def streaming(self) -> bool:
         """A joined request's transfer is still landing: its steps may wait (host waits; no CUDA graph replay)."""
         return bool(self.streams)
 
-    # -- a request's KV while its transfer lands -------------------------------------------------------------------
+    # -- a request's KV while its transfer lands -----------------------------------------------------------------------
     def landing(self, row: int) -> bool:
         """The prefill node may still write `row`'s pages: its request joined early (or SGLang is committing it now)
         and its transfer has not ended."""
@@ -167,11 +151,11 @@ class ProgressiveDecode:
     def holding(self) -> bool:
         return bool(self.held)
 
-    # -- while requests decode -------------------------------------------------------------------------------------
+    # -- while requests decode -----------------------------------------------------------------------------------------
     def land(self) -> None:
         """The joined requests' landings into the tracker (this rank's; anywhere, inside a step too)."""
         for row, s in list(self.streams.items()):
-            self._land(row, s.receiver)
+            self._land(row, s.receiver, s.engine)
 
     def pump(self, queue) -> None:
         """Between forwards, on every rank of SGLang's decode transfer queue (`queue`, its resolve_deferred_releases):
@@ -253,7 +237,7 @@ class ProgressiveDecode:
             with mgr.failure_lock:
                 mgr.failure_records.pop(r.bootstrap_room, None)
         r.clear()
-        forget(r)
+        s.engine.forget(r)
         self.release(row)
         release = self.held.pop(row, None)
         if release is not None:
@@ -308,4 +292,4 @@ class ProgressiveDecode:
             if s is not None:
                 pages = self.tracker.unlanded_pages(row, sets[i], layer)
                 if len(pages):
-                    ask(s.receiver, layer, pages)
+                    s.engine.ask(s.receiver, layer, pages)
