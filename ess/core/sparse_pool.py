@@ -155,7 +155,7 @@ class SparseMemoryPool:
     def load(self, req: int, pos: torch.Tensor, stamps: torch.Tensor) -> None:
         """Set request req's LRU state on every layer at once: pos [layers, M] positions (-1: none; distinct per
         layer, M <= C) go to the request's first M slots with last-use stamps [layers, M]. This is how a PD decode node
-        takes the state LRU-Warmup left on the prefill node (sglang_ess.pd_warmup): which slot holds a position is
+        takes the state LRU-Warmup left on the prefill node (sglang_ess.pd.warmup): which slot holds a position is
         immaterial to the policy, which only compares stamps and positions."""
         L, M = pos.shape
         if M > self.capacity:

@@ -27,7 +27,7 @@ PAGE_TOKENS = 64  # SGLang's KV page for DeepSeek-V3.2 (FlashMLA's FP8 sparse de
 
 def warmup_state_bytes(spec: ModelSpec) -> int:
     """The LRU-Warmup row a prefill node sends per request: an 8-int32 header and 4 x top-k int32 entries per layer
-    (sglang_ess.pd_warmup.row_ints; docs/plugin.md, "LRU-Warmup with PD")."""
+    (sglang_ess.pd.warmup.row_ints; docs/plugin.md, "LRU-Warmup with PD")."""
     return 4 * (8 + spec.layers * 4 * spec.index_topk)
 
 
