@@ -50,9 +50,10 @@ from ess.analysis.sim.measured import MeasuredError, load_measured
 from ess.analysis.sim.paper import EP, HARDWARE as PAPER_HARDWARE
 from ess.analysis.sim.specs import get_hardware, get_model
 from ess.analysis.synth import SynthOptions, synth_trace
+from ess.analysis.decode_report import plot, summary
 from ess.analysis.timing import graph_us, median_us
 from ess.core import flashtrans, layout
-from ess.core.memory import cache_bytes
+from ess.core.memory import cache_bytes, hisparse_largest_batch, largest_batch
 from ess.core.pinned import pinned_zeros
 from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
 from ess.reference import attention as A
@@ -66,9 +67,9 @@ MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
 # The HiSparse arm: SGLang 0.5.23's --enable-hisparse at its defaults, as its source sets them (docs/gpu.md, "The
 # HiSparse arm"): a device buffer of 2 x top-k LRU slots per request and layer plus a page it reserves, the step's
 # misses copied before attention on the forward stream (no overlap), the first buffer-full of prompt tokens resident
-# when decode starts, and a logical token space twice its device latent pool (host_to_device_ratio 2).
+# when decode starts, and a logical token space twice its device latent pool (host_to_device_ratio 2,
+# ess.core.memory.HISPARSE_HOST_RATIO).
 HISPARSE_BUFFER_PER_TOPK = 2
-HISPARSE_HOST_RATIO = 2
 MODEL_LAYERS = 61  # DeepSeek-V3.2's decoder layers, for the per-model figures
 # The projections' dtype: float32 timed the reference model's float32 torch ops on the H200 (2026-11-26), not a
 # server's speed (docs/gpu.md); bf16 is the default on a GPU
@@ -370,25 +371,8 @@ def hisparse_slots(s: Setup) -> int:
     return HISPARSE_BUFFER_PER_TOPK * s.cfg.index_topk
 
 
-def hisparse_largest_batch(budget: float, layers: int, context: int, buffer: int, cap: int | None) -> int:
-    """HiSparse's most requests in the budget: index-K of every token, and device latent rows for half the tokens
-    (its logical space is host_to_device_ratio x the device pool) but at least its buffer and reserved page each."""
-    device_tokens = max(-(-context // HISPARSE_HOST_RATIO), buffer + PAGE_TOKENS)
-    return requests_in(budget, layers * (device_tokens * layout.LATENT_ROW_BYTES + context * layout.INDEX_ROW_BYTES), cap)
-
-
 def slots(s: Setup, ratio: float, context: int) -> int:
     return max(s.cfg.index_topk + 1, math.ceil(ratio * context))
-
-
-def largest_batch(budget: float, layers: int, context: int, buffer: int | None, cap: int | None) -> int:
-    """The most requests whose device caches (latent and index-K, or index-K and C slots) fit the budget."""
-    return requests_in(budget, cache_bytes(layers, context, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, buffer), cap)
-
-
-def requests_in(budget: float, per_request: int, cap: int | None) -> int:
-    b = int(budget // per_request)
-    return min(b, cap) if cap else b
 
 
 def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, accept: float = 1.7,
@@ -480,87 +464,6 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
             progress(f"  ({time.perf_counter() - t0:.1f} s)")
             checkpoint(rows, errors)
     return {"rows": rows, "errors": errors, **summary(rows, s)}
-
-
-def best_at_largest(ess: list[dict]) -> dict:
-    """The fastest ESS row among each ratio's largest batch."""
-    largest = {r["ratio"]: max(x["batch"] for x in ess if x["ratio"] == r["ratio"]) for r in ess}
-    return max((r for r in ess if r["batch"] == largest[r["ratio"]]), key=lambda r: r["tokens_per_s"])
-
-
-def summary(rows: list[dict], s: Setup) -> dict:
-    """gain_32k_max_batch: the best ESS mode at its largest batch over the baseline at its largest batch (hybrid
-    tokens/s, the smallest context, decode); ratio_small_batch: ESS's best over the baseline at batch 1 and 2, the
-    smaller; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch(_mtp): the decode (MTP
-    verify) gain at each longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its
-    largest batch."""
-    out = {}
-    ctx = min(r["context"] for r in rows) if rows else None
-    for S in sorted({r["query_rows"] for r in rows}):
-        at = [r for r in rows if r["context"] == ctx and r["query_rows"] == S]
-        base = [r for r in at if r["mode"] == "baseline"]
-        hisparse = [r for r in at if r["mode"] == "hisparse"]
-        ess = [r for r in at if r["mode"] not in ("baseline", "hisparse")]
-        if not base or not ess:
-            continue
-        base_top = max(base, key=lambda r: r["batch"])
-        best_top = best_at_largest(ess)
-        small = []
-        for b in s.small_batches:
-            bb = [r["tokens_per_s"] for r in base if r["batch"] == b]
-            eb = [r["tokens_per_s"] for r in ess if r["batch"] == b]
-            if bb and eb:
-                small.append(max(eb) / bb[0])
-        key = "" if S == 1 else "_mtp"
-        out |= {f"gain_32k_max_batch{key}": round(best_top["tokens_per_s"] / base_top["tokens_per_s"], 4),
-                f"best_ess{key}": {k: best_top[k] for k in ("mode", "ratio", "batch")},
-                f"ratio_small_batch{key}": round(min(small), 4) if small else None}
-        if hisparse:  # each at its largest batch
-            h_top = max(hisparse, key=lambda r: r["batch"])
-            out |= {"gain_vs_hisparse_max_batch": round(best_top["tokens_per_s"] / h_top["tokens_per_s"], 4),
-                    "hisparse_max_batch": {k: h_top[k] for k in ("batch", "tokens_per_s", "buffer_tokens")},
-                    "hisparse_gain_over_baseline": round(h_top["tokens_per_s"] / base_top["tokens_per_s"], 4)}
-    for other in sorted({r["context"] for r in rows} - {ctx}):  # the longer contexts' gains, by name
-        for S in sorted({r["query_rows"] for r in rows if r["context"] == other}):
-            at = [r for r in rows if r["context"] == other and r["query_rows"] == S]
-            base = [r for r in at if r["mode"] == "baseline"]
-            ess = [r for r in at if r["mode"] not in ("baseline", "hisparse")]
-            if base and ess:
-                base_top = max(base, key=lambda r: r["batch"])
-                key = f"gain_{other // 1024}k_max_batch" + ("" if S == 1 else "_mtp")
-                out[key] = round(best_at_largest(ess)["tokens_per_s"] / base_top["tokens_per_s"], 4)
-    return {"gain_context": ctx, **out} if out else {}
-
-
-def plot(doc: dict, path: str) -> None:
-    if not doc["rows"]:  # every configuration failed: decode.json's errors say why
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    contexts = sorted({r["context"] for r in doc["rows"]})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4), squeeze=False)
-    for ax, ctx in zip(axes[0], contexts):
-        rows = [r for r in doc["rows"] if r["context"] == ctx]
-        keys = sorted({(r["mode"], r["ratio"], r["query_rows"]) for r in rows}, key=lambda k: (k[0] != "baseline", str(k)))
-        for i, (mode, ratio, S) in enumerate(keys):
-            pts = sorted((r for r in rows if (r["mode"], r["ratio"], r["query_rows"]) == (mode, ratio, S)),
-                         key=lambda r: r["batch"])
-            label = ("baseline" if mode == "baseline" else "HiSparse (modelled policy)" if mode == "hisparse"
-                     else f"ESS {mode}, ratio {ratio}") + ("" if S == 1 else f", verify {S}")
-            ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o" if S == 1 else "^",
-                    ls="-" if S == 1 else ":", color=f"C{i % 10}", label=label)
-        ax.axvline(rows[0]["memory_wall_batch"], color="k", ls="--", lw=1, label="memory wall (baseline)")
-        ax.set_xlabel("batch (requests)")
-        ax.set_ylabel("tokens/s (hybrid: measured attention + modelled rest)")
-        ax.set_title(f"context {ctx}", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 
+from ess.core import layout
 from ess.reference import server as S
 from ess.reference.server_demo import first_difference
 
@@ -153,24 +154,21 @@ def bench(srv: S.Server, args) -> dict:
         {k: result.get(k) for k in keys}
 
 
-GAIN_LAYERS_BYTES = (656, 132)  # latent and index-K row bytes per token and layer (ess.core.layout)
-
-
 def gain_plan(args) -> dict:
     """Stock and ESS under the same device cache budget: stock holds --gain-stock-requests whole requests (latent and
-    index-K rows of every token), ESS as many as fit that many bytes with index-K of every token and
-    ratio x context latent slots (sglang_ess.sizing's per-request device rows)."""
-    from ess.core import layout
+    index-K rows of every token), ESS as many as fit that many bytes with index-K of every token and ratio x context
+    latent slots with their LRU tables (ess.core.memory, the decode stack's memory walls too)."""
+    from ess.core.memory import cache_bytes, largest_batch
 
     ctx = -(-(args.gain_input + args.gain_output + 64) // 64) * 64
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
     layers = config["num_hidden_layers"]
-    budget = args.gain_stock_requests * ctx * layers * (layout.LATENT_ROW_BYTES + layout.INDEX_ROW_BYTES)
+    budget = args.gain_stock_requests * cache_bytes(layers, ctx, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES)
     buffer = max(int(args.gain_ratio * ctx), config["index_topk"] + 1)  # at least a whole top-k set and the new row
-    per_ess = layers * (ctx * layout.INDEX_ROW_BYTES + buffer * layout.LATENT_ROW_BYTES)
     return {"context": ctx, "layers": layers, "budget_bytes": budget, "ess_buffer_tokens": buffer,
-            "stock_requests": args.gain_stock_requests, "ess_requests": max(1, int(budget // per_ess))}
+            "stock_requests": args.gain_stock_requests,
+            "ess_requests": max(1, largest_batch(budget, layers, ctx, buffer))}
 
 
 def gain_flags(name: str, plan: dict, args) -> list[str]:

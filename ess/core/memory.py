@@ -1,7 +1,13 @@
-"""Device bytes of one request's decode caches, with and without ESS (the plugin sizes its pools with it)."""
+"""Device bytes of one request's decode caches, with and without ESS (the plugin sizes its pools with it), and how
+many requests a device cache budget holds: the memory wall of each arm (benchmark/decode_gpu.py,
+benchmark/gpu/server.py)."""
 
 from __future__ import annotations
 
+from ess.core import layout
+from ess.core.settings import PAGE_TOKENS
+
+HISPARSE_HOST_RATIO = 2  # HiSparse's logical space: host_to_device_ratio x its device pool (SGLang's default)
 
 
 def cache_bytes(layers: int, tokens: int, latent_row: int, index_row: int, ess_capacity: int | None = None) -> int:
@@ -14,3 +20,21 @@ def cache_bytes(layers: int, tokens: int, latent_row: int, index_row: int, ess_c
         return layers * tokens * (latent_row + index_row)
     per_layer = tokens * index_row + ess_capacity * latent_row + (ess_capacity + 1) * 8 + (tokens + 1) * 4
     return layers * per_layer
+
+
+def requests_in(budget: float, per_request: int, cap: int | None = None) -> int:
+    b = int(budget // per_request)
+    return min(b, cap) if cap else b
+
+
+def largest_batch(budget: float, layers: int, context: int, buffer: int | None, cap: int | None = None) -> int:
+    """The most requests whose device caches (latent and index-K, or with ESS index-K and `buffer` slots) fit the
+    budget."""
+    return requests_in(budget, cache_bytes(layers, context, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, buffer), cap)
+
+
+def hisparse_largest_batch(budget: float, layers: int, context: int, buffer: int, cap: int | None = None) -> int:
+    """HiSparse's most requests in the budget: index-K of every token, and device latent rows for half the tokens
+    (its logical space is host_to_device_ratio x the device pool) but at least its buffer and reserved page each."""
+    device_tokens = max(-(-context // HISPARSE_HOST_RATIO), buffer + PAGE_TOKENS)
+    return requests_in(budget, layers * (device_tokens * layout.LATENT_ROW_BYTES + context * layout.INDEX_ROW_BYTES), cap)

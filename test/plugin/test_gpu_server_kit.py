@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("sglang")
 
+from ess.core.memory import cache_bytes  # noqa: E402
 from ess.reference import checkpoint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +62,7 @@ def test_gain_plan_one_budget(model):
     plan = server.gain_plan(args)
     per_token = plan["layers"] * (656 + 132)
     assert plan["budget_bytes"] == 8 * plan["context"] * per_token
-    ess = plan["layers"] * (plan["context"] * 132 + plan["ess_buffer_tokens"] * 656)
+    ess = cache_bytes(plan["layers"], plan["context"], 656, 132, plan["ess_buffer_tokens"])  # slots, tables, index-K
     assert plan["ess_requests"] * ess <= plan["budget_bytes"] < (plan["ess_requests"] + 1) * ess
     assert plan["ess_buffer_tokens"] >= 2049 and plan["ess_requests"] == 23  # 32K, ratio 0.2: as on the H200
 
