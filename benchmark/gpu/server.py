@@ -17,11 +17,11 @@ import argparse
 import concurrent.futures
 import json
 import os
-import subprocess
 import sys
 import time
 
 from ess.core import layout
+from ess.core.settings import PAGE_TOKENS
 from ess.reference import server as S
 from ess.reference.server_demo import first_difference
 
@@ -36,7 +36,7 @@ SERVERS = {
 # Which stock server each ESS server is compared with (the same graph setting); "exact": tokens must be identical.
 PAIRS = {"ess-none-eager": ("stock-eager", True), "ess-none": ("stock", True), "ess-da": ("stock", False)}
 RIG_FLAGS = ["--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--dsa-topk-backend", "torch",
-             "--sampling-backend", "pytorch"]  # ess_gpu_rig.FLAGS (kept here so the CPU rehearsal needs no rig import)
+             "--sampling-backend", "pytorch"]  # SGLang's torch paths (docs/gpu-server.md, the GPU rig)
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -90,31 +90,36 @@ def context_length(args) -> int:
     """Room for every request of the batch in one context: ESS stages at most one context of tokens per prefill batch
     (sglang_ess.hooks.forward.around_add_one_req), so with less, its prefill batches (and their float rounding) would
     differ from stock's."""
-    lo, hi = args.lengths
-    total = sum(lo + (hi - lo) * i // max(1, args.requests - 1) for i in range(args.requests))
-    return -(-(total + args.requests * args.new_tokens + 64) // 64) * 64
+    total = sum(S.prompt_lengths(args.requests, args.lengths))
+    return whole_pages(total + args.requests * args.new_tokens + PAGE_TOKENS)
+
+
+def whole_pages(tokens: int) -> int:
+    return -(-tokens // PAGE_TOKENS) * PAGE_TOKENS
+
+
+def device_flags(args, batch: int) -> list[str]:
+    """The flags of the machine: the CPU path's, or the GPU rig's with decode graphs up to the batch and prefill's
+    breakable graphs off (dozens of token buckets to capture, and ESS's step runs in decode)."""
+    if args.device == "cpu":
+        return S.CPU_FLAGS
+    return RIG_FLAGS + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode", str(batch),
+                        "--disable-prefill-cuda-graph"]
 
 
 def flags(name: str, args) -> list[str]:
     common = ["--context-length", str(context_length(args)), "--max-total-tokens", str(args.max_total_tokens),
               "--max-running-requests", str(args.requests), "--chunked-prefill-size", "8192"]
-    if args.device == "cpu":
-        common += S.CPU_FLAGS
-    else:
-        # decode graphs up to the batch; prefill's breakable graphs off (dozens of token buckets to capture, and
-        # ESS's step runs in decode)
-        common += RIG_FLAGS + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode",
-                               str(args.requests), "--disable-prefill-cuda-graph"]
     extra = SERVERS[name]
     if "--enable-ess" in extra:
         extra = extra + ["--ess-buffer-tokens", str(args.buffer_tokens)]
-    return common + extra
+    return common + device_flags(args, args.requests) + extra
 
 
-def start(name: str, args) -> dict:
+def start(flags_: list[str], log: str, args) -> dict:
     """Start one server and wait for it; a failure is recorded, not raised."""
     t0 = time.monotonic()
-    srv = S.Server(args.model, flags(name, args), os.path.join(args.out, f"{name}.log"))
+    srv = S.Server(args.model, flags_, log)
     srv.start()
     try:
         srv.wait_ready(args.start_timeout)
@@ -124,34 +129,41 @@ def start(name: str, args) -> dict:
         return {"server": None, "error": str(e)[-3000:], "ready_s": round(time.monotonic() - t0, 1)}
 
 
+def start_all(named_flags: dict[str, list[str]], prefix: str, args) -> dict[str, dict]:
+    """Every server at once, each logging to OUT/<prefix><name>.log."""
+    with concurrent.futures.ThreadPoolExecutor(len(named_flags)) as pool:
+        got = pool.map(lambda item: start(item[1], os.path.join(args.out, f"{prefix}{item[0]}.log"), args),
+                       named_flags.items())
+        return dict(zip(named_flags, got))
+
+
+def stop_all(started: dict[str, dict]) -> None:
+    for got in started.values():
+        if got["server"] is not None:
+            got["server"].stop()
+
+
 def generate(srv: S.Server, prompts, new_tokens) -> tuple[list[dict], float]:
     t0 = time.monotonic()
-    sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-    answers = srv.post("/generate", {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True,
-                                     "top_logprobs_num": 2})
+    answers = srv.generate(prompts, new_tokens, top_logprobs=2)
     return answers, time.monotonic() - t0
 
 
-def bench(srv: S.Server, args) -> dict:
-    """python -m sglang.benchmark.serving against srv: random token prompts of the longest length, all at once."""
+def bench(srv: S.Server, args, prompts: int, length: int, output: int) -> dict:
+    """SGLang's serving benchmark against srv: `prompts` random token prompts of `length`, all at once."""
     out_file = os.path.join("/tmp", f"ess-bench-{srv.port}.jsonl")
-    n, length = args.requests, args.lengths[1]
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", "127.0.0.1",
-           "--port", str(srv.port), "--dataset-name", "random-ids", "--num-prompts", str(n), "--max-concurrency",
-           str(n), "--random-input-len", str(length), "--random-output-len", str(args.bench_output),
-           "--random-range-ratio", "1", "--tokenizer", args.model, "--model", args.model, "--output-file", out_file,
-           "--disable-tqdm", "--seed", str(args.seed), "--tokenize-prompt"]  # token ids as drawn: no re-encoding
+    extra = ("--max-concurrency", str(prompts), "--seed", str(args.seed),
+             "--tokenize-prompt")  # token ids as drawn: the byte tokenizer would re-encode them to twice the length
     t0 = time.monotonic()
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        return {"command": " ".join(cmd[1:]), "error": (run.stdout + run.stderr)[-3000:]}
-    with open(out_file) as f:
-        result = json.loads(f.read().splitlines()[-1])
+    try:
+        result = srv.benchmark(args.model, prompts, length, output, out_file, extra)
+    except S.ServerError as e:
+        return {"error": str(e)[-3000:]}
     os.unlink(out_file)
     keys = ("completed", "output_throughput", "input_throughput", "mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
             "mean_itl_ms", "p99_itl_ms", "duration")
-    return {"command": "python -m " + " ".join(cmd[2:]), "seconds": round(time.monotonic() - t0, 1)} | \
-        {k: result.get(k) for k in keys}
+    return {"seconds": round(time.monotonic() - t0, 1), "num_prompts": prompts, "input_len": length,
+            "output_len": output} | {k: result.get(k) for k in keys}
 
 
 def gain_plan(args) -> dict:
@@ -160,7 +172,7 @@ def gain_plan(args) -> dict:
     latent slots with their LRU tables (ess.core.memory, the decode stack's memory walls too)."""
     from ess.core.memory import cache_bytes, largest_batch
 
-    ctx = -(-(args.gain_input + args.gain_output + 64) // 64) * 64
+    ctx = whole_pages(args.gain_input + args.gain_output + PAGE_TOKENS)
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
     layers = config["num_hidden_layers"]
@@ -175,11 +187,7 @@ def gain_flags(name: str, plan: dict, args) -> list[str]:
     n = plan["stock_requests"] if name == "stock" else plan["ess_requests"]
     flags_ = ["--context-length", str(plan["context"]), "--max-total-tokens", str(n * plan["context"]),
               "--max-running-requests", str(n), "--chunked-prefill-size", "8192", "--decode-log-interval", "8"]
-    if args.device == "cpu":
-        flags_ += S.CPU_FLAGS
-    else:
-        flags_ += RIG_FLAGS + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode", str(n),
-                               "--disable-prefill-cuda-graph"]
+    flags_ += device_flags(args, n)
     if name != "stock":
         flags_ += ["--enable-ess", "--ess-overlap", name.split("-")[1], "--ess-buffer-tokens",
                    str(plan["ess_buffer_tokens"])]
@@ -198,48 +206,32 @@ def decode_throughput(log: str, requests: int) -> dict:
 
 
 def run_gain(args, say) -> dict:
-    """Each server alone on the GPU in turn (both started together, then benchmarked one after the other):
+    """Each server alone on the GPU in turn (all started together, then benchmarked one after the other):
     SGLang's serving benchmark with as many prompts as the server admits, all at once; decode throughput from
     SGLang's own log lines once every request decodes."""
     plan = gain_plan(args)
     say(f"gain plan: {plan}")
     out = {"plan": plan, "servers": {}}
     names = ["stock"] + [f"ess-{m}" for m in args.gain_modes]
-    servers = {}
-    with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-        def start_one(name):
-            t0 = time.monotonic()
-            srv = S.Server(args.model, gain_flags(name, plan, args), os.path.join(args.out, f"gain-{name}.log"))
-            srv.start()
-            try:
-                srv.wait_ready(args.start_timeout)
-                return srv, round(time.monotonic() - t0, 1), None
-            except S.ServerError as e:
-                srv.stop()
-                return None, round(time.monotonic() - t0, 1), str(e)[-3000:]
-        started = dict(zip(names, pool.map(start_one, names)))
+    named_flags = {name: gain_flags(name, plan, args) for name in names}
+    started = start_all(named_flags, "gain-", args)
     try:
-        for name in names:
-            srv, ready_s, error = started[name]
-            entry = out["servers"][name] = {"flags": gain_flags(name, plan, args), "ready_s": ready_s}
-            if srv is None:
-                entry["error"] = error
-                say(f"gain {name}: did not start: {error[-800:]}")
+        for name, got in started.items():
+            entry = out["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"]}
+            if got["server"] is None:
+                entry["error"] = got["error"]
+                say(f"gain {name}: did not start: {got['error'][-800:]}")
                 continue
             n = plan["stock_requests"] if name == "stock" else plan["ess_requests"]
-            length = args.lengths
-            args.requests, args.lengths, args.bench_output = n, (args.gain_input, args.gain_input), args.gain_output
-            entry["bench"] = bench(srv, args)
-            args.lengths = length
-            entry["decode"] = decode_throughput(srv.log(), n)
-            say(f"gain {name} ({n} requests): {json.dumps(entry['bench'])[-400:]} decode {entry['decode']['median_gen_throughput']}")
+            entry["bench"] = bench(got["server"], args, n, args.gain_input, args.gain_output)
+            entry["decode"] = decode_throughput(got["server"].log(), n)
+            say(f"gain {name} ({n} requests): {json.dumps(entry['bench'])[-400:]} "
+                f"decode {entry['decode']['median_gen_throughput']}")
     finally:
-        for srv, _, _ in started.values():
-            if srv is not None:
-                srv.stop()
-    stock = out["servers"].get("stock", {}).get("decode", {}).get("median_gen_throughput")
+        stop_all(started)
+    stock = out["servers"]["stock"].get("decode", {}).get("median_gen_throughput")
     for name in names[1:]:
-        ess = out["servers"].get(name, {}).get("decode", {}).get("median_gen_throughput")
+        ess = out["servers"][name].get("decode", {}).get("median_gen_throughput")
         if stock and ess:
             out[f"gain_{name}"] = round(ess / stock, 3)
     return out
@@ -267,12 +259,12 @@ def main(argv=None) -> int:
     prompts = S.prompts(args.requests, args.lengths, args.seed)
     with S.terminate_as_exit():
         say(f"starting {len(args.servers)} servers at once: {', '.join(args.servers)}")
-        with concurrent.futures.ThreadPoolExecutor(len(args.servers)) as pool:
-            started = dict(zip(args.servers, pool.map(lambda n: start(n, args), args.servers)))
+        named_flags = {name: flags(name, args) for name in args.servers}
+        started = start_all(named_flags, "", args)
         answers = {}
         try:
             for name, got in started.items():
-                entry = report["servers"][name] = {"flags": flags(name, args), "ready_s": got["ready_s"]}
+                entry = report["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"]}
                 if got["server"] is None:
                     entry["error"] = got["error"]
                     say(f"{name}: did not start ({got['ready_s']} s): {got['error'][-600:]}")
@@ -293,12 +285,10 @@ def main(argv=None) -> int:
                     entry["ess_pool_log"] = (srv.log_lines("ESS pool:") or [None])[-1]
                 say(f"{name}: the batch took {seconds:.1f} s")
                 if name in args.bench:
-                    entry["bench"] = bench(srv, args)
+                    entry["bench"] = bench(srv, args, args.requests, args.lengths[1], args.bench_output)
                     say(f"{name}: sglang.benchmark.serving: {json.dumps(entry['bench'])[-600:]}")
         finally:
-            for got in started.values():
-                if got["server"] is not None:
-                    got["server"].stop()
+            stop_all(started)
     for ess, (stock, exact) in PAIRS.items():
         if ess not in answers or stock not in answers:
             continue

@@ -137,11 +137,28 @@ class Server:
             raise ServerError(f"GET {path}: HTTP {resp.status}: {data[:500]!r}")
         return json.loads(data)
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    def generate(self, prompts: list[list[int]], new_tokens: int, top_logprobs: int = 0) -> list[dict]:
         """Greedy generation of every prompt (token ids) in one call (one batch in the server), exactly new_tokens
-        each. Returns SGLang's answers: output_ids and meta_info."""
+        each, with the top_logprobs most likely tokens of every step if asked. Returns SGLang's answers: output_ids
+        and meta_info."""
         sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-        return self.post("/generate", {"input_ids": prompts, "sampling_params": sampling})
+        logprobs = {"return_logprob": True, "top_logprobs_num": top_logprobs} if top_logprobs else {}
+        return self.post("/generate", {"input_ids": prompts, "sampling_params": sampling, **logprobs})
+
+    def benchmark(self, model: str, num_prompts: int, input_len: int, output_len: int, out_file: str,
+                  extra: tuple[str, ...] = ()) -> dict:
+        """`python -m sglang.benchmark.serving` against this server: random token prompts (nothing downloaded), the
+        extra arguments after the rest. Returns the benchmark's result record (its output file's last line)."""
+        cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", "127.0.0.1",
+               "--port", str(self.port), "--dataset-name", "random-ids", "--num-prompts", str(num_prompts),
+               "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+               "--random-range-ratio", "1", "--tokenizer", model, "--model", model, "--output-file", out_file,
+               "--disable-tqdm", *extra]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise ServerError(f"sglang.benchmark.serving failed: {(run.stdout + run.stderr)[-2000:]}")
+        with open(out_file) as f:
+            return json.loads(f.read().splitlines()[-1])
 
     def generate_and_abort(self, prompt: list[int], after_tokens: int, rid: str = "ess-abort") -> dict:
         """A streamed greedy generation aborted through /abort_request once after_tokens tokens have come back.
@@ -178,11 +195,16 @@ class Server:
             raise ServerError(f"/flush_cache: HTTP {resp.status}: {text.strip()}")
 
 
-def prompts(count: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
-    """count prompts of the tiny checkpoint's byte tokens, of lengths spread over [lo, hi], from one seed."""
-    rng = random.Random(seed)
+def prompt_lengths(count: int, lengths: tuple[int, int]) -> list[int]:
+    """count lengths spread evenly over [lo, hi]."""
     lo, hi = lengths
-    return [[rng.choice(TOKENS) for _ in range(lo + (hi - lo) * i // max(1, count - 1))] for i in range(count)]
+    return [lo + (hi - lo) * i // max(1, count - 1) for i in range(count)]
+
+
+def prompts(count: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    """count prompts of the tiny checkpoint's byte tokens, of prompt_lengths, from one seed."""
+    rng = random.Random(seed)
+    return [[rng.choice(TOKENS) for _ in range(n)] for n in prompt_lengths(count, lengths)]
 
 
 def shared_prefix_prompts(base: list[list[int]], prefix: int, tail: int, seed: int) -> list[list[int]]:

@@ -14,10 +14,7 @@ server works, not what a GPU gains).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 from ess.reference import checkpoint
@@ -50,16 +47,8 @@ def first_difference(stock: dict, ess: dict) -> dict | None:
 
 
 def bench(srv: S.Server, model: str, prompts: int, out_file: str) -> dict:
-    """SGLang's serving benchmark against a running server: random token prompts (nothing downloaded)."""
-    cmd = [sys.executable, "-m", "sglang.benchmark.serving", "--backend", "sglang", "--host", "127.0.0.1",
-           "--port", str(srv.port), "--dataset-name", "random-ids", "--num-prompts", str(prompts),
-           "--random-input-len", "256", "--random-output-len", "16", "--random-range-ratio", "1",
-           "--tokenizer", model, "--model", model, "--output-file", out_file, "--disable-tqdm"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0:
-        raise S.ServerError(f"sglang.benchmark.serving failed: {run.stderr[-2000:]}")
-    with open(out_file) as f:
-        result = json.loads(f.read().splitlines()[-1])
+    """SGLang's serving benchmark against a running server: random token prompts of 256 tokens, 16 out."""
+    result = srv.benchmark(model, prompts, 256, 16, out_file)
     return {k: result[k] for k in ("completed", "output_throughput", "mean_ttft_ms", "mean_tpot_ms")}
 
 
@@ -68,9 +57,7 @@ def serve(model: str, flags: list[str], log: str, opt: ServerDemoOptions, say) -
     with S.Server(model, flags, log) as srv:
         before = srv.state().get("ess")
         prompts = S.prompts(opt.requests, opt.prompt_lengths, opt.seed)
-        sampling = {"max_new_tokens": opt.new_tokens, "temperature": 0, "ignore_eos": True}
-        answers = srv.post("/generate", {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True,
-                                         "top_logprobs_num": 2})
+        answers = srv.generate(prompts, opt.new_tokens, top_logprobs=2)
         after = srv.state().get("ess")
         out = {"answers": answers, "pool_log": srv.log_lines("ESS pool:")}
         if after is not None:

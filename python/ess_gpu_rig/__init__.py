@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 
 ENV = "ESS_GPU_RIG"
-STANDIN_DIR = os.path.join(os.path.dirname(__file__), "standin")  # first on PYTHONPATH (benchmark/gpu/server.sh)
 STANDIN_VERSION = "0+ess.gpu_rig.standin"
 
 # SGLang 0.5.23's own switches that keep a dense bf16 DeepSeek-V3.2 server off sgl_kernel and DeepGEMM on CUDA
@@ -38,9 +37,6 @@ SETTINGS = {
     "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
     ENV: "1",
 }
-# The launch flags that pick SGLang's torch paths (given to stock and ESS servers alike)
-FLAGS = ["--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--dsa-topk-backend", "torch",
-         "--sampling-backend", "pytorch"]
 
 
 def active() -> bool:

@@ -4,9 +4,8 @@ naming itself (sglang_ess.cpu.standin)."""
 
 import torch
 
+from ess_gpu_rig import STANDIN_VERSION as __version__  # how ess_gpu_rig.active() knows its stand-in
 from sglang_ess.cpu.standin import stand_in
-
-__version__ = "0+ess.gpu_rig.standin"  # ess_gpu_rig.STANDIN_VERSION
 
 
 def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
