@@ -10,8 +10,13 @@ simulator and is added to the measured attention path (the hybrid figures). Addi
 overlaps no transfer with the rest of a layer.
 
 Memory: the per-layer cache budget of the paper's deployment (the simulator's per-GPU cache budget / 61 x L). The
-baseline holds latent and index-K of every token on the GPU; ESS holds index-K and C = ratio x context slots per
-request, the latent in pinned host memory. Each runs at its largest batch (ESS per ratio), and at batch 1 and 2.
+baseline holds latent and index-K of every token on the GPU; ESS holds index-K of every token, and residency first
+(ess.core.regions, docs/design.md): the rest of the budget is one pool of latent rows, in which as many requests as
+fit are RESIDENT (every row of theirs on the GPU: no LRU step, no transfer; with none offloaded the step skips the
+policy altogether) and the others OFFLOADED with C = ratio x context slots each (`--residency off`: every request
+offloaded, as before 2026-11-27). Each arm runs at the batches of `--batches` (default 1, 2, 8, 32), at the
+baseline's memory wall and at its own largest batch (ESS per ratio). A batch with every request resident runs mode
+none only: with nothing offloaded there is nothing to overlap, and the step is the same in every mode.
 Mode `hisparse` is the arm a user would pick instead: SGLang's HiSparse policy at its defaults, modelled on this
 stack (docs/gpu.md, "The HiSparse arm").
 
@@ -53,7 +58,7 @@ from ess.analysis.synth import SynthOptions, synth_trace
 from ess.analysis.decode_report import plot, summary
 from ess.analysis.timing import graph_us, median_us
 from ess.core import flashtrans, layout
-from ess.core.memory import cache_bytes, hisparse_largest_batch, largest_batch
+from ess.core.memory import cache_bytes, ess_device_rows, hisparse_largest_batch, largest_batch
 from ess.core.pinned import pinned_zeros
 from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
 from ess.reference import attention as A
@@ -92,6 +97,7 @@ class Setup:
     check: bool = False  # compare every ESS mode's outputs with the baseline's (a second stack: small runs only)
     dtype: torch.dtype = torch.float32  # weights and activations of the projections (bf16 on a GPU, as a server's)
     attn1: str = DA_ATTN1  # DA / DBA's Attn1 in decode rows (verify rows: two FlashMLA calls)
+    residency: bool = True  # residency first (ess.core.regions); False: every ESS request offloaded
 
 
 def smoke_setup() -> Setup:
@@ -102,7 +108,7 @@ def smoke_setup() -> Setup:
 def gpu_setup(args) -> Setup:
     if not torch.cuda.is_available():
         raise SystemExit("decode_gpu.py: needs a CUDA device (or --smoke)")
-    return Setup(get_config("full", num_layers=args.layers), args.layers, args.contexts, args.ratios, [1, 2],
+    return Setup(get_config("full", num_layers=args.layers), args.layers, args.contexts, args.ratios, args.batches,
                  args.warm_steps, args.iters, torch.device("cuda"), "flashmla", args.max_batch, args.query_rows,
                  args.check, DTYPES[args.dtype or "bf16"])
 
@@ -113,12 +119,12 @@ class Stack:
     request b's, at consecutive positions; one LRU step takes their union and S own tokens, as the plugin does)."""
 
     def __init__(self, s: Setup, batch: int, context: int, buffer: int | None, rows: int, topk_steps: torch.Tensor | None,
-                 warm_sets: torch.Tensor | None, seed: int = 0):
+                 warm_sets: torch.Tensor | None, seed: int = 0, budget: float | None = None):
         cfg, dev, L = s.cfg, s.device, s.layers
         g = torch.Generator().manual_seed(seed)
         self.s, self.B, self.S, self.context, self.buffer = s, batch, rows, context, buffer
         steps = s.warm_steps + 1
-        self.max_len = -(-(context + steps * rows) // PAGE_TOKENS) * PAGE_TOKENS  # whole FlashMLA pages
+        self.max_len = stack_positions(context, steps, rows)
         w = A.AttentionWeights.random(cfg, g, dev)
         self.w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(s.dtype) for f in dataclasses.fields(w)})
         self.h = torch.randn(steps, batch * rows, cfg.hidden, generator=g).to(dev, s.dtype)  # each step's hidden states
@@ -135,8 +141,10 @@ class Stack:
         if buffer is None:
             self.cache = DenseLatentCache(L, batch, self.max_len, dev)
         else:
+            device_rows = None if budget is None else ess_device_rows(budget, L, batch, context, buffer, self.max_len)
             self.cache = EssLatentCache(EssConfig(topk=cfg.index_topk, buffer_tokens=buffer), L, [context] * batch,
-                                        self.max_len, dev)
+                                        self.max_len, dev, device_rows=device_rows)
+        self.resident = None if budget is None or buffer is None else sum(self.cache.resident)  # residency first
         for li in range(L):
             for b in range(batch):
                 self.cache.prefill(li, b, prompt, None)
@@ -217,7 +225,7 @@ class Stack:
         sp = self.cache.sparse
         return [sp.slot_pos, sp.slot_stamp, sp.pos_slot]
 
-    def all_resident(self, t: int) -> None:
+    def without_misses(self, t: int) -> None:
         """The LRU tables as if every position step t selects were resident (the step's time without transfer)."""
         sp = self.cache.sparse
         sp.slot_pos.fill_(-1), sp.slot_stamp.zero_(), sp.pos_slot.fill_(-1)
@@ -241,11 +249,18 @@ def trace_topk(s: Setup, batch: int, context: int, rows: int) -> tuple[torch.Ten
     return decode.to(s.device), warm.to(s.device)
 
 
+def stack_positions(context: int, steps: int, rows: int) -> int:
+    """The positions a stack's request reaches: its context and `steps` steps of `rows` tokens, in whole FlashMLA
+    pages."""
+    return -(-(context + steps * rows) // PAGE_TOKENS) * PAGE_TOKENS
+
+
 def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float | None, rows: int, source: str,
-            plan) -> dict:
+            plan, budget: float | None = None) -> dict:
     """The attention path of one decode (rows 1) or MTP verify step of the L layers, per mode, on one stack (the
-    baseline's, or ESS's at `ratio`): {mode: {"attention_ms", "exposed_ms", "misses" (ESS: per request and layer),
-    "modes" (plan)}}. plan(per_layer_misses, batch, context) -> modes, for mode "plan"."""
+    baseline's, or ESS's at `ratio`, residency first in `budget` when given): {mode: {"attention_ms", "exposed_ms",
+    "misses" (ESS: per request and layer), "modes" (plan), "resident" (requests)}}. plan(per_layer_misses, batch,
+    context) -> modes, for mode "plan"."""
     hisparse = ratio == "hisparse"
     if hisparse:  # its LRU slots, plus one for the step's own row (HiSparse keeps that in its reserved page)
         buffer = hisparse_slots(s) + 1
@@ -256,7 +271,10 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
         first = torch.arange(min(hisparse_slots(s), context), device=s.device, dtype=torch.int32)
         warm = first.expand(s.layers, batch, 1, first.numel())
         modes = ["none"]
-    stack = Stack(s, batch, context, buffer, rows, decode, warm)
+    stack = Stack(s, batch, context, buffer, rows, decode, warm, budget=None if hisparse else budget)
+    all_resident = buffer is not None and not hisparse and stack.cache.serving.all_resident()
+    if all_resident:  # nothing offloaded: nothing to overlap, every mode is the same step (module docstring)
+        modes = ["none"]
     t = s.warm_steps
     for i in range(t):  # the cache's state before the timed step: the same requests' earlier steps
         stack.step(i, "baseline" if buffer is None else "none")  # every ESS mode leaves the same LRU state
@@ -284,7 +302,7 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
             base.step(i, "baseline")
         want = base.step(t, "baseline")
         del base
-    stack.all_resident(t)
+    stack.without_misses(t)
     resident = [x.clone() for x in state()]
     out = {}
     for mode in modes:
@@ -295,12 +313,15 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
             got = stack.step(t, mode)
             diff = max(float((g.float() - w.float()).abs().max()) for g, w in zip(got, want))
         attn_us = timer(lambda: stack.step(t, mode), s.iters, restore)
-        free_us = timer(lambda: stack.step(t, mode), s.iters, lambda: restore(resident))
+        free_us = attn_us if all_resident else timer(lambda: stack.step(t, mode), s.iters, lambda: restore(resident))
         out[mode] = {"attention_ms": attn_us / 1e3, "exposed_ms": max(0.0, attn_us - free_us) / 1e3,
-                     "misses": sum(per_layer) / len(per_layer), "modes": list(stack.modes) or None, "diff": diff}
+                     "misses": sum(per_layer) / len(per_layer), "modes": list(stack.modes) or None, "diff": diff,
+                     "resident": stack.resident}
     restore()
     parts = part_times(stack, t, timer, restore)
     probe = parts.pop("h2d_probe", None) if parts else None
+    if all_resident:
+        probe = None  # nothing moves
     for m in out.values():
         m["parts_ms"], m["h2d_probe"] = parts, probe
     return {"hisparse": out["none"]} if hisparse else out
@@ -403,22 +424,23 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
         stacks = []
         if "hisparse" in modes:  # decode only: HiSparse's verify path swaps differently
             top = hisparse_largest_batch(budget, s.layers, context, hisparse_slots(s), s.max_batch)
-            stacks += [("hisparse", b, 1) for b in sorted({*s.small_batches, top}) if b >= 1]
+            stacks += [("hisparse", b, 1) for b in sorted({*s.small_batches, min(wall, top), top}) if b >= 1]
         for S in s.query_rows:
             if "baseline" in modes:
-                stacks += [(None, b, S) for b in sorted({*s.small_batches, wall}) if b >= 1]
+                stacks += [(None, b, S) for b in sorted({*s.small_batches, wall}) if 1 <= b <= wall]
             for ratio in s.ratios if ess_modes else []:
                 C = slots(s, ratio, context)
                 if C < S * (s.cfg.index_topk + 1):  # the plugin refuses it too: every row's set and own token
                     progress(f"{context} ratio {ratio}: {C} slots < {S} rows x (top-k + 1); skipped")
                     continue
                 top = largest_batch(budget, s.layers, context, C, s.max_batch)
-                stacks += [(ratio, b, S) for b in sorted({*s.small_batches, top}) if b >= 1]
+                at = {*s.small_batches, top} | ({min(wall, top)} if s.residency else set())
+                stacks += [(ratio, b, S) for b in sorted(at) if 1 <= b <= top]
         for ratio, batch, S in stacks:
             t0 = time.perf_counter()
             try:
                 results = measure(s, ["baseline"] if ratio is None else ess_modes, batch, context, ratio, S, source,
-                                  plan)
+                                  plan, budget if s.residency else None)
             except (RuntimeError, AssertionError, ValueError) as e:  # e.g. out of memory: record it, go on
                 errors.append({"context": context, "ratio": ratio, "batch": batch, "query_rows": S,
                                "error": f"{type(e).__name__}: {e}"[:500]})
@@ -448,6 +470,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                        "exposed_transfer_ms": round(m["exposed_ms"], 4),
                        "misses_per_request_layer": None if m["misses"] is None else round(m["misses"], 2),
                        "simulator_step_ms": round(sim_attn * s.layers * 1e3, 4), "memory_wall_batch": wall}
+                if m.get("resident") is not None:  # ESS: its requests resident on the GPU (residency first)
+                    row["resident_requests"] = m["resident"]
                 if hisparse:
                     row["buffer_tokens"] = hisparse_slots(s)
                 if m.get("parts_ms") is not None:  # layer 0, part by part, beside the modelled rest of a layer
@@ -472,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4, help="decode layers in the stack")
     p.add_argument("--contexts", type=lambda x: [int(v) for v in x.split(",")], default=[32768, 131072])
     p.add_argument("--ratios", type=lambda x: [float(v) for v in x.split(",")], default=[0.1, 0.2, 0.3])
+    p.add_argument("--batches", type=lambda x: [int(v) for v in x.split(",")], default=[1, 2, 8, 32],
+                   help="batches every arm runs (each also at the baseline's memory wall and its own largest batch)")
+    p.add_argument("--residency", choices=["on", "off"], default="on",
+                   help="ESS residency first (on, the plugin's design) or every request offloaded (off)")
     p.add_argument("--modes", type=lambda x: x.split(","), default=list(MODES), help=f"of {','.join(MODES)}")
     p.add_argument("--query-rows", type=lambda x: [int(v) for v in x.split(",")], default=[1, 3],
                    help="query rows per request and step: 1 is decode, 3 is MTP verify of 2 draft tokens")
@@ -501,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {MODES}")
+    if not args.batches or min(args.batches) < 1:
+        p.error(f"--batches: positive batch sizes, got {args.batches}")
     try:  # a bad file fails here, before any stack is built
         measured = load_measured(args.measured) if args.measured else None
     except MeasuredError as e:
@@ -509,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke and args.dtype:
         s.dtype = DTYPES[args.dtype]
     s.attn1 = args.attn1
+    s.residency = args.residency == "on"
+    if args.smoke and args.batches != p.get_default("batches"):
+        s.small_batches = args.batches
     if args.hardware is None:
         args.hardware = "H200" if s.device.type == "cuda" and "H200" in torch.cuda.get_device_name() else "H100"
     get_hardware(args.hardware)  # an unknown name fails here, before any stack is built
@@ -531,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,
                "topk_label": "SYNTHETIC (ess trace synth)" if args.topk_source == "synth" else "computed (random weights)",
                "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "attn1": s.attn1,
+               "residency": s.residency,
                "hardware_profile": args.hardware,
                "plan_costs": measured.describe() if measured else "modelled",
                "complete": done, "rows": every,

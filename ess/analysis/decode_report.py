@@ -10,10 +10,23 @@ def best_at_largest(ess: list[dict]) -> dict:
     return max((r for r in ess if r["batch"] == largest[r["ratio"]]), key=lambda r: r["tokens_per_s"])
 
 
+def ratio_by_batch(base: list[dict], ess: list[dict]) -> list[dict]:
+    """ESS's best over the baseline at every batch both ran (the baseline's: up to its memory wall), with the
+    requests ESS held resident there."""
+    out = []
+    for r in sorted(base, key=lambda r: r["batch"]):
+        at = [e for e in ess if e["batch"] == r["batch"]]
+        if at:
+            best = max(at, key=lambda e: e["tokens_per_s"])
+            out.append({"batch": r["batch"], "ratio": round(best["tokens_per_s"] / r["tokens_per_s"], 4),
+                        "resident_requests": best.get("resident_requests")})
+    return out
+
+
 def summary(rows: list[dict], s) -> dict:
     """gain_32k_max_batch: the best ESS mode at its largest batch over the baseline at its largest batch (hybrid
-    tokens/s, the smallest context, decode); ratio_small_batch: ESS's best over the baseline at batch 1 and 2, the
-    smaller; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch(_mtp): the decode (MTP
+    tokens/s, the smallest context, decode); ratio_by_batch: ESS's best over the baseline at every batch both ran
+    (up to the baseline's memory wall); ratio_small_batch: the smaller of those at batch 1 and 2; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch(_mtp): the decode (MTP
     verify) gain at each longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its
     largest batch."""
     out = {}
@@ -27,16 +40,13 @@ def summary(rows: list[dict], s) -> dict:
             continue
         base_top = max(base, key=lambda r: r["batch"])
         best_top = best_at_largest(ess)
-        small = []
-        for b in s.small_batches:
-            bb = [r["tokens_per_s"] for r in base if r["batch"] == b]
-            eb = [r["tokens_per_s"] for r in ess if r["batch"] == b]
-            if bb and eb:
-                small.append(max(eb) / bb[0])
+        by_batch = ratio_by_batch(base, ess)
+        small = [x["ratio"] for x in by_batch if x["batch"] in (1, 2)]
         key = "" if S == 1 else "_mtp"
         out |= {f"gain_32k_max_batch{key}": round(best_top["tokens_per_s"] / base_top["tokens_per_s"], 4),
                 f"best_ess{key}": {k: best_top[k] for k in ("mode", "ratio", "batch")},
-                f"ratio_small_batch{key}": round(min(small), 4) if small else None}
+                f"ratio_small_batch{key}": round(min(small), 4) if small else None,
+                f"ratio_by_batch{key}": by_batch}
         if hisparse:  # each at its largest batch
             h_top = max(hisparse, key=lambda r: r["batch"])
             out |= {"gain_vs_hisparse_max_batch": round(best_top["tokens_per_s"] / h_top["tokens_per_s"], 4),

@@ -38,3 +38,11 @@ def hisparse_largest_batch(budget: float, layers: int, context: int, buffer: int
     (its logical space is host_to_device_ratio x the device pool) but at least its buffer and reserved page each."""
     device_tokens = max(-(-context // HISPARSE_HOST_RATIO), buffer + PAGE_TOKENS)
     return requests_in(budget, layers * (device_tokens * layout.LATENT_ROW_BYTES + context * layout.INDEX_ROW_BYTES), cap)
+
+
+def ess_device_rows(budget: float, layers: int, batch: int, context: int, capacity: int, positions: int) -> int:
+    """Residency first (ess.core.regions): the latent rows per layer a device cache budget leaves ESS beside `batch`
+    requests' index-K (`context` tokens each) and LRU tables (C = `capacity` slots, `positions` positions each), for
+    the requests' regions: resident requests take `positions` rows, offloaded ones C."""
+    per_request = context * layout.INDEX_ROW_BYTES + (capacity + 1) * 8 + (positions + 1) * 4
+    return max(0, int((budget - batch * layers * per_request) // (layers * layout.LATENT_ROW_BYTES)))

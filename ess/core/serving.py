@@ -9,6 +9,13 @@ in those coordinates, so the engine's allocator stays the one owner of tokens an
     sparse (ess.core.sparse_pool) per layer, C GPU slots per request slot, with the LRU tables
 The decode step translates the indexer's top-k positions into GPU slots (`translate`), fetching the misses from the
 host pool with FlashTrans; the step's own rows go to their GPU slots and to the host pool.
+
+Residency first (`device_rows`, docs/design.md, "Residency first"): the GPU pool is one pool of rows carved into a
+region per request (ess.core.regions). A RESIDENT request's region holds every position it can reach (row = start +
+position): its rows never miss and skip the LRU step (with no offloaded request live, the step is skipped
+altogether, a host-known fact: nothing syncs). An OFFLOADED request's region is its C slots, run by the LRU policy
+(whose slot numbers req * C + j become start + j). Without `device_rows` every request slot owns C slots at
+req * C, offloaded, as before.
 Everything in the step is fixed-shape device work (no host sync), so a CUDA graph can capture it; with a disk tier
 `page_in` first brings the step's pages into host frames (host work: eager only).
 """
@@ -21,6 +28,7 @@ import torch
 from ess.core import flashtrans, layout, miss_attention
 from ess.core.disk_tier import PagedHostTier
 from ess.core.policy import STAMP_MOD, PolicyResult
+from ess.core.regions import RowRegions
 from ess.core.settings import PAGE_TOKENS
 from ess.core.sparse_pool import SparseMemoryPool
 
@@ -54,10 +62,13 @@ class ServingLatentCache:
         backend: str = "auto",
         kernel: str = "auto",
         tier: PagedHostTier | None = None,
+        device_rows: int | None = None,
     ):
         """host: the engine's host pool [layers, locations + 1 sink, 656], pinned (the ESS KV pool owns it and writes
         every new row into it). backend: FlashTrans' (ess.core.flashtrans); kernel: the LRU step's (ess.core.sparse_pool).
-        tier: a disk tier whose virtual rows are the token table's values; host is then its `data`."""
+        tier: a disk tier whose virtual rows are the token table's values; host is then its `data`.
+        device_rows: residency first, a GPU pool of that many rows per layer from which `admit` gives each request its
+        region; None: C slots per request slot, every request offloaded."""
         if host.dim() != 3 or host.shape[0] != num_layers or host.shape[2] != layout.LATENT_ROW_BYTES:
             raise ValueError(f"host pool shape {tuple(host.shape)}, expected ({num_layers}, locations + 1, {layout.LATENT_ROW_BYTES})")
         self.capacity = capacity
@@ -66,9 +77,18 @@ class ServingLatentCache:
         self.tier = tier
         self.selected_pages: list[np.ndarray | None] = [None] * num_layers  # tier: each layer's last step's pages
         self.sparse = SparseMemoryPool(num_layers, max_requests, capacity, max_context, device, kernel)
-        slots = whole_pages(max_requests * capacity + 1)  # + the sink slot
+        self.max_context = max_context
+        self.regions = None if device_rows is None else RowRegions(device_rows)
+        rows = max_requests * capacity if device_rows is None else device_rows
+        slots = whole_pages(rows + 1)  # + the sink slot
         self.gpu = torch.zeros(num_layers, slots, layout.LATENT_ROW_BYTES, dtype=torch.uint8, device=device)
-        self.sink_slot = self.sparse.sink_slot
+        self.sink_slot = rows
+        # residency first: each request slot's region (start, rows) on the host; start and residency on the device
+        # for the step
+        self.region: dict[int, tuple[int, int]] = {}
+        self.start = (torch.arange(max_requests, device=device) * capacity).long()
+        self.is_resident = torch.zeros(max_requests, dtype=torch.bool, device=device)
+        self.offloaded: set[int] = set()  # request slots admitted offloaded (host-known: the step's skip)
         self.backend = backend
         self.stamp = torch.zeros((), dtype=torch.int32, device=device)
 
@@ -90,6 +110,94 @@ class ServingLatentCache:
     def host_rows(self, layer: int, token_table: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Host row of each (request slot, position) on `layer`; the sink row where pos < 0."""
         return self.host_of(layer, self.locations(token_table, req, pos))
+
+    # -- residency first: each request's region (host-side, between forward passes) -------------------------------
+    def admit(self, req: int, positions: int, resident: bool = True) -> bool:
+        """Request slot req's region: resident (a row for each of positions [0, positions), which the request must
+        never pass) when the pool has room and `resident` allows, else offloaded (C slots). Returns whether resident;
+        raises when not even C rows are free (the caller demotes a resident request first, or admits fewer)."""
+        if self.regions is None:
+            raise ValueError("admit: this cache has no device_rows (every request is offloaded)")
+        if positions > self.max_context:
+            raise ValueError(f"request slot {req}: {positions} positions, the cache holds {self.max_context}")
+        self.release(req)
+        start = self.regions.alloc(positions) if resident else None
+        resident = start is not None
+        if not resident:
+            start = self.regions.alloc(self.capacity)
+            if start is None:
+                raise ValueError(f"request slot {req}: {self.capacity} free device rows wanted, the largest free region "
+                                 f"has {self.regions.largest_free()}")
+        self._set_region(req, start, positions if resident else self.capacity, resident)
+        return resident
+
+    def demote(self, req: int, length: int) -> None:
+        """A resident request (length positions written) becomes offloaded without a copy: its region shrinks to the
+        first C rows, which keep positions [0, C) as LRU residents, older than any step's; the host pool holds
+        every row (each written row is backed up), so the rest are misses to fetch."""
+        start, n = self.region[req]
+        if req in self.offloaded:
+            raise ValueError(f"request slot {req} is offloaded already")
+        C = self.capacity
+        self.regions.free(start + C, n - C)
+        self._set_region(req, start, C, False)
+        held = torch.arange(C, device=self.start.device)
+        pos = torch.where(held < length, held, -1).expand(self.gpu.shape[0], C)
+        self.sparse.load(req, pos, (self.stamp - 1).expand(self.gpu.shape[0], C))
+
+    def promote(self, req: int, positions: int, token_table: torch.Tensor, length: int) -> bool:
+        """An offloaded request becomes resident when a region of `positions` rows is free (its own C slots counted):
+        its `length` written rows come from the host pool in one H2D per layer, its LRU state is dropped. Returns
+        whether it moved."""
+        if req not in self.offloaded or positions <= self.capacity:
+            return False
+        old, n = self.region[req]
+        self.regions.free(old, n)
+        start = self.regions.alloc(positions)
+        if start is None:  # stays offloaded, in its slots
+            self.regions.take(old, n)
+            return False
+        pos = torch.arange(length, device=self.start.device)
+        r = torch.tensor([req], device=self.start.device)
+        for layer in range(self.gpu.shape[0]):
+            src = self.host_rows(layer, token_table, r, pos.unsqueeze(0)).flatten()
+            flashtrans.gather(self.host[layer], src, self.gpu[layer], start + pos, self.backend)
+        self.sparse.reset(req)
+        self._set_region(req, start, positions, True)
+        return True
+
+    def _set_region(self, req: int, start: int, rows: int, resident: bool) -> None:
+        self.region[req] = (start, rows)
+        self.start[req] = start
+        self.is_resident[req] = resident
+        (self.offloaded.discard if resident else self.offloaded.add)(req)
+
+    def resident_requests(self) -> list[int]:
+        return sorted(r for r in self.region if r not in self.offloaded)
+
+    def _physical(self, virt: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+        """The LRU policy's slot numbers (req * C + j; -1 none) -> rows of the regions' pool."""
+        r = req.long().view(-1, *[1] * (virt.dim() - 1))
+        rows = self.start[r] + (virt.long() - r * self.capacity)
+        return torch.where(virt >= 0, rows, -1).to(torch.int32)
+
+    def _resident_step(self, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
+        """The step of resident requests: every entry a hit at start + position, nothing to fetch. n_set counts the
+        valid entries (duplicates too: the LRU step's distinct count is not computed for them)."""
+        r = req.long()
+        start = self.start[r]
+        entry = topk >= 0
+        attn = torch.where(entry, start.unsqueeze(1) + topk.long(), -1).to(torch.int32)
+        own = start.view(-1, *[1] * (own_pos.dim() - 1)) + own_pos.long()
+        own_slot = torch.where(own_pos >= 0, own, -1).to(torch.int32)
+        none = torch.full(topk.shape, -1, dtype=torch.int32, device=topk.device)
+        zero = torch.zeros(topk.shape[0], dtype=torch.int32, device=topk.device)
+        return PolicyResult(attn_slot=attn, hit=entry, miss_pos=none, miss_slot=none, own_slot=own_slot, n_miss=zero,
+                            n_set=entry.sum(1).to(torch.int32))
+
+    def all_resident(self) -> bool:
+        """No offloaded request is live (host-known): the step skips the LRU policy and the fetch."""
+        return self.regions is not None and not self.offloaded
 
     # -- a disk tier: pages into host frames before the device reads them (host work, outside CUDA graphs) -----------
     def missing(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -129,9 +237,11 @@ class ServingLatentCache:
         one gather of the rows that became resident."""
         if first_stamp is None:
             first_stamp = self.stamp - sets.shape[1]
+        if self.regions is not None:  # a resident request holds every row already
+            sets = torch.where(self.is_resident[req.long()].view(-1, 1, 1), -1, sets)
         took = self.sparse.warm(layer, req, sets, first_stamp)
         pos, slots = self.sparse.resident_slots(layer, req)  # rows of the slots that took a position are fetched
-        slots = torch.where(took, slots, torch.full_like(slots, -1))
+        slots = torch.where(took, self._physical(slots, req).long() if self.regions is not None else slots, -1)
         loc = self.locations(token_table, req, torch.where(took, pos, -1))
         if self.tier is not None:
             self.tier.ensure_rows(layer, loc)
@@ -152,7 +262,7 @@ class ServingLatentCache:
         rows = self.host_rows(0, token_table, r, held.reshape(1, -1)).reshape(L, C)
         layer = torch.arange(L, device=held.device).unsqueeze(1)
         src = (layer * self.host.shape[1] + rows).flatten()
-        dst = torch.where(held >= 0, layer * slots + req * C + torch.arange(C, device=held.device), -1).flatten()
+        dst = torch.where(held >= 0, layer * slots + self.start[req] + torch.arange(C, device=held.device), -1).flatten()
         flashtrans.gather(self.host.view(-1, layout.LATENT_ROW_BYTES), src, self.gpu.view(-1, layout.LATENT_ROW_BYTES), dst, self.backend)
 
     # -- the decode step ------------------------------------------------------------------------------------------
@@ -163,8 +273,24 @@ class ServingLatentCache:
 
     def update(self, layer: int, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor,
                token_table: torch.Tensor | None = None) -> PolicyResult:
-        """The LRU step (token_table: the fused kernel also reads each miss's host row from it)."""
-        return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
+        """The LRU step (token_table: the fused kernel also reads each miss's host row from it). With regions: resident
+        requests' entries map to their rows (their sets masked out of the LRU step, which is skipped when no request
+        is offloaded), offloaded requests' slots to their regions."""
+        if self.regions is None:
+            return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
+        mine = self._resident_step(req, topk, own_pos)
+        if not self.offloaded:
+            return mine
+        res = self.is_resident[req.long()]
+        res_own = res.view(-1, *[1] * (own_pos.dim() - 1))
+        r = self.sparse.step(layer, req, torch.where(res.unsqueeze(1), -1, topk),
+                             torch.where(res_own, -1, own_pos), self.stamp, token_table)
+        return PolicyResult(
+            attn_slot=torch.where(res.unsqueeze(1), mine.attn_slot, self._physical(r.attn_slot, req)),
+            hit=torch.where(res.unsqueeze(1), mine.hit, r.hit), miss_pos=r.miss_pos,
+            miss_slot=self._physical(r.miss_slot, req),
+            own_slot=torch.where(res_own, mine.own_slot, self._physical(r.own_slot, req)),
+            n_miss=r.n_miss, n_set=torch.where(res, mine.n_set, r.n_set), miss_row=r.miss_row)
 
     def miss_rows(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> torch.Tensor:
         """Each miss's host row [B, K] (the sink row where padded)."""
@@ -175,6 +301,8 @@ class ServingLatentCache:
     def fetch(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult, overlapped: bool = False) -> None:
         """H2D of the misses into their GPU slots (FlashTrans over the compacted miss lists, current stream;
         overlapped: on the copy stream, beside compute)."""
+        if self.all_resident():
+            return
         rows = self.miss_rows(layer, req, token_table, r)
         flashtrans.gather_lists(self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss, self.backend, overlapped)
 
@@ -223,9 +351,14 @@ class ServingLatentCache:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def release(self, req: int | torch.Tensor) -> None:
-        """Forget the GPU rows of request slot(s) req (finished, aborted, or prefilling anew); their host rows are the
-        engine's tokens, freed by it."""
+        """Forget the GPU rows of request slot(s) req (finished, aborted, or prefilling anew), and with regions give its
+        region back; their host rows are the engine's tokens, freed by it."""
         self.sparse.reset(req)
+        if self.regions is not None:
+            for r in ([int(x) for x in req.reshape(-1).tolist()] if isinstance(req, torch.Tensor) else [req]):
+                if r in self.region:
+                    self.regions.free(*self.region.pop(r))
+                    self.offloaded.discard(r)
 
     def device_bytes(self) -> int:
         return self.gpu.numel() + self.sparse.table_bytes()

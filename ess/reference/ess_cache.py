@@ -15,6 +15,7 @@ from ess.reference.tiered_host_pool import TieredHostPool
 from ess.reference.host_pool import TotalMemoryPool
 from ess.core.policy import PolicyResult
 from ess.reference.dense_cache import DecodeRows
+from ess.core.regions import split
 from ess.core.serving import ServingLatentCache
 from ess.core.streams import Streams
 
@@ -30,9 +31,12 @@ class EssLatentCache:
         backend: str = "auto",
         tier: TieredHostPool | None = None,
         kernel: str = "auto",
+        device_rows: int | None = None,
     ):
         """tier: a disk tier for the host pool (ess.reference.tiered_host_pool), built for this batch; None: the whole Total
-        Memory Pool in host memory. kernel: the LRU step's (settings.KERNELS)."""
+        Memory Pool in host memory. kernel: the LRU step's (settings.KERNELS). device_rows: residency first
+        (ess.core.regions), a GPU pool of that many rows per layer: as many requests resident (every row of their
+        max_len positions on the GPU) as it holds beside the others' C slots, those first in batch order."""
         B = len(context_lens)
         self.cfg = cfg
         self.backend = backend
@@ -60,7 +64,11 @@ class EssLatentCache:
             raise ValueError(f"ESS cache: {int(self.token_table.max())} host rows exceed an int32 token table")
         self.token_table = self.token_table.to(torch.int32).contiguous()
         self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend,
-                                          kernel=kernel, tier=tier)
+                                          kernel=kernel, tier=tier, device_rows=device_rows)
+        self.resident = [False] * B
+        if device_rows is not None:
+            R = split(device_rows, B, max_len, self.capacity)
+            self.resident = [self.serving.admit(b, max_len, resident=b < R) for b in range(B)]
         self.sparse = self.serving.sparse
         self.stamp = self.serving.stamp
         self.num_layers = num_layers
@@ -72,6 +80,9 @@ class EssLatentCache:
     # -- the latent-cache interface -------------------------------------------------------------------------
     def prefill(self, layer: int, b: int, rows: torch.Tensor, warm_sets: torch.Tensor | None) -> None:
         self.host.write(layer, int(self.req[b]), torch.arange(rows.shape[0], device=self.req.device), rows)
+        if self.resident[b]:  # its region holds every row (as a server's prefill writes them)
+            start = self.serving.region[b][0]
+            self.serving.gpu[layer, start:start + rows.shape[0]] = rows.to(self.serving.gpu.device)
         if warm_sets is not None and self.cfg.warmup_windows > 0:
             if self.warm[layer] is None:
                 W, K = warm_sets.shape

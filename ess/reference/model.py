@@ -148,10 +148,12 @@ class MiniModel:
         progress: Callable[[str, int, int], None] | None = None,
         attend=None,
         modes: list[str] | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> tuple[GenerateResult, object]:
         """Prefill every prompt, then greedy-decode `steps` steps for the whole batch.
 
-        make_cache(context_lens, max_len) builds the latent cache (dense baseline or ESS)."""
+        make_cache(context_lens, max_len) builds the latent cache (dense baseline or ESS); on_step(t), if given, runs
+        before decode step t (e.g. a cache's residency changing mid-decode)."""
         cfg = self.cfg
         B = len(prompts)
         ctx = [int(p.shape[0]) for p in prompts]
@@ -178,6 +180,8 @@ class MiniModel:
         out = [tokens]
         topks = []
         for t in range(steps):
+            if on_step:
+                on_step(t)
             tokens, topk = self.decode_step(t, tokens, pos + t, cache, index_k, attend, modes)
             out.append(tokens)
             topks.append(topk)

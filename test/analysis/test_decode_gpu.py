@@ -32,9 +32,19 @@ def test_decode_gpu_smoke_run(tmp_path):
         if r["query_rows"] == 1:
             want = common if r["mode"] == "baseline" else common | {"lru_step", "h2d", "d2h"}
             assert set(r["parts_ms"]) == want and all(v >= 0 for v in r["parts_ms"].values()), r
-            if r["mode"] != "baseline":  # the misses' H2D beside the same lists over a small buffer
+            if r["mode"] != "baseline" and r.get("resident_requests") != r["batch"]:  # the misses' H2D beside the
+                # same lists over a small buffer (none moves when every request is resident)
                 p = r["h2d_probe"]
                 assert p["rows"] >= 0 and p["small_buffer_ms"] >= 0 and p["host_pool_gib"] > 0, p
+    # residency first: a batch of resident requests runs mode none, without a miss; one past the room mixes both
+    # kinds in one attention call; the ratio to the baseline at every batch both ran
+    ess_decode = [r for r in ess if r["mode"] != "hisparse"]
+    for r in ess_decode:
+        if r["resident_requests"] == r["batch"]:
+            assert r["misses_per_request_layer"] == 0 and [x["mode"] for x in ess_decode if
+                                                           (x["batch"], x["query_rows"]) == (r["batch"], r["query_rows"])] == ["none"]
+    assert any(0 < r["resident_requests"] < r["batch"] for r in ess_decode)
+    assert [x["batch"] for x in doc["ratio_by_batch"]] == [1, 2, 3] and doc["residency"] is True
     # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
     for r in ess:
         assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r
