@@ -22,6 +22,8 @@ Everything in the step is fixed-shape device work (no host sync), so a CUDA grap
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -87,8 +89,11 @@ class ServingLatentCache:
         # for the step
         self.region: dict[int, tuple[int, int]] = {}
         self.start = (torch.arange(max_requests, device=device) * capacity).long()
+        self.start32 = self.start.to(torch.int32)  # the same, for the resident step's int32 slots
         self.is_resident = torch.zeros(max_requests, dtype=torch.bool, device=device)
-        self.offloaded: set[int] = set()  # request slots admitted offloaded (host-known: the step's skip)
+        self.offloaded: set[int] = set()  # request slots admitted offloaded (host-known: the step's skips)
+        self.moved: set[int] = set()  # offloaded request slots whose region is not at req * C (their slots are mapped)
+        self._constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # the resident step's -1s and 0s
         self.backend = backend
         self.stamp = torch.zeros((), dtype=torch.int32, device=device)
 
@@ -169,8 +174,11 @@ class ServingLatentCache:
     def _set_region(self, req: int, start: int, rows: int, resident: bool) -> None:
         self.region[req] = (start, rows)
         self.start[req] = start
+        self.start32[req] = start
         self.is_resident[req] = resident
         (self.offloaded.discard if resident else self.offloaded.add)(req)
+        # where the LRU policy numbers its slots (req * C) the region needs no mapping
+        (self.moved.add if not resident and start != req * self.capacity else self.moved.discard)(req)
 
     def resident_requests(self) -> list[int]:
         return sorted(r for r in self.region if r not in self.offloaded)
@@ -182,18 +190,20 @@ class ServingLatentCache:
         return torch.where(virt >= 0, rows, -1).to(torch.int32)
 
     def _resident_step(self, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
-        """The step of resident requests: every entry a hit at start + position, nothing to fetch. n_set counts the
-        valid entries (duplicates too: the LRU step's distinct count is not computed for them)."""
-        r = req.long()
-        start = self.start[r]
+        """The step of resident requests: every entry a hit at start + position, nothing to fetch; n_set is 0 (no set
+        is managed for them). Few kernels: as many as the stock path's own page-table lookup."""
+        start = self.start32[req.long()]
         entry = topk >= 0
-        attn = torch.where(entry, start.unsqueeze(1) + topk.long(), -1).to(torch.int32)
-        own = start.view(-1, *[1] * (own_pos.dim() - 1)) + own_pos.long()
-        own_slot = torch.where(own_pos >= 0, own, -1).to(torch.int32)
-        none = torch.full(topk.shape, -1, dtype=torch.int32, device=topk.device)
-        zero = torch.zeros(topk.shape[0], dtype=torch.int32, device=topk.device)
+        attn = torch.where(entry, start.unsqueeze(1) + topk.to(torch.int32), -1)
+        own = start.view(-1, *[1] * (own_pos.dim() - 1)) + own_pos.to(torch.int32)
+        own_slot = torch.where(own_pos >= 0, own, -1)
+        key = (tuple(topk.shape), topk.device)
+        if key not in self._constants:  # constant outputs, made once per shape (never written by their readers)
+            self._constants[key] = (torch.full(topk.shape, -1, dtype=torch.int32, device=topk.device),
+                                    torch.zeros(topk.shape[0], dtype=torch.int32, device=topk.device))
+        none, zero = self._constants[key]
         return PolicyResult(attn_slot=attn, hit=entry, miss_pos=none, miss_slot=none, own_slot=own_slot, n_miss=zero,
-                            n_set=entry.sum(1).to(torch.int32))
+                            n_set=zero)
 
     def all_resident(self) -> bool:
         """No offloaded request is live (host-known): the step skips the LRU policy and the fetch."""
@@ -278,9 +288,16 @@ class ServingLatentCache:
         is offloaded), offloaded requests' slots to their regions."""
         if self.regions is None:
             return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
-        mine = self._resident_step(req, topk, own_pos)
         if not self.offloaded:
-            return mine
+            return self._resident_step(req, topk, own_pos)
+        if len(self.offloaded) == len(self.region):  # none resident: the LRU step, mapped only where needed
+            r = self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
+            if not self.moved:
+                return r
+            return dataclasses.replace(r, attn_slot=self._physical(r.attn_slot, req),
+                                       miss_slot=self._physical(r.miss_slot, req),
+                                       own_slot=self._physical(r.own_slot, req))
+        mine = self._resident_step(req, topk, own_pos)
         res = self.is_resident[req.long()]
         res_own = res.view(-1, *[1] * (own_pos.dim() - 1))
         r = self.sparse.step(layer, req, torch.where(res.unsqueeze(1), -1, topk),
@@ -359,6 +376,7 @@ class ServingLatentCache:
                 if r in self.region:
                     self.regions.free(*self.region.pop(r))
                     self.offloaded.discard(r)
+                    self.moved.discard(r)
 
     def device_bytes(self) -> int:
         return self.gpu.numel() + self.sparse.table_bytes()

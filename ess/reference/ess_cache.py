@@ -65,6 +65,7 @@ class EssLatentCache:
         self.token_table = self.token_table.to(torch.int32).contiguous()
         self.serving = ServingLatentCache(num_layers, B, self.capacity, max_len, self.host.data, device, backend,
                                           kernel=kernel, tier=tier, device_rows=device_rows)
+        self._own_host = None  # (the step's own positions, their host rows): backup_own's lookup, once per step
         self.resident = [False] * B
         if device_rows is not None:
             R = split(device_rows, B, max_len, self.capacity)
@@ -110,6 +111,7 @@ class EssLatentCache:
     def set_step(self, step: int) -> None:
         """The stamp of the coming decode step, kept on the device so a captured CUDA graph reads it."""
         self.stamp.fill_(step)
+        self._own_host = None
 
     def update(self, layer: int, topk: torch.Tensor, pos: torch.Tensor, part: slice = slice(None)) -> PolicyResult:
         """The LRU policy for the batch rows in `part` (device only, without a disk tier)."""
@@ -147,8 +149,15 @@ class EssLatentCache:
         later step cannot evict the slot mid-copy, and a captured graph joins its copy stream)."""
         if self.tier is not None:  # the own rows' pages in frames, changed by this copy
             self.tier.ensure(self.tier.pages_of(layer, self.slots, pos), dirty=True)
-        host_rows = self.serving.host_rows(layer, self.token_table, self.slots, pos).reshape(-1)  # pos [B] or [B, M]
+            host_rows = self.serving.host_rows(layer, self.token_table, self.slots, pos).reshape(-1)
+        else:  # the same rows on every layer: looked up once per step (pos is the step's tensor)
+            if self._own_host is None or self._own_host[0] is not pos:
+                self._own_host = (pos, self.serving.host_rows(layer, self.token_table, self.slots, pos).reshape(-1))
+            host_rows = self._own_host[1]
         own_slot = r.own_slot.reshape(-1)
+        if self.serving.all_resident():  # no slot is ever evicted: the D2H in stream order, nothing to wait for
+            flashtrans.scatter(self.serving.gpu[layer], own_slot, self.host.data[layer], host_rows, self.backend)
+            return None
         return self.streams.copy_after(
             lambda: flashtrans.scatter(self.serving.gpu[layer], own_slot, self.host.data[layer], host_rows, self.backend),
             host_rows, own_slot,

@@ -91,3 +91,16 @@ def test_the_lru_kernels_step_a_mixed_batch(baseline, kernel):
         CFG, TINY.num_layers, ctx, max_len, "cpu", kernel=kernel, device_rows=max_len + 2 * BUFFER))
     assert cache.resident == [True, False, False]
     assert torch.equal(res.tokens, baseline.tokens[:, :5]) and int(cache.miss_counts()[0].sum()) == 0
+
+
+def test_offloaded_slots_map_into_their_regions_only_when_moved():
+    cache = EssLatentCache(CFG, TINY.num_layers, [100, 100], 120, "cpu", device_rows=3 * BUFFER)
+    sv = cache.serving
+    assert sv.moved == set() and sv.region == {0: (0, BUFFER), 1: (BUFFER, BUFFER)}
+    sv.release(0)
+    sv.admit(1, 120, resident=False)  # request slot 1 again, now at row 0
+    assert sv.region[1] == (0, BUFFER) and sv.moved == {1}
+    topk = torch.tensor([[5, 7, -1]], dtype=torch.int32)
+    r = sv.update(0, torch.tensor([1]), topk, torch.tensor([100]))
+    assert r.attn_slot.tolist()[0][2] == -1 and all(0 <= x < BUFFER for x in r.attn_slot.tolist()[0][:2])
+    assert 0 <= int(r.own_slot[0]) < BUFFER
