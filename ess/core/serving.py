@@ -94,6 +94,9 @@ class ServingLatentCache:
         self.offloaded: set[int] = set()  # request slots admitted offloaded (host-known: the step's skips)
         self.moved: set[int] = set()  # offloaded request slots whose region is not at req * C (their slots are mapped)
         self._constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # the resident step's -1s and 0s
+        # a step captured once and replayed for any batch (CUDA graphs): the host-known skips are off, every step takes
+        # the general path (resident sets masked out of the LRU step, offloaded slots mapped)
+        self.fixed_path = False
         self.backend = backend
         self.stamp = torch.zeros((), dtype=torch.int32, device=device)
 
@@ -123,8 +126,6 @@ class ServingLatentCache:
         raises when not even C rows are free (the caller demotes a resident request first, or admits fewer)."""
         if self.regions is None:
             raise ValueError("admit: this cache has no device_rows (every request is offloaded)")
-        if positions > self.max_context:
-            raise ValueError(f"request slot {req}: {positions} positions, the cache holds {self.max_context}")
         self.release(req)
         start = self.regions.alloc(positions) if resident else None
         resident = start is not None
@@ -136,10 +137,12 @@ class ServingLatentCache:
         self._set_region(req, start, positions if resident else self.capacity, resident)
         return resident
 
-    def demote(self, req: int, length: int) -> None:
-        """A resident request (length positions written) becomes offloaded without a copy: its region shrinks to the
-        first C rows, which keep positions [0, C) as LRU residents, older than any step's; the host pool holds
-        every row (each written row is backed up), so the rest are misses to fetch."""
+    def demote(self, req: int, length: int | None = None) -> None:
+        """A resident request (length positions written; None: at least C, or unknown) becomes offloaded without a
+        copy: its region shrinks to the first C rows, which keep positions [0, min(length, C)) as LRU residents,
+        older than any step's; the host pool holds every row (each written row is backed up), so the rest are misses
+        to fetch. A position not written yet that the tables call resident is harmless: no step selects a position
+        past its own, and its own row lands in the slot its table names."""
         start, n = self.region[req]
         if req in self.offloaded:
             raise ValueError(f"request slot {req} is offloaded already")
@@ -147,7 +150,7 @@ class ServingLatentCache:
         self.regions.free(start + C, n - C)
         self._set_region(req, start, C, False)
         held = torch.arange(C, device=self.start.device)
-        pos = torch.where(held < length, held, -1).expand(self.gpu.shape[0], C)
+        pos = (held if length is None else torch.where(held < length, held, -1)).expand(self.gpu.shape[0], C)
         self.sparse.load(req, pos, (self.stamp - 1).expand(self.gpu.shape[0], C))
 
     def promote(self, req: int, positions: int, token_table: torch.Tensor, length: int) -> bool:
@@ -162,7 +165,7 @@ class ServingLatentCache:
         if start is None:  # stays offloaded, in its slots
             self.regions.take(old, n)
             return False
-        pos = torch.arange(length, device=self.start.device)
+        pos = torch.arange(min(length, self.max_context), device=self.start.device)
         r = torch.tensor([req], device=self.start.device)
         for layer in range(self.gpu.shape[0]):
             src = self.host_rows(layer, token_table, r, pos.unsqueeze(0)).flatten()
@@ -206,8 +209,23 @@ class ServingLatentCache:
                             n_set=zero)
 
     def all_resident(self) -> bool:
-        """No offloaded request is live (host-known): the step skips the LRU policy and the fetch."""
-        return self.regions is not None and not self.offloaded
+        """No offloaded request is live (host-known): the step skips the LRU policy and the fetch (not on the fixed
+        path)."""
+        return self.regions is not None and not self.offloaded and not self.fixed_path
+
+    def fill_resident(self, layer: int, rows: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> None:
+        """Rows [N, 656] of (request slot req [N], position pos [N]; -1: none) into the regions of the resident ones
+        (a prefill's rows, as it writes them); the others go to the sink row. Device work only."""
+        if self.regions is None or len(self.offloaded) == len(self.region):
+            return
+        r = req.long().clamp(min=0)
+        keep = self.is_resident[r] & (req >= 0) & (pos >= 0)
+        dst = torch.where(keep, self.start[r] + pos.long(), self.sink_slot)
+        self.gpu[layer].index_copy_(0, dst, rows)
+
+    def forget(self, req: torch.Tensor) -> None:
+        """Forget the LRU rows of request slots req (a new prefill of theirs), keeping their regions."""
+        self.sparse.reset(req)
 
     # -- a disk tier: pages into host frames before the device reads them (host work, outside CUDA graphs) -----------
     def missing(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -288,9 +306,9 @@ class ServingLatentCache:
         is offloaded), offloaded requests' slots to their regions."""
         if self.regions is None:
             return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
-        if not self.offloaded:
+        if not self.offloaded and not self.fixed_path:
             return self._resident_step(req, topk, own_pos)
-        if len(self.offloaded) == len(self.region):  # none resident: the LRU step, mapped only where needed
+        if len(self.offloaded) == len(self.region) and not self.fixed_path:  # none resident: mapped only if moved
             r = self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
             if not self.moved:
                 return r
@@ -367,12 +385,15 @@ class ServingLatentCache:
         return r
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    def release(self, req: int | torch.Tensor) -> None:
+    def release(self, req: int | torch.Tensor, slots: list[int] | None = None) -> None:
         """Forget the GPU rows of request slot(s) req (finished, aborted, or prefilling anew), and with regions give its
-        region back; their host rows are the engine's tokens, freed by it."""
+        region back (slots: req as host ints, saving a device read); their host rows are the engine's tokens, freed by
+        it."""
         self.sparse.reset(req)
         if self.regions is not None:
-            for r in ([int(x) for x in req.reshape(-1).tolist()] if isinstance(req, torch.Tensor) else [req]):
+            if slots is None:
+                slots = [int(x) for x in req.reshape(-1).tolist()] if isinstance(req, torch.Tensor) else [req]
+            for r in slots:
                 if r in self.region:
                     self.regions.free(*self.region.pop(r))
                     self.offloaded.discard(r)

@@ -23,10 +23,13 @@ import time
 
 READY = "The server is fired up and ready to roll"  # SGLang's log line once its warm-up request is done
 CPU_FLAGS = ["--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"]  # everything else is the plugin's CPU default
-ESS_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96"]  # 96 slots: a few hundred tokens overflow them every step
+# 96 slots with every request offloaded: a few hundred tokens overflow them every step
+ESS_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96", "--ess-residency", "off"]
+# residency first (the default): requests that fit the device keep every row there
+ESS_RESIDENT_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96"]
 MTP_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", "2"]
-ESS_MTP_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "160"]  # at least 2 verify rows x (top-k 64 + 1)
+ESS_MTP_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "160", "--ess-residency", "off"]  # >= 2 verify rows x (64 + 1)
 TOKENS = range(2, 258)  # the tiny checkpoint's byte tokens (ess.reference.checkpoint)
 START_TIMEOUT_S = 300
 
@@ -137,11 +140,14 @@ class Server:
             raise ServerError(f"GET {path}: HTTP {resp.status}: {data[:500]!r}")
         return json.loads(data)
 
-    def generate(self, prompts: list[list[int]], new_tokens: int, top_logprobs: int = 0) -> list[dict]:
+    def generate(self, prompts: list[list[int]], new_tokens: int | list[int], top_logprobs: int = 0) -> list[dict]:
         """Greedy generation of every prompt (token ids) in one call (one batch in the server), exactly new_tokens
-        each, with the top_logprobs most likely tokens of every step if asked. Returns SGLang's answers: output_ids
-        and meta_info."""
-        sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+        each (or new_tokens[i] for prompt i), with the top_logprobs most likely tokens of every step if asked.
+        Returns SGLang's answers: output_ids and meta_info."""
+        if isinstance(new_tokens, list):
+            sampling = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in new_tokens]
+        else:
+            sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
         logprobs = {"return_logprob": True, "top_logprobs_num": top_logprobs} if top_logprobs else {}
         return self.post("/generate", {"input_ids": prompts, "sampling_params": sampling, **logprobs})
 

@@ -2,7 +2,9 @@
 
 The tiny random DeepSeek-V3.2 checkpoint (`ess tiny-checkpoint`, made in a temporary directory unless a model is
 given) is served by `python -m sglang.launch_server --device cpu --kv-cache-dtype fp8_e4m3` (the plugin's CPU path
-on a machine without a GPU): first stock, then with `--enable-ess --ess-buffer-tokens 96` once per overlap mode. Each
+on a machine without a GPU): first stock, then with `--enable-ess --ess-buffer-tokens 96 --ess-residency off` once per
+overlap mode (every request offloaded: 96 slots against a few hundred tokens miss every step), then with residency
+first (the default: these requests fit the device, so ESS keeps every row there and runs stock's step). Each
 server gets the same concurrent requests through the HTTP API (one batch of unequal prompts, greedy, the two most
 likely tokens of every step returned), then `python -m sglang.benchmark.serving` with a few random prompts. The
 report: per mode, whether every request's tokens equal stock SGLang's (where one differs: the step, and the top-2
@@ -33,6 +35,7 @@ class ServerDemoOptions:
     bench_prompts: int = 8
     seed: int = 0
     log_dir: str | None = None  # keep the servers' logs here (default: a temporary directory, removed)
+    resident: bool = True  # also a server with residency first, where these requests fit
 
 
 def first_difference(stock: dict, ess: dict) -> dict | None:
@@ -80,9 +83,11 @@ def run_server_demo(opt: ServerDemoOptions, say=lambda text: None) -> dict:
         report = {"model": opt.model or "ess tiny-checkpoint", "requests": opt.requests,
                   "prompt_lengths": list(opt.prompt_lengths), "new_tokens": opt.new_tokens,
                   "stock": {"bench": stock["bench"]}, "ess": {}}
-        for mode in opt.modes:
-            flags = S.CPU_FLAGS + S.ESS_FLAGS + ["--ess-overlap", mode]
-            got = serve(model, flags, os.path.join(logs, f"ess-{mode}.log"), opt, say)
+        runs = [(mode, S.ESS_FLAGS + ["--ess-overlap", mode]) for mode in opt.modes]
+        if opt.resident:
+            runs.append(("resident", S.ESS_RESIDENT_FLAGS))
+        for mode, ess_flags in runs:
+            got = serve(model, S.CPU_FLAGS + ess_flags, os.path.join(logs, f"ess-{mode}.log"), opt, say)
             diffs = [first_difference(a, b) for a, b in zip(stock["answers"], got["answers"])]
             c = got["ess"]
             report["ess"][mode] = {

@@ -66,6 +66,10 @@ class EssArgs:
                                 "mooncake or nixl; prefill nodes with --enable-ess send in the progressive order; with "
                                 "decode CUDA graphs on, a batch holding a request still landing runs eagerly "
                                 "(docs/plugin.md).", action="store_true")
+    residency: str = flag("auto", "--ess-residency", "Residency first: a request whose rows fit in the GPU pool keeps "
+                          "all of them there (no LRU step, no transfer) and is offloaded only when the pool is full "
+                          "(on; auto: on where supported, i.e. co-located without --ess-disk-dir), or every request "
+                          "offloaded (off).", choices=("auto", "on", "off"))
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
 
     @property

@@ -78,6 +78,7 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self.ess_runtime = None  # set by the plugin once the runtime exists
         self._stage_locs: torch.Tensor | None = None  # locations of the staged rows, in staging order
         self._stage_pos: torch.Tensor | None = None  # the position of each staging row's token (-1: row 0)
+        self._stage_req: torch.Tensor | None = None  # the request slot of each staging row (-1: row 0)
         self._stage_cached: tuple[torch.Tensor, ...] | None = None  # cached prefix: locations, staging rows, readers
         self._staged_layers: set[int] = set()
 
@@ -116,6 +117,9 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         self.ess_stage_of_loc[locs] = torch.arange(FIRST_ROW, FIRST_ROW + n, dtype=torch.int32, device=locs.device)
         self._stage_locs = locs
         self._stage_pos = torch.cat([torch.full((FIRST_ROW,), -1, dtype=pos.dtype, device=pos.device), pos])
+        owner = torch.repeat_interleave(req.long().to(pos.device), torch.tensor(seq_lens_cpu, device=pos.device),
+                                        output_size=n)
+        self._stage_req = torch.cat([torch.full((FIRST_ROW,), -1, dtype=owner.dtype, device=pos.device), owner])
         self._stage_cached = None
         if any(p > 0 for p in prefix_lens_cpu):  # only the cached prefix comes from the host; the layer writes the rest
             cached_locs, cached_pos = batch_tokens(token_table, req, prefix_lens_cpu)
@@ -194,6 +198,10 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
                 raise RuntimeError(f"ESS decode scratch holds {self.scratch_rows} rows, the step wrote {n}")
             buf, rows = self.ess_scratch, self.ess_scratch_idx[:n]
         self._write_mla_kv_buffer(buf, rows, cache_k_nope, cache_k_rope)  # SGLang's FP8 quantiser
+        if self.ess_phase == EXTEND and self.ess_runtime is not None and self._stage_locs is not None:
+            # residency first: the staged requests' rows (cached prefix and new alike) into resident regions
+            n_staged = self._stage_pos.shape[0]
+            self.ess_runtime.fill_resident(layer_id, self.ess_stage[:n_staged, 0], self._stage_req, self._stage_pos)
         self._pages_in(local, loc, dirty=True)
         self._rewritten(local, loc)
         flashtrans.scatter(buf[:, 0], rows, self.ess_host[local], self._host_rows(local, loc), self.backend)  # D2H backup

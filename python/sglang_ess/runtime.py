@@ -93,9 +93,19 @@ class EssRuntime:
         self.start_layer = start_layer
         self.num_layers = facts.layers
         self.token_table = token_table
+        # residency first: the same GPU rows (a request slot's C slots each) as one pool of regions
+        rows = token_table.shape[0] * facts.buffer if facts.residency else None
         self.cache = ServingLatentCache(
-            self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend, kernel, tier
+            self.num_layers, token_table.shape[0], facts.buffer, token_table.shape[1], host, device, backend, kernel, tier,
+            device_rows=rows,
         )
+        self.cache.fixed_path = facts.fixed_step
+        self.query_rows = facts.query_rows
+        self.req_pool = None  # SGLang's request pool whose rows this runtime serves (set by the plugin)
+        self._positions: dict[int, int] = {}  # request slot -> the positions its request can reach (residency)
+        self._finished: set[int] = set()  # request slots let go since the last forward
+        self._reach: dict[int, int] = {}  # request slot -> its resident region's rows (a multiple of C)
+        self.demoted = self.promoted = 0  # residency: requests that crossed the wall, each way (host counts)
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.plan)
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model, facts.topk) if ess.record_trace else None
@@ -332,9 +342,10 @@ class EssRuntime:
     # -- LRU-Warmup from prefill --------------------------------------------------------------------------------
     def plan_prefill(self, req: torch.Tensor, extend_lens: list[int]) -> None:
         """Before layer 0 of a prefill forward whose requests req [R] extend by extend_lens tokens (host ints, in
-        batch order). Their GPU rows are forgotten: a new request has none, and a chunked one warms up again from its
-        newest chunk (see WarmupPlan for the windows)."""
-        self.cache.release(req)
+        batch order). Their LRU rows are forgotten: a new request has none, and a chunked one warms up again from its
+        newest chunk (see WarmupPlan for the windows); with residency their regions stay (a resident one is filled
+        as the prefill writes its rows, `fill_resident`)."""
+        self.cache.forget(req)
         W = self.ess.warmup_windows
         self._warm = WarmupPlan(req, extend_lens, W) if W and req.shape[0] else None
 
@@ -368,10 +379,55 @@ class EssRuntime:
         resets, self._resets = self._resets, []  # taken whole: the scheduler may add more meanwhile
         loads, self._loads = self._loads, {}
         if resets:
-            self.cache.release(torch.tensor(resets, dtype=torch.int64, device=self.cache.gpu.device))
+            self.cache.release(torch.tensor(resets, dtype=torch.int64, device=self.cache.gpu.device), resets)
+        if self.cache.regions is not None:  # new requests' rows (a finished request's row waits for its next one)
+            finished, self._finished = self._finished, set()
+            self._admit_regions([r for r in dict.fromkeys(resets) if r in self._positions or r not in finished],
+                                bool(resets))
         for slot, entries in loads.items():
             pos, window = pd_warmup.unpack(entries.to(self.cache.gpu.device), self.cache.capacity)
             self.cache.load_warm(slot, self.token_table, pos, self.cache.stamp - pd_warmup.WINDOWS + window)
+
+    # -- residency first (docs/design.md, "Residency first"; the plugin's policy in docs/plugin.md) -----------------------
+    def plan_positions(self, req_slot: int, positions: int) -> None:
+        """The scheduler gave request slot req_slot to a request that can reach `positions` positions (its prompt, its
+        most new tokens and the draft tokens): its region is sized for them at the next forward."""
+        self._positions[req_slot] = min(positions, self.token_table.shape[1])
+
+    def _admit_regions(self, new: list[int], changed: bool) -> None:
+        """At the start of a forward, in stream order: the new request slots get regions, resident while the pool has
+        room, offloaded otherwise (residents demoted, largest first, to make room for an offloaded one); once a
+        request left, offloaded ones are promoted while room lasts. Regions are whole multiples of C, so a freed or
+        demoted region always leaves whole C-slot regions free."""
+        cache, C = self.cache, self.cache.capacity
+        for slot in new:
+            if slot == PADDING_SLOT:
+                continue
+            want = -(-self._positions.pop(slot, self.token_table.shape[1]) // C) * C
+            self._reach[slot] = want
+            while True:
+                try:
+                    cache.admit(slot, want)
+                    break
+                except ValueError:
+                    residents = [r for r in cache.resident_requests() if r != slot]
+                    if not residents:
+                        raise
+                    victim = max(residents, key=lambda r: cache.region[r][1])
+                    cache.demote(victim)
+                    self.demoted += 1
+        if changed and cache.offloaded:  # a request came or went: room for an offloaded one, perhaps
+            for slot in sorted(cache.offloaded):
+                want = self._reach.get(slot, -(-self.token_table.shape[1] // C) * C)
+                if cache.regions.largest_free() + C < want:
+                    continue
+                if cache.promote(slot, want, self.token_table, want):
+                    self.promoted += 1
+
+    def fill_resident(self, layer_id: int, rows: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> None:
+        """A prefill layer's rows (staging rows [N, 656] of request slots req and positions pos) into the regions of
+        resident requests."""
+        self.cache.fill_resident(layer_id - self.start_layer, rows, req, pos)
 
     # -- request lifecycle (scheduler side) --------------------------------------------------------------------------
     def release(self, req_slot: int, rid: str = "") -> str | None:
@@ -380,6 +436,9 @@ class EssRuntime:
         if self.progressive is not None:  # a request still landing comes here once its transfer ended (the hook holds it)
             self.progressive.release(req_slot)
         self.reset_rows([req_slot])
+        self._finished.add(req_slot)
+        self._positions.pop(req_slot, None)
+        self._reach.pop(req_slot, None)
         self.released += 1
         if self.recorder is None:
             return None
@@ -396,6 +455,10 @@ class EssRuntime:
     def stats(self) -> dict:
         tier = self.cache.tier
         out = {"device_bytes": self.cache.device_bytes(), "modes": self.modes}
+        if self.cache.regions is not None:
+            out |= {"residency": {"resident_requests": len(self.cache.resident_requests()),
+                                  "offloaded_requests": len(self.cache.offloaded), "demoted": self.demoted,
+                                  "promoted": self.promoted, "fixed_path": self.cache.fixed_path}}
         if tier is None:
             return out | {"host_bytes": self.cache.host.numel()}
         return out | {"host_bytes": tier.frame_rows.numel(), "disk_bytes": tier.L * tier.P * DISK_PAGE,

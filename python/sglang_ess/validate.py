@@ -30,6 +30,8 @@ class EssFacts:
     query_rows: int = 1  # query rows per request and step (MTP verify: 1 + draft tokens)
     plan: tuple[str, ...] | None = None  # --ess-layer-plan's mode per layer
     windows: int = 0  # LRU-Warmup windows a prefill node sends
+    residency: bool = False  # residency first (--ess-residency; docs/design.md, "Residency first")
+    fixed_step: bool = False  # decode runs as CUDA graphs: one step path for every batch (no host-known skips)
 
 
 # The decode backend whose indices address the latent cache as flat 656-byte FP8 rows, which is what ESS translates
@@ -151,7 +153,22 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
                            modes.count("dba"))
             modes = ["da" if m == "dba" else m for m in modes]
     role = "pd-decode" if cfg.disaggregation_mode == "decode" else "co-located"
-    return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes))
+    supported = role == "co-located" and ess.disk_dir is None
+    if ess.residency == "on" and not supported:
+        raise EssArgsError("--ess-residency on: residency first runs on co-located servers without --ess-disk-dir; a "
+                           "PD decode node and a disk tier keep every request offloaded (use auto or off)")
+    residency = ess.residency == "on" or (ess.residency == "auto" and supported)
+    return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes),
+                    residency=residency, fixed_step=_decode_graphs(cfg))
+
+
+def _decode_graphs(cfg: Any) -> bool:
+    """Decode runs as CUDA graphs (SGLang's decode graph backend is on, on a CUDA device)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    graphs = getattr(cfg, "cuda_graph_config", None)
+    return (str(getattr(cfg, "device", None)) != "cpu" and graphs is not None
+            and graphs.decode.backend != Backend.DISABLED)
 
 
 # Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd.warmup).

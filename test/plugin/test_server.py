@@ -124,6 +124,75 @@ def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path):
     assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
 
 
+def residency_workload(srv, is_ess):
+    """Residency first on a device pool of 9 request rows x 96 slots (--max-running-requests 8): three requests of
+    about 300 tokens (two fit whole, the third is offloaded: one batch of both kinds); then a burst of eight, which
+    demotes the resident ones, finishing one after another (8 to 36 new tokens), which promotes offloaded ones; then
+    two short requests, which fit whole again, and two sharing a prefix with the first batch (from the radix cache,
+    written into their regions from the host pool). ESS's state after each."""
+    first = S.prompts(3, (280, 320), seed=5)
+    out = {"mixed": srv.generate(first, NEW_TOKENS)}
+    if is_ess:
+        out["state_mixed"] = srv.state()["ess"]
+    out["burst"] = srv.generate(S.prompts(8, (200, 420), seed=6), [8, 12, 16, 20, 24, 28, 32, 36])
+    if is_ess:
+        out["state_burst"] = srv.state()["ess"]
+    out["after"] = srv.generate(S.prompts(2, (150, 160), seed=7), NEW_TOKENS)
+    if is_ess:
+        out["state_after"] = srv.state()["ess"]
+    out["shared_prefix"] = srv.generate(S.shared_prefix_prompts(first[:2], 128, 32, seed=9), NEW_TOKENS)
+    if is_ess:
+        out["state_shared"] = srv.state()["ess"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def residency(model, tmp_path_factory):
+    return run_pair(tmp_path_factory.mktemp("residency"), model, ["--max-running-requests", "8"],
+                    S.ESS_RESIDENT_FLAGS, residency_workload)
+
+
+def test_resident_and_offloaded_requests_in_one_batch_give_stock_tokens(residency):
+    results, _, _ = residency
+    stock, ess = results["stock"], results["ess"]
+    assert tokens(ess["mixed"]) == tokens(stock["mixed"])
+    mixed = ess["state_mixed"]
+    assert mixed["residency"]["resident_requests"] == 2 and mixed["residency"]["offloaded_requests"] == 1, mixed
+    assert mixed["missed_rows"] > 0  # the offloaded one missed; the resident ones cannot
+
+
+def test_requests_cross_the_wall_both_ways_with_stock_tokens(residency):
+    results, _, _ = residency
+    stock, ess = results["stock"], results["ess"]
+    assert tokens(ess["burst"]) == tokens(stock["burst"]) and tokens(ess["after"]) == tokens(stock["after"])
+    burst, after = ess["state_burst"], ess["state_after"]
+    assert burst["residency"]["demoted"] >= 1 and burst["residency"]["promoted"] >= 1, burst
+    # the short requests fit whole: they ran without a miss
+    assert after["residency"]["offloaded_requests"] == 0 and after["missed_rows"] == burst["missed_rows"], after
+
+
+def test_resident_requests_take_shared_prefixes_from_the_radix_cache(residency):
+    results, _, _ = residency
+    stock, ess = results["stock"], results["ess"]
+    assert all(a["meta_info"]["cached_tokens"] >= 128 for a in ess["shared_prefix"])
+    assert tokens(ess["shared_prefix"]) == tokens(stock["shared_prefix"])
+    shared = ess["state_shared"]
+    assert shared["residency"]["offloaded_requests"] == 0 and shared["missed_rows"] == ess["state_after"]["missed_rows"]
+
+
+def test_mtp_verify_with_resident_and_offloaded_requests_gives_stock_tokens(model, tmp_path):
+    """Four requests on 9 request rows x 160 slots: two keep every row on the device, two are offloaded (one of them
+    demoted to make room), verify steps of both kinds in one batch."""
+    def workload(srv, is_ess):
+        return srv.generate(S.prompts(4, (280, 320), seed=8), NEW_TOKENS)
+
+    results, state, _ = run_pair(tmp_path, model, S.MTP_FLAGS + ["--max-running-requests", "8"],
+                                 ["--enable-ess", "--ess-buffer-tokens", "160"], workload)
+    assert tokens(results["ess"]) == tokens(results["stock"])
+    r = state["residency"]
+    assert r["resident_requests"] >= 1 and r["offloaded_requests"] >= 1 and state["missed_rows"] > 0, state
+
+
 def test_a_device_too_small_for_one_request_is_refused_before_the_weights_load(model):
     """The real launcher, --mem-fraction-static 1e-5 of this machine's memory (SGLang's CPU "device"): SGLang's static
     budget cannot hold one ESS request, which is said in one line before any weight loads."""

@@ -49,9 +49,12 @@ def launch(tmp_path, monkeypatch, plugin):
     stack = contextlib.ExitStack()
 
     def start(*flags, buffer=C):
+        # every request offloaded unless a test asks for residency (these tests write requests without SGLang's
+        # scheduler, which gives each one its region at admission)
+        residency = [] if "--ess-residency" in flags else ["--ess-residency", "off"]
         sa = prepare_server_args(["--model-path", str(tmp_path), "--skip-tokenizer-init", "--device", "cpu",
                                   "--context-length", str(MAX_LEN), "--kv-cache-dtype", "fp8_e4m3", "--enable-ess",
-                                  "--ess-buffer-tokens", str(buffer), "--ess-overlap", "da", *flags])
+                                  "--ess-buffer-tokens", str(buffer), "--ess-overlap", "da", *residency, *flags])
         sa.resolve_once()
         stack.enter_context(runtime_context.use_context(runtime_context.create_context(sa, role="test")))
         return sa, ModelConfig.from_server_args(sa)
@@ -153,6 +156,42 @@ def decode_batch(tokens, req, pos):
                         req_pool_indices=req, seq_lens=pos + 1, seq_lens_cpu=pos + 1,
                         out_cache_loc=tokens.req_to_token[req, pos].long(), seq_lens_sum=int((pos + 1).sum()),
                         positions=pos)
+
+
+def test_resident_and_offloaded_requests_through_the_real_backend_equal_the_stock_backend(launch, plugin):
+    """Residency first through SGLang's own backend and pools: request slot 3 reaches 48 positions and fits whole,
+    slot 1 reaches 200 and is offloaded; its prefill rows land in its region as the pool writes them; three DA decode
+    steps over both in one call give the stock backend's output bit for bit, only slot 1 missing."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch("--ess-residency", "on"))
+    for slot, reach in zip(REQ, (48, 200)):
+        rt.plan_positions(slot, reach)
+    rt.reset_rows(REQ)
+    rt.apply_admissions()  # at the next forward, as the scheduler's admission is applied
+    assert rt.cache.resident_requests() == [3] and rt.cache.offloaded == {1}
+    layers = attention_layers()
+    gen, rng = torch.Generator().manual_seed(0), random.Random(0)
+    req, pos = torch.tensor(REQ), torch.tensor([40, 33])
+    write_prompts(tokens, stock_pool, ess_pool, layers, pos.tolist(), gen)
+    for step in range(3):
+        batch = decode_batch(tokens, req, pos)
+        ess.init_forward_metadata(batch)
+        stock.init_forward_metadata(batch)
+        rt.start_forward()
+        for layer in layers:
+            topk = random_topk(pos, rng)
+            q, q_rope = torch.randn(2, HEADS, 512, generator=gen).bfloat16(), torch.randn(2, HEADS, 64, generator=gen).bfloat16()
+            k, k_rope = torch.randn(2, 1, 512, generator=gen).bfloat16(), torch.randn(2, 1, 64, generator=gen).bfloat16()
+            with forward_context(ForwardContext(attn_backend=ess)):
+                plugin.forward.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
+                got = ess.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
+            with forward_context(ForwardContext(attn_backend=stock)):
+                want = stock.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
+            assert torch.equal(got, want), (step, layer.layer_id)
+        rt.end_forward()
+        pos = pos + 1
+    assert rt.counts()["missed_rows"] > 0 and int((rt.cache.sparse.slot_pos[:, 3] >= 0).sum()) == 0
 
 
 # DA's Attn1 (EssRuntime.attn1): the split over the misses, fused with their copy, or one call over every entry

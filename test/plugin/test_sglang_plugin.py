@@ -144,6 +144,7 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     assert facts.topk == 2048 and facts.layers == 61 and facts.buffer == 6400
     # DBA is DA over SGLang's two-batch overlap: without it the plan's dba layers run as da
     assert facts.plan == ("da",) * 61 and facts.role == "co-located"
+    assert facts.residency is True and facts.fixed_step is False  # residency first by default; no CUDA graphs on a CPU
     assert ess_launch(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).args.enable is False
     prefill = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "24",
                            "--disaggregation-mode", "prefill"))
@@ -195,6 +196,10 @@ BAD = [
     ("host-receive", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                           "--disaggregation-decode-host-receive-threshold", "0.5"],
      "--disaggregation-decode-host-receive-threshold below 1 yet"),
+    # residency first runs co-located (docs/design.md, "Residency first")
+    ("residency-pd", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
+                          "--ess-residency", "on", "--disaggregation-mode", "decode"],
+     "--ess-residency on: residency first runs on co-located servers"),
     # progressive PD (docs/plugin.md, "Progressive PD transfer")
     ("progressive-without-ess", {}, ["--ess-progressive-pd", "--disaggregation-mode", "decode"],
      "--ess-progressive-pd given without --enable-ess"),
@@ -292,7 +297,8 @@ def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):
     sa = resolve(base(tmp_path, *DISK[:-1], str(tmp_path / "disk"), "--ess-disk-gib", "100", *NO_GRAPHS))
     ess = ess_launch(pickle.loads(pickle.dumps(sa))).args
     assert (ess.disk_dir, ess.disk_gib, ess.host_pool_gib) == (str(tmp_path / "disk"), 100.0, 8.0)
-    assert validate_server_args(sa).role == "co-located"
+    facts = validate_server_args(sa)
+    assert facts.role == "co-located" and facts.residency is False  # a disk tier keeps every request offloaded
 
 
 def sparse_checkpoint(directory, tensors):

@@ -39,13 +39,15 @@ def rows_of(loc: torch.Tensor, layer: int) -> torch.Tensor:
     return x.to(torch.uint8)
 
 
-def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None, kernel="torch"):
-    """A runtime over SGLang's request-to-token table (pool: share another runtime's table)."""
+def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None, kernel="torch", residency=False,
+                  fixed=False, requests=4):
+    """A runtime over SGLang's request-to-token table (pool: share another runtime's table; requests: its rows)."""
     if pool is None:
-        pool = ReqToTokenPool(4, CTX + STEPS * rows + 1, "cpu", False)
+        pool = ReqToTokenPool(requests, CTX + STEPS * rows + 1, "cpu", False)
         locs = torch.randperm(200 * 64)[: len(SLOTS) * pool.req_to_token.shape[1]].int()  # as scattered as an allocator's
         pool.req_to_token[SLOTS] = locs.view(len(SLOTS), -1)
-    facts = EssFacts("co-located", K, L, CTX + STEPS, C if rows == 1 else rows * (K + 1) + 2, rows)
+    facts = EssFacts("co-located", K, L, CTX + STEPS, C if rows == 1 else rows * (K + 1) + 2, rows,
+                     residency=residency, fixed_step=fixed)
     ess = EssArgs(enable=True, buffer_tokens=C, record_trace=str(tmp_path) if tmp_path else None, overlap=overlap,
                   warmup_windows=warmup)
     host = torch.zeros(L, 200 * 64 + 1, 656, dtype=torch.uint8)
@@ -67,13 +69,9 @@ def random_topk(rng, pos):
     return [rng.sample(range(p + 1), K) for p in pos]
 
 
-@pytest.mark.parametrize("kernel", ["torch", pytest.param("fused", marks=NEEDS_INTERPRETER)])
-def test_translation_gives_the_right_rows_and_the_core_misses(kernel):
-    """swap_in_selected_pages (SGLang coordinates) = EssLatentCache (the core, its own coordinates), step by step;
-    also with the fused LRU kernel (the default on a GPU; Triton's interpreter here), host rows from req_to_token."""
-    rng = random.Random(0)
-    rt, pool = setup_runtime(kernel=kernel)
-    core = EssLatentCache(EssConfig(topk=K, buffer_tokens=C, warmup_windows=0), L, [CTX, CTX], CTX + STEPS + 1, "cpu", "torch")
+def decode_and_check(rt, pool, rng):
+    """STEPS decode steps of the two requests through swap_in_selected_pages (random top-k, each step's own rows
+    stored as the pool stores them): every selected row is the right one."""
     req = torch.tensor(SLOTS)
     for t in range(STEPS):
         seq_lens = torch.full((2,), CTX + t + 1)
@@ -84,8 +82,18 @@ def test_translation_gives_the_right_rows_and_the_core_misses(kernel):
             slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
             assert slots.dtype == torch.int32 and slots.shape == (2, K)
             got = rt.latent_buffer(layer)[slots.long(), 0]
-            want = rows_of(pool.req_to_token[req.unsqueeze(1), topk.long()], layer)
-            assert torch.equal(got, want), (t, layer)
+            assert torch.equal(got, rows_of(pool.req_to_token[req.unsqueeze(1), topk.long()], layer)), (t, layer)
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("fused", marks=NEEDS_INTERPRETER)])
+def test_translation_gives_the_right_rows_and_the_core_misses(kernel):
+    """swap_in_selected_pages (SGLang coordinates) = EssLatentCache (the core, its own coordinates), step by step;
+    also with the fused LRU kernel (the default on a GPU; Triton's interpreter here), host rows from req_to_token."""
+    rng = random.Random(0)
+    rt, pool = setup_runtime(kernel=kernel)
+    core = EssLatentCache(EssConfig(topk=K, buffer_tokens=C, warmup_windows=0), L, [CTX, CTX], CTX + STEPS + 1, "cpu", "torch")
+    req = torch.tensor(SLOTS)
+    decode_and_check(rt, pool, rng)
     # the same trace through the core gives the same misses
     rng = random.Random(0)
     rt2, _ = setup_runtime(kernel=kernel)
@@ -97,6 +105,32 @@ def test_translation_gives_the_right_rows_and_the_core_misses(kernel):
             a = core.update(layer, topk, torch.full((2,), CTX + t))
             b = rt2.cache.update(layer, req, topk, torch.full((2,), CTX + t))
             assert torch.equal(a.n_miss, b.n_miss) and torch.equal(a.hit, b.hit)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_residency_steps_resident_and_offloaded_requests_together(fixed):
+    """Residency first in SGLang's coordinates: request slot 3 fits whole (its region filled as a prefill writes its
+    rows), slot 1 is offloaded; one step serves both the right rows, only slot 1 misses. fixed: the one path a CUDA
+    graph replays for any batch (no host-known skips), with the same rows."""
+    rng = random.Random(1)
+    rt, pool = setup_runtime(residency=True, fixed=fixed, requests=8)
+    for slot in SLOTS:
+        rt.plan_positions(slot, CTX + STEPS + 1)
+    rt.reset_rows(SLOTS)
+    rt.apply_admissions()
+    assert rt.cache.resident_requests() == [3] and rt.cache.offloaded == {1} and rt.cache.fixed_path == fixed
+    req = torch.tensor(SLOTS)
+    owner, pos = req.repeat_interleave(CTX), torch.arange(CTX).repeat(len(SLOTS))
+    for layer in range(L):  # what the pool's prefill write does
+        rt.fill_resident(layer, rows_of(pool.req_to_token[owner, pos], layer), owner, pos)
+    decode_and_check(rt, pool, rng)
+    # only the offloaded request missed: the resident one's LRU tables were never written
+    assert rt.counts()["missed_rows"] > 0 and int((rt.cache.sparse.slot_pos[:, 3] >= 0).sum()) == 0
+    assert rt.cache.all_resident() is False
+    # the offloaded request leaves: the resident one's step skips the LRU policy (unless the path is fixed)
+    rt.release(1)
+    rt.apply_admissions()
+    assert rt.cache.offloaded == set() and rt.cache.all_resident() is not fixed
 
 
 @pytest.mark.parametrize("overlap", ["none", "da"])

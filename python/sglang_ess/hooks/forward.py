@@ -34,6 +34,21 @@ def around_add_one_req(original, adder, req, *a, **kw):
     return original(adder, req, *a, **kw)
 
 
+def after_req_to_token_alloc(result, req_pool, reqs, *a, **kw):
+    """Request-table rows given to requests: with residency first, each request's reach (its prompt, its most new
+    tokens, the verify rows) sizes its region at the next forward (EssRuntime.plan_positions)."""
+    rt = state.runtime
+    if rt is None or result is None or rt.cache.regions is None or req_pool is not rt.req_pool:
+        return result
+    for req in reqs:
+        slot = request_slot(req)
+        if slot is not None:
+            new = getattr(req.sampling_params, "max_new_tokens", None)
+            reach = len(req.origin_input_ids) + (rt.token_table.shape[1] if new is None else new) + rt.query_rows
+            rt.plan_positions(int(slot), reach)
+    return result
+
+
 def _ess_pool(backend) -> EssDSATokenToKVPool | None:
     pool = getattr(backend, "token_to_kv_pool", None)
     return pool if isinstance(pool, EssDSATokenToKVPool) else None

@@ -124,6 +124,7 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
         tier=pool.ess_tier,
     )
     pool.ess_runtime = state.runtime
+    state.runtime.req_pool = model_runner.req_to_token_pool
     state.stage_tokens = pool.ess_stage.shape[0] - sizing.FIRST_ROW
     reset_on_admit(model_runner.req_to_token_pool, state.runtime)
     model_runner.hisparse_coordinator = state.runtime
