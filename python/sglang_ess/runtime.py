@@ -236,8 +236,8 @@ class EssRuntime:
         it did (otherwise the attention call does the whole step)."""
         layer = layer_id - self.start_layer
         B = req_pool_indices.shape[0]
-        if self.modes[layer] not in OVERLAP_EARLY or B == 0 or top_k.dim() != 2:
-            return False
+        if self.modes[layer] not in OVERLAP_EARLY or B == 0 or top_k.dim() != 2 or self.cache.all_resident():
+            return False  # (every request resident: no copy to overlap, the attention call does the step)
         if positions.shape[0] != top_k.shape[0] or top_k.shape[0] % B:  # padded rows: leave it to the attention call
             return False
         S = top_k.shape[0] // B
