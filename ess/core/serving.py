@@ -165,14 +165,20 @@ class ServingLatentCache:
         if start is None:  # stays offloaded, in its slots
             self.regions.take(old, n)
             return False
-        pos = torch.arange(min(length, self.max_context), device=self.start.device)
+        self.sparse.reset(req)
+        self._set_region(req, start, positions, True)
+        self.fill_from_host(req, length, token_table)
+        return True
+
+    def fill_from_host(self, req: int, length: int, token_table: torch.Tensor) -> None:
+        """A resident request's region gets its first `length` rows from the host pool, one H2D per layer (a
+        promotion, or a PD decode node's request whose KV landed in the host pool)."""
+        start = self.region[req][0]
+        pos = torch.arange(min(length, self.max_context, self.region[req][1]), device=self.start.device)
         r = torch.tensor([req], device=self.start.device)
         for layer in range(self.gpu.shape[0]):
             src = self.host_rows(layer, token_table, r, pos.unsqueeze(0)).flatten()
             flashtrans.gather(self.host[layer], src, self.gpu[layer], start + pos, self.backend)
-        self.sparse.reset(req)
-        self._set_region(req, start, positions, True)
-        return True
 
     def _set_region(self, req: int, start: int, rows: int, resident: bool) -> None:
         self.region[req] = (start, rows)

@@ -68,7 +68,7 @@ class EssArgs:
                                 "(docs/plugin.md).", action="store_true")
     residency: str = flag("auto", "--ess-residency", "Residency first: a request whose rows fit in the GPU pool keeps "
                           "all of them there (no LRU step, no transfer) and is offloaded only when the pool is full "
-                          "(on; auto: on where supported, i.e. co-located without --ess-disk-dir), or every request "
+                          "(on; auto: on unless --ess-disk-dir or --ess-progressive-pd is given), or every request "
                           "offloaded (off).", choices=("auto", "on", "off"))
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
 

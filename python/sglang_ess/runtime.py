@@ -105,6 +105,7 @@ class EssRuntime:
         self._positions: dict[int, int] = {}  # request slot -> the positions its request can reach (residency)
         self._finished: set[int] = set()  # request slots let go since the last forward
         self._reach: dict[int, int] = {}  # request slot -> its resident region's rows (a multiple of C)
+        self._landed: dict[int, int] = {}  # PD decode: request slot -> positions whose KV landed in the host pool
         self.demoted = self.promoted = 0  # residency: requests that crossed the wall, each way (host counts)
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.plan)
@@ -359,6 +360,12 @@ class EssRuntime:
         if got is not None:
             self.cache.warmup(layer_id - self.start_layer, got[0], self.token_table, got[1])
 
+    def transferred(self, req_slot: int, length: int) -> None:
+        """PD decode with residency: a request's KV (its first `length` positions) landed in the host pool; at the next
+        forward a resident request's region is filled from there (an offloaded one warms up from its entries)."""
+        if self.cache.regions is not None:
+            self._landed[req_slot] = length
+
     def admit_transferred(self, req_slot: int, entries: torch.Tensor) -> None:
         """PD decode: a request whose KV arrived from a prefill node, with the warm-up state that node sent
         (entries [layers, N], sglang_ess.pd.warmup's wire format): at the next forward its GPU slots start as a
@@ -378,13 +385,20 @@ class EssRuntime:
         that arrived for them."""
         resets, self._resets = self._resets, []  # taken whole: the scheduler may add more meanwhile
         loads, self._loads = self._loads, {}
+        landed, self._landed = self._landed, {}
         if resets:
             self.cache.release(torch.tensor(resets, dtype=torch.int64, device=self.cache.gpu.device), resets)
         if self.cache.regions is not None:  # new requests' rows (a finished request's row waits for its next one)
             finished, self._finished = self._finished, set()
             self._admit_regions([r for r in dict.fromkeys(resets) if r in self._positions or r not in finished],
                                 bool(resets))
+        resident = set(self.cache.resident_requests()) if self.cache.regions is not None else set()
+        for slot, length in landed.items():
+            if slot in resident:  # its whole KV, from the host pool where the transfer wrote it
+                self.cache.fill_from_host(slot, length, self.token_table)
         for slot, entries in loads.items():
+            if slot in resident:
+                continue  # every row of it is on the GPU already: no warm-up to load
             pos, window = pd_warmup.unpack(entries.to(self.cache.gpu.device), self.cache.capacity)
             self.cache.load_warm(slot, self.token_table, pos, self.cache.stamp - pd_warmup.WINDOWS + window)
 
@@ -437,6 +451,7 @@ class EssRuntime:
             self.progressive.release(req_slot)
         self.reset_rows([req_slot])
         self._finished.add(req_slot)
+        self._landed.pop(req_slot, None)
         self._positions.pop(req_slot, None)
         self._reach.pop(req_slot, None)
         self.released += 1

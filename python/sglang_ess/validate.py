@@ -153,10 +153,10 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
                            modes.count("dba"))
             modes = ["da" if m == "dba" else m for m in modes]
     role = "pd-decode" if cfg.disaggregation_mode == "decode" else "co-located"
-    supported = role == "co-located" and ess.disk_dir is None
+    supported = ess.disk_dir is None and not ess.progressive_pd
     if ess.residency == "on" and not supported:
-        raise EssArgsError("--ess-residency on: residency first runs on co-located servers without --ess-disk-dir; a "
-                           "PD decode node and a disk tier keep every request offloaded (use auto or off)")
+        raise EssArgsError("--ess-residency on: a disk tier (--ess-disk-dir) and --ess-progressive-pd keep every request "
+                           "offloaded (their rows page through, or land in, the host pool over time): use auto or off")
     residency = ess.residency == "on" or (ess.residency == "auto" and supported)
     return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes),
                     residency=residency, fixed_step=_decode_graphs(cfg))

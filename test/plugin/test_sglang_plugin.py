@@ -196,10 +196,9 @@ BAD = [
     ("host-receive", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--disaggregation-mode", "decode",
                           "--disaggregation-decode-host-receive-threshold", "0.5"],
      "--disaggregation-decode-host-receive-threshold below 1 yet"),
-    # residency first runs co-located (docs/design.md, "Residency first")
-    ("residency-pd", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
-                          "--ess-residency", "on", "--disaggregation-mode", "decode"],
-     "--ess-residency on: residency first runs on co-located servers"),
+    # residency first: not with rows that page through or land in the host pool over time (docs/plugin.md)
+    ("residency-progressive", {}, [*PROGRESSIVE, "--disaggregation-transfer-backend", "mooncake", "--ess-residency",
+                                   "on"], "--ess-residency on: a disk tier \\(--ess-disk-dir\\) and --ess-progressive-pd"),
     # progressive PD (docs/plugin.md, "Progressive PD transfer")
     ("progressive-without-ess", {}, ["--ess-progressive-pd", "--disaggregation-mode", "decode"],
      "--ess-progressive-pd given without --enable-ess"),
@@ -286,7 +285,10 @@ def test_progressive_pd_resolves_over_mooncake_and_nixl(plugin, hopper, tmp_path
 
     sa = resolve(base(tmp_path, *PROGRESSIVE[:-4], *graphs, "--disaggregation-transfer-backend", backend))
     assert ess_launch(pickle.loads(pickle.dumps(sa))).args.progressive_pd is True
-    assert validate_server_args(sa).role == "pd-decode"
+    facts = validate_server_args(sa)
+    assert facts.role == "pd-decode" and facts.residency is False  # rows land over time: every request offloaded
+    plain = resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:-4], *graphs, "--disaggregation-transfer-backend", backend))
+    assert validate_server_args(plain).residency is True  # a PD decode node without it: residency first
 
 
 def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):

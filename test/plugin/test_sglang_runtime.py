@@ -133,6 +133,27 @@ def test_residency_steps_resident_and_offloaded_requests_together(fixed):
     assert rt.cache.offloaded == set() and rt.cache.all_resident() is not fixed
 
 
+def test_residency_on_a_pd_decode_node_fills_a_resident_request_once_its_kv_lands():
+    """A PD decode node: both requests' KV lands in the host pool (the transfer writes it by token location); at the
+    next forward the resident request's region is filled from there, the offloaded one loads its warm-up state; every
+    row served is the right one, and the resident request never touches the LRU tables."""
+    rng = random.Random(2)
+    rt, pool = setup_runtime(residency=True, requests=8)  # its prompt rows sit in the host pool, as landed
+    rt.plan_positions(3, CTX + STEPS + 1)
+    rt.plan_positions(1, 1000)  # too long to fit beside it: offloaded
+    rt.reset_rows(SLOTS)
+    rt.apply_admissions()
+    assert rt.cache.resident_requests() == [3] and rt.cache.offloaded == {1}
+    entries = pd_warmup.compact(pd_warmup.encode(torch.arange(CTX - 8, CTX).expand(L, 1, 8)), 8)  # [L, 8]
+    for slot in SLOTS:  # SGLang's transfer commit (sglang_ess.hooks.pd.after_commit_transfer)
+        rt.transferred(slot, CTX)
+        rt.admit_transferred(slot, entries)
+    rt.apply_admissions()
+    assert int((rt.cache.sparse.slot_pos[:, 1] >= 0).sum()) > 0  # the offloaded one's warm-up, loaded
+    decode_and_check(rt, pool, rng)
+    assert int((rt.cache.sparse.slot_pos[:, 3] >= 0).sum()) == 0
+
+
 @pytest.mark.parametrize("overlap", ["none", "da"])
 def test_mtp_verify_rows_translate_as_one_step(overlap):
     """Verify: S query rows per request; with DA the step starts at the indexer's [B*S, K] output."""

@@ -34,6 +34,7 @@ INDEXER_METADATA = "sglang.srt.layers.attention.dsa.dsa_indexer_metadata.DSAInde
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 RELEASE_KV = "sglang.srt.mem_cache.common.release_kv_cache"
 REQ_TO_TOKEN = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+DECODE_REQ_TO_TOKEN = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool"
 PREFILL_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 METADATA_BUFFERS = "sglang.srt.disaggregation.utils.MetadataBuffers"
 DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
@@ -70,6 +71,8 @@ TABLE = [
          "a prefill batch stays within the staging rows sizing charged"),
     Hook(f"{REQ_TO_TOKEN}.alloc", AFTER, forward.after_req_to_token_alloc, ("self", "reqs"),
          "residency first: each new request's reach sizes its region"),
+    Hook(f"{DECODE_REQ_TO_TOKEN}.alloc", AFTER, forward.after_req_to_token_alloc, ("self", "reqs"),
+         "as ReqToTokenPool's, on a PD decode node"),
     Hook(f"{MODEL_RUNNER}.forward", AROUND, forward.around_model_forward, ("self", "forward_batch"),
          "the runtime's start and end of each forward of the target model"),
     Hook(f"{DSA_BACKEND}.init_forward_metadata", AFTER, forward.after_init_forward_metadata,

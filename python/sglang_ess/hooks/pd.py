@@ -47,12 +47,16 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
     """Decode node, a request's KV and metadata arrived: load the warm-up state the prefill node sent."""
     buf = getattr(queue.metadata_buffers, "ess_warmup", None)
     req = decode_req.req
-    if buf is None or state.runtime is None or req.finished_reason is not None or request_slot(req) is None:
+    if state.runtime is None or req.finished_reason is not None or request_slot(req) is None:
+        return
+    prompt = getattr(req, "origin_input_ids", None)
+    if prompt:  # residency first: a resident request's region is filled from the host pool at the next forward
+        state.runtime.transferred(int(request_slot(req)), len(prompt))
+    if buf is None:
         return
     entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *state.pd.wire)
     if entries is None:
         return
-    prompt = getattr(req, "origin_input_ids", None)
     reason = pd_warmup.check_entries(entries, len(prompt) if prompt else state.runtime.token_table.shape[1])
     if reason is not None:  # a malformed record costs this request its warm-up, nothing else
         logger.warning("ESS warm-up of request %s refused: %s; it starts with empty GPU slots", req.bootstrap_room, reason)
