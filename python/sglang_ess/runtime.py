@@ -366,11 +366,24 @@ class EssRuntime:
         if self.cache.regions is not None:
             self._landed[req_slot] = length
 
-    def admit_transferred(self, req_slot: int, entries: torch.Tensor) -> None:
+    def admit_transferred(self, req_slot: int, entries: torch.Tensor, positions: int | None = None) -> None:
         """PD decode: a request whose KV arrived from a prefill node, with the warm-up state that node sent
         (entries [layers, N], sglang_ess.pd.warmup's wire format): at the next forward its GPU slots start as a
-        co-located warm-up would leave them, the most recently used rows first when the union exceeds the slots."""
+        co-located warm-up would leave them, the most recently used rows first when the union exceeds the slots.
+        The entries are input from another node: ones that cannot be loaded for a request of `positions` tokens
+        (default: the request table's width) are refused with the reason, before anything reads them."""
+        if entries.dim() != 2 or entries.shape[0] != self.num_layers:
+            raise ValueError(f"PD warm-up entries of request slot {req_slot}: shape {tuple(entries.shape)}, expected "
+                             f"[{self.num_layers}, N]")
+        reason = pd_warmup.check_entries(entries, positions or self.token_table.shape[1])
+        if reason is not None:
+            raise ValueError(f"PD warm-up entries of request slot {req_slot}: {reason}")
         self._loads[req_slot] = entries
+
+    def abandon_transfer(self, req_slot: int) -> None:
+        """PD decode: a request whose transfer is refused (its metadata malformed) leaves nothing to load."""
+        self._loads.pop(req_slot, None)
+        self._landed.pop(req_slot, None)
 
     def reset_rows(self, rows: list[int]) -> None:
         """Request-table rows handed to new requests: at the next forward they start with empty tables."""

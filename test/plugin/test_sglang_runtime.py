@@ -385,9 +385,13 @@ def test_a_trace_folder_that_goes_away_costs_the_traces_not_the_server(tmp_path,
     tmp_path.mkdir()
 
 
-def test_a_malformed_pd_warmup_record_costs_its_request_the_warmup_only(plugin, monkeypatch, caplog):
-    """A decode node that receives a warm-up row it cannot load (a position past the request, a position twice in a
-    layer, a stray negative entry) refuses it for that request, logs why, and serves on."""
+def test_a_malformed_pd_warmup_record_ends_its_own_request_only(plugin, monkeypatch, caplog):
+    """The wire is input: a decode node that receives a warm-up row it cannot load (a position past the request, a
+    position twice in a layer, a stray negative entry) aborts that request with the reason (SGLang's transfer queue
+    then streams the abort and releases it), loads nothing of it, and serves the others; the runtime's own entry
+    refuses such entries too, before anything reads them."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
     L_, K_ = L, K
     n = pd_warmup.entries_per_layer(K_)
     good = torch.full((L_, n), -1, dtype=torch.int32)
@@ -410,10 +414,16 @@ def test_a_malformed_pd_warmup_record_costs_its_request_the_warmup_only(plugin, 
         req = sglang_req(SLOTS[i], 1000 + i, prompt=CTX)
         with caplog.at_level("WARNING", logger="sglang_ess"):
             hooks.pd.after_commit_transfer(None, types.SimpleNamespace(metadata_buffers=meta), decode_request(req, i))
+        reqs = reqs + [req] if i else [req]
     rt.start_forward()
-    assert "warm-up of request 1000 refused: position" in caplog.text
-    assert rt.cache.sparse.resident(0, SLOTS[0]) == set()  # refused: empty slots
+    assert "PD warm-up metadata of request 1000 is malformed (position" in caplog.text
+    assert isinstance(reqs[0].finished_reason, FINISH_ABORT) and "malformed" in reqs[0].finished_reason.message
+    assert reqs[1].finished_reason is None
+    assert rt.cache.sparse.resident(0, SLOTS[0]) == set()  # nothing of it loaded
     assert rt.cache.sparse.resident(0, SLOTS[1]) == {5, 3, 1}  # the other request's warm-up loaded
+    for bad, why in ((past, "beyond the request's"), (twice, "twice"), (stray, "negative"), (good[:1], "shape")):
+        with pytest.raises(ValueError, match=why):
+            rt.admit_transferred(SLOTS[0], bad, positions=CTX)
 
 
 def test_pool_sizing_matches_the_memory_arithmetic():

@@ -58,8 +58,16 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
     if entries is None:
         return
     reason = pd_warmup.check_entries(entries, len(prompt) if prompt else state.runtime.token_table.shape[1])
-    if reason is not None:  # a malformed record costs this request its warm-up, nothing else
-        logger.warning("ESS warm-up of request %s refused: %s; it starts with empty GPU slots", req.bootstrap_room, reason)
+    if reason is not None:  # the wire is input: a malformed record ends its own request, nothing reads it
+        from http import HTTPStatus
+
+        from sglang.srt.disaggregation.utils import prepare_abort
+
+        message = f"ESS: the PD warm-up metadata of request {req.bootstrap_room} is malformed ({reason})"
+        logger.error("%s; the request is aborted", message)
+        state.runtime.abandon_transfer(int(request_slot(req)))
+        # SGLang's transfer queue then streams the abort and releases the request, as for its own metadata checks
+        prepare_abort(req, message, status_code=HTTPStatus.BAD_GATEWAY)
         return
     state.runtime.admit_transferred(int(request_slot(req)), entries)
 
