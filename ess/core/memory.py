@@ -18,8 +18,13 @@ def cache_bytes(layers: int, tokens: int, latent_row: int, index_row: int, ess_c
     int32 each, per slot plus one sink; a position -> slot int32 per token plus one sink), per layer."""
     if ess_capacity is None:
         return layers * tokens * (latent_row + index_row)
-    per_layer = tokens * index_row + ess_capacity * latent_row + (ess_capacity + 1) * 8 + (tokens + 1) * 4
-    return layers * per_layer
+    return layers * (tokens * index_row + ess_capacity * latent_row + table_bytes(ess_capacity, tokens))
+
+
+def table_bytes(capacity: int, positions: int) -> int:
+    """One request's LRU tables on one layer, as ess.core.sparse_pool allocates them: slot -> position and stamp (int32
+    each, per slot plus a sink), position -> slot (int32, per position plus a sink)."""
+    return (capacity + 1) * 8 + (positions + 1) * 4
 
 
 def requests_in(budget: float, per_request: int, cap: int | None = None) -> int:
@@ -44,5 +49,5 @@ def ess_device_rows(budget: float, layers: int, batch: int, context: int, capaci
     """Residency first (ess.core.regions): the latent rows per layer a device cache budget leaves ESS beside `batch`
     requests' index-K (`context` tokens each) and LRU tables (C = `capacity` slots, `positions` positions each), for
     the requests' regions: resident requests take `positions` rows, offloaded ones C."""
-    per_request = context * layout.INDEX_ROW_BYTES + (capacity + 1) * 8 + (positions + 1) * 4
+    per_request = context * layout.INDEX_ROW_BYTES + table_bytes(capacity, positions)
     return max(0, int((budget - batch * layers * per_request) // (layers * layout.LATENT_ROW_BYTES)))

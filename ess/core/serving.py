@@ -42,14 +42,14 @@ def whole_pages(rows: int) -> int:
     return max(1, -(-rows // FLASHMLA_PAGE)) * FLASHMLA_PAGE
 
 
-def batch_tokens(token_table: torch.Tensor, req: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_tokens(token_table: torch.Tensor, req: torch.Tensor, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
     """Every token of a batch's requests req [R] (positions [0, seq_len) of each, host lengths, in batch order): their
-    locations and positions [sum(seq_lens)] int64. Fixed by the host lengths, so nothing syncs."""
+    locations, positions and request slots [sum(seq_lens)] int64. Fixed by the host lengths, so nothing syncs."""
     n = int(sum(seq_lens))
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=req.device)
     owner = torch.repeat_interleave(req.long(), lens, output_size=n)
     pos = torch.arange(n, device=req.device) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=n)
-    return token_table[owner, pos].long(), pos
+    return token_table[owner, pos].long(), pos, owner
 
 
 class ServingLatentCache:
@@ -192,6 +192,9 @@ class ServingLatentCache:
     def resident_requests(self) -> list[int]:
         return sorted(r for r in self.region if r not in self.offloaded)
 
+    def _any_resident(self) -> bool:
+        return len(self.offloaded) < len(self.region)
+
     def _physical(self, virt: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
         """The LRU policy's slot numbers (req * C + j; -1 none) -> rows of the regions' pool."""
         r = req.long().view(-1, *[1] * (virt.dim() - 1))
@@ -222,7 +225,7 @@ class ServingLatentCache:
     def fill_resident(self, layer: int, rows: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> None:
         """Rows [N, 656] of (request slot req [N], position pos [N]; -1: none) into the regions of the resident ones
         (a prefill's rows, as it writes them); the others go to the sink row. Device work only."""
-        if self.regions is None or len(self.offloaded) == len(self.region):
+        if self.regions is None or not self._any_resident():
             return
         r = req.long().clamp(min=0)
         keep = self.is_resident[r] & (req >= 0) & (pos >= 0)
@@ -314,7 +317,7 @@ class ServingLatentCache:
             return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
         if not self.offloaded and not self.fixed_path:
             return self._resident_step(req, topk, own_pos)
-        if len(self.offloaded) == len(self.region) and not self.fixed_path:  # none resident: mapped only if moved
+        if not self._any_resident() and not self.fixed_path:  # none resident: mapped only if moved
             r = self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
             if not self.moved:
                 return r

@@ -112,22 +112,19 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         syncs."""
         n = int(sum(seq_lens_cpu))
         self._stage_room(n)
-        locs, pos = batch_tokens(token_table, req, seq_lens_cpu)
+        locs, pos, owner = batch_tokens(token_table, req, seq_lens_cpu)
         self.ess_stage_of_loc.fill_(-1)
         self.ess_stage_of_loc[locs] = torch.arange(FIRST_ROW, FIRST_ROW + n, dtype=torch.int32, device=locs.device)
         self._stage_locs = locs
         self._stage_pos = torch.cat([torch.full((FIRST_ROW,), -1, dtype=pos.dtype, device=pos.device), pos])
-        owner = torch.repeat_interleave(req.long().to(pos.device), torch.tensor(seq_lens_cpu, device=pos.device),
-                                        output_size=n)
         self._stage_req = torch.cat([torch.full((FIRST_ROW,), -1, dtype=owner.dtype, device=pos.device), owner])
         self._stage_cached = None
         if any(p > 0 for p in prefix_lens_cpu):  # only the cached prefix comes from the host; the layer writes the rest
-            cached_locs, cached_pos = batch_tokens(token_table, req, prefix_lens_cpu)
+            cached_locs, cached_pos, readers = batch_tokens(token_table, req, prefix_lens_cpu)
             seq = torch.tensor(seq_lens_cpu, device=locs.device)
             starts = FIRST_ROW + torch.cumsum(seq, 0) - seq  # each request's first staging row
             lens = torch.tensor(prefix_lens_cpu, device=locs.device)
             rows = torch.repeat_interleave(starts, lens, output_size=cached_locs.shape[0]) + cached_pos
-            readers = torch.repeat_interleave(req.to(lens.device), lens, output_size=cached_locs.shape[0])
             self._stage_cached = (cached_locs, rows, readers)
         self._staged_layers = set()
 

@@ -54,6 +54,14 @@ COUNTERS = ("layer_steps", "selected_rows", "missed_rows", "forwards", "forwards
 logger = logging.getLogger("sglang_ess")
 
 
+class WarmupRefused(ValueError):
+    """PD warm-up entries that cannot be loaded for their request; `reason` says why."""
+
+    def __init__(self, req_slot: int, reason: str):
+        super().__init__(f"PD warm-up entries of request slot {req_slot}: {reason}")
+        self.reason = reason
+
+
 def layer_modes(ess: EssArgs, num_layers: int, plan: list[str] | None) -> list[str]:
     """The overlap mode of each layer: the plan's (auto with a plan), the flag's, or DA (auto without a plan)."""
     if plan is not None:
@@ -373,11 +381,10 @@ class EssRuntime:
         The entries are input from another node: ones that cannot be loaded for a request of `positions` tokens
         (default: the request table's width) are refused with the reason, before anything reads them."""
         if entries.dim() != 2 or entries.shape[0] != self.num_layers:
-            raise ValueError(f"PD warm-up entries of request slot {req_slot}: shape {tuple(entries.shape)}, expected "
-                             f"[{self.num_layers}, N]")
+            raise WarmupRefused(req_slot, f"shape {tuple(entries.shape)}, expected [{self.num_layers}, N]")
         reason = pd_warmup.check_entries(entries, positions or self.token_table.shape[1])
         if reason is not None:
-            raise ValueError(f"PD warm-up entries of request slot {req_slot}: {reason}")
+            raise WarmupRefused(req_slot, reason)
         self._loads[req_slot] = entries
 
     def abandon_transfer(self, req_slot: int) -> None:
@@ -427,10 +434,11 @@ class EssRuntime:
         request left, offloaded ones are promoted while room lasts. Regions are whole multiples of C, so a freed or
         demoted region always leaves whole C-slot regions free."""
         cache, C = self.cache, self.cache.capacity
+        whole = lambda positions: -(-positions // C) * C  # noqa: E731 - rows in whole multiples of C
         for slot in new:
             if slot == PADDING_SLOT:
                 continue
-            want = -(-self._positions.pop(slot, self.token_table.shape[1]) // C) * C
+            want = whole(self._positions.pop(slot, self.token_table.shape[1]))
             self._reach[slot] = want
             while True:
                 try:
@@ -445,7 +453,7 @@ class EssRuntime:
                     self.demoted += 1
         if changed and cache.offloaded:  # a request came or went: room for an offloaded one, perhaps
             for slot in sorted(cache.offloaded):
-                want = self._reach.get(slot, -(-self.token_table.shape[1] // C) * C)
+                want = self._reach.get(slot, whole(self.token_table.shape[1]))
                 if cache.regions.largest_free() + C < want:
                     continue
                 if cache.promote(slot, want, self.token_table, want):

@@ -162,13 +162,17 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
                     residency=residency, fixed_step=_decode_graphs(cfg))
 
 
-def _decode_graphs(cfg: Any) -> bool:
-    """Decode runs as CUDA graphs (SGLang's decode graph backend is on, on a CUDA device)."""
+def _graph_phases(cfg: Any) -> list[str]:
+    """The phases (of GRAPH_PHASES) whose CUDA-graph backend SGLang's config leaves on."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     graphs = getattr(cfg, "cuda_graph_config", None)
-    return (str(getattr(cfg, "device", None)) != "cpu" and graphs is not None
-            and graphs.decode.backend != Backend.DISABLED)
+    return [p for p in GRAPH_PHASES if graphs is not None and getattr(graphs, p).backend != Backend.DISABLED]
+
+
+def _decode_graphs(cfg: Any) -> bool:
+    """Decode runs as CUDA graphs (SGLang's decode graph backend is on, on a CUDA device)."""
+    return str(getattr(cfg, "device", None)) != "cpu" and "decode" in _graph_phases(cfg)
 
 
 # Flags that shape the decode node's cache; a PD prefill node only sends warm-up state (sglang_ess.pd.warmup).
@@ -207,10 +211,7 @@ def _check_disk_tier(cfg: Any) -> None:
     if cfg.disaggregation_mode == "decode":
         raise EssArgsError("--ess-disk-dir is not supported on a PD decode node yet: the transfer engine writes received "
                            "KV into host memory by token location, and the disk tier keeps only some locations there")
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
-    graphs = getattr(cfg, "cuda_graph_config", None)
-    on = [p for p in GRAPH_PHASES if graphs is not None and getattr(graphs, p).backend != Backend.DISABLED]
+    on = _graph_phases(cfg)
     if on:
         raise EssArgsError(f"--ess-disk-dir reads pages from disk between layers on the host, which a CUDA graph cannot "
                            f"hold ({' and '.join(on)} graphs are on): add "

@@ -12,7 +12,7 @@ import torch
 from sglang_ess.hooks.shared import state
 from sglang_ess.pd import engines, sending
 from sglang_ess.pd import warmup as pd_warmup
-from sglang_ess.runtime import request_slot
+from sglang_ess.runtime import WarmupRefused, request_slot
 
 logger = logging.getLogger("sglang_ess")
 
@@ -57,19 +57,18 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
     entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *state.pd.wire)
     if entries is None:
         return
-    reason = pd_warmup.check_entries(entries, len(prompt) if prompt else state.runtime.token_table.shape[1])
-    if reason is not None:  # the wire is input: a malformed record ends its own request, nothing reads it
+    try:
+        state.runtime.admit_transferred(int(request_slot(req)), entries, len(prompt) if prompt else None)
+    except WarmupRefused as e:  # the wire is input: a malformed record ends its own request, nothing reads it
         from http import HTTPStatus
 
         from sglang.srt.disaggregation.utils import prepare_abort
 
-        message = f"ESS: the PD warm-up metadata of request {req.bootstrap_room} is malformed ({reason})"
+        message = f"ESS: the PD warm-up metadata of request {req.bootstrap_room} is malformed ({e.reason})"
         logger.error("%s; the request is aborted", message)
         state.runtime.abandon_transfer(int(request_slot(req)))
         # SGLang's transfer queue then streams the abort and releases the request, as for its own metadata checks
         prepare_abort(req, message, status_code=HTTPStatus.BAD_GATEWAY)
-        return
-    state.runtime.admit_transferred(int(request_slot(req)), entries)
 
 
 # -- the decode node's transfer queue, --ess-progressive-pd (sglang_ess.pd.landing) ------------------------------------

@@ -164,7 +164,7 @@ class WarmupSender:
         if req.shape[0] == 0:
             return
         if fused:
-            locs, pos = batch_tokens(self.token_table, req, seq_lens)
+            locs, pos, _ = batch_tokens(self.token_table, req, seq_lens)
             self._pos_of_loc.fill_(-1)
             self._pos_of_loc[locs] = pos
         staging = torch.full((self.layers, req.shape[0], self.n), -1, dtype=torch.int32, device=req.device)
