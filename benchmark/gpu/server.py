@@ -32,9 +32,15 @@ SERVERS = {
     "stock": [],
     "ess-none": ["--enable-ess", "--ess-overlap", "none"],
     "ess-da": ["--enable-ess", "--ess-overlap", "da"],
+    "ess-offload": ["--enable-ess", "--ess-overlap", "none", "--ess-residency", "off"],
+    "ess-fit": ["--enable-ess", "--ess-overlap", "none"],
 }
+# Residency first (docs/design.md) is on by default: with --buffer-tokens C the short requests of the batch are
+# resident and the long ones offloaded, in one batch. "ess-offload" turns it off (every request offloaded, as before
+# 2026-11-27); "ess-fit" gets C = the longest request's reach, so every request is resident (ESS where stock fits).
 # Which stock server each ESS server is compared with (the same graph setting); "exact": tokens must be identical.
-PAIRS = {"ess-none-eager": ("stock-eager", True), "ess-none": ("stock", True), "ess-da": ("stock", False)}
+PAIRS = {"ess-none-eager": ("stock-eager", True), "ess-none": ("stock", True), "ess-da": ("stock", False),
+         "ess-offload": ("stock", True), "ess-fit": ("stock", True)}
 RIG_FLAGS = ["--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--dsa-topk-backend", "torch",
              "--sampling-backend", "pytorch"]  # SGLang's torch paths (docs/gpu-server.md, the GPU rig)
 
@@ -55,7 +61,7 @@ def parse(argv=None) -> argparse.Namespace:
                         " its start for activations; the servers start together, so each measures the others' weights"
                         " as used: a high fraction, with --max-total-tokens bounding each KV pool")
     p.add_argument("--max-total-tokens", type=int, default=300000)
-    p.add_argument("--bench", default="stock,ess-none",
+    p.add_argument("--bench", default="stock,ess-fit,ess-none",
                    help="servers that then run SGLang's serving benchmark: --requests prompts of the longest length, "
                         "all at once (the same concurrency for each: ESS's cost, not its gain); '' for none")
     p.add_argument("--bench-output", type=int, default=128, help="output tokens per benchmark request")
@@ -112,8 +118,13 @@ def flags(name: str, args) -> list[str]:
               "--max-running-requests", str(args.requests), "--chunked-prefill-size", "8192"]
     extra = SERVERS[name]
     if "--enable-ess" in extra:
-        extra = extra + ["--ess-buffer-tokens", str(args.buffer_tokens)]
-    return common + device_flags(args, args.requests) + extra
+        extra = extra + ["--ess-buffer-tokens", str(fit_tokens(args) if name == "ess-fit" else args.buffer_tokens)]
+    return common + ["--decode-log-interval", "8"] + device_flags(args, args.requests) + extra
+
+
+def fit_tokens(args) -> int:
+    """ess-fit's C: the reach of the longest request, of the batch or of the benchmark (prompt, output, a page)."""
+    return whole_pages(args.lengths[1] + max(args.new_tokens, args.bench_output) + PAGE_TOKENS)
 
 
 def start(flags_: list[str], log: str, args) -> dict:
@@ -282,11 +293,15 @@ def main(argv=None) -> int:
                 after = srv.state().get("ess")
                 if after is not None and before is not None:
                     entry["ess"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
+                    entry["residency"] = after.get("residency")
                     entry["ess_pool_log"] = (srv.log_lines("ESS pool:") or [None])[-1]
-                say(f"{name}: the batch took {seconds:.1f} s")
+                say(f"{name}: the batch took {seconds:.1f} s; ESS {entry.get('ess')} {entry.get('residency')}")
                 if name in args.bench:
+                    seen = len(srv.log())
                     entry["bench"] = bench(srv, args, args.requests, args.lengths[1], args.bench_output)
-                    say(f"{name}: sglang.benchmark.serving: {json.dumps(entry['bench'])[-600:]}")
+                    entry["decode"] = decode_throughput(srv.log()[seen:], args.requests)
+                    say(f"{name}: sglang.benchmark.serving: {json.dumps(entry['bench'])[-600:]} "
+                        f"decode {entry['decode']['median_gen_throughput']}")
         finally:
             stop_all(started)
     for ess, (stock, exact) in PAIRS.items():
@@ -297,6 +312,11 @@ def main(argv=None) -> int:
             "exact_required": exact, "requests_identical": sum(d is None for d in diffs),
             "tokens_identical": all(d is None for d in diffs), "first_differences": [d for d in diffs if d]}
         say(f"{ess} vs {stock}: {sum(d is None for d in diffs)} of {len(diffs)} requests' tokens identical")
+    stock_rate = report["servers"].get("stock", {}).get("decode", {}).get("median_gen_throughput")
+    for name in args.bench:  # decode throughput at the same batch over stock's: ESS's cost where no gain is sought
+        rate = report["servers"].get(name, {}).get("decode", {}).get("median_gen_throughput")
+        if name != "stock" and rate and stock_rate:
+            report[f"decode_ratio_{name}"] = round(rate / stock_rate, 3)
     exact_pairs = [v for v in report["pairs"].values() if v["exact_required"]]
     report["tokens_identical"] = bool(exact_pairs) and all(v["tokens_identical"] for v in exact_pairs)
     report["cuda_graph"] = any(v["tokens_identical"] for k, v in report["pairs"].items()
