@@ -37,9 +37,11 @@ def sglang_parser():
 
 def test_every_flag_parses_in_sglang(model):
     p = sglang_parser()
-    ess_flags = {"--enable-ess", "--ess-overlap", "--ess-buffer-tokens", "none", "da", "2560", "6617"}
+    ess_flags = {"--enable-ess", "--ess-overlap", "--ess-buffer-tokens", "--ess-residency", "none", "da", "off", "2560",
+                 "6617"}
     for device in ("cuda", "cpu"):
         args = server.parse(["/tmp/out", "--model", model, "--device", device])
+        ess_flags.add(str(server.fit_tokens(args)))
         plan = server.gain_plan(args)
         lines = [server.flags(n, args) for n in server.SERVERS] + \
                 [server.gain_flags(n, plan, args) for n in ("stock", "ess-none", "ess-da")]
