@@ -22,12 +22,11 @@ Everything in the step is fixed-shape device work (no host sync), so a CUDA grap
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import torch
 
-from ess.core import flashtrans, layout, miss_attention
+from ess.core import flashtrans, layout, miss_attention, region_map
 from ess.core.disk_tier import PagedHostTier
 from ess.core.policy import STAMP_MOD, PolicyResult
 from ess.core.regions import RowRegions
@@ -93,7 +92,7 @@ class ServingLatentCache:
         self.is_resident = torch.zeros(max_requests, dtype=torch.bool, device=device)
         self.offloaded: set[int] = set()  # request slots admitted offloaded (host-known: the step's skips)
         self.moved: set[int] = set()  # offloaded request slots whose region is not at req * C (their slots are mapped)
-        self._constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # the resident step's -1s and 0s
+        self._constants: dict[tuple, object] = {}  # constant step outputs and indices, made once per shape
         # a step captured once and replayed for any batch (CUDA graphs): the host-known skips are off, every step takes
         # the general path (resident sets masked out of the LRU step, offloaded slots mapped)
         self.fixed_path = False
@@ -201,21 +200,20 @@ class ServingLatentCache:
         rows = self.start[r] + (virt.long() - r * self.capacity)
         return torch.where(virt >= 0, rows, -1).to(torch.int32)
 
-    def _resident_step(self, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
-        """The step of resident requests: every entry a hit at start + position, nothing to fetch; n_set is 0 (no set
-        is managed for them). Few kernels: as many as the stock path's own page-table lookup."""
-        start = self.start32[req.long()]
-        entry = topk >= 0
-        attn = torch.where(entry, start.unsqueeze(1) + topk.to(torch.int32), -1)
-        own = start.view(-1, *[1] * (own_pos.dim() - 1)) + own_pos.to(torch.int32)
-        own_slot = torch.where(own_pos >= 0, own, -1)
+    def _constants_for(self, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Constant -1 [B, KK] and 0 [B] int32 outputs, made once per shape (never written by their readers)."""
         key = (tuple(topk.shape), topk.device)
-        if key not in self._constants:  # constant outputs, made once per shape (never written by their readers)
+        if key not in self._constants:
             self._constants[key] = (torch.full(topk.shape, -1, dtype=torch.int32, device=topk.device),
                                     torch.zeros(topk.shape[0], dtype=torch.int32, device=topk.device))
-        none, zero = self._constants[key]
-        return PolicyResult(attn_slot=attn, hit=entry, miss_pos=none, miss_slot=none, own_slot=own_slot, n_miss=zero,
-                            n_set=zero)
+        return self._constants[key]
+
+    def _mapped(self, r: PolicyResult | None, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
+        """ess.core.region_map.map_result: r (the LRU step over the offloaded rows) in the regions' rows; None: every
+        request resident, each entry a hit at start + position, nothing to fetch, no set (n_set 0)."""
+        none, zero = self._constants_for(topk)
+        return region_map.map_result(r, req, topk, own_pos, self.start32, self.is_resident, self.capacity, none, zero,
+                                     self.backend)
 
     def all_resident(self) -> bool:
         """No offloaded request is live (host-known): the step skips the LRU policy and the fetch (not on the fixed
@@ -316,25 +314,12 @@ class ServingLatentCache:
         if self.regions is None:
             return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
         if not self.offloaded and not self.fixed_path:
-            return self._resident_step(req, topk, own_pos)
+            return self._mapped(None, req, topk, own_pos)
         if not self._any_resident() and not self.fixed_path:  # none resident: mapped only if moved
             r = self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
-            if not self.moved:
-                return r
-            return dataclasses.replace(r, attn_slot=self._physical(r.attn_slot, req),
-                                       miss_slot=self._physical(r.miss_slot, req),
-                                       own_slot=self._physical(r.own_slot, req))
-        mine = self._resident_step(req, topk, own_pos)
-        res = self.is_resident[req.long()]
-        res_own = res.view(-1, *[1] * (own_pos.dim() - 1))
-        r = self.sparse.step(layer, req, torch.where(res.unsqueeze(1), -1, topk),
-                             torch.where(res_own, -1, own_pos), self.stamp, token_table)
-        return PolicyResult(
-            attn_slot=torch.where(res.unsqueeze(1), mine.attn_slot, self._physical(r.attn_slot, req)),
-            hit=torch.where(res.unsqueeze(1), mine.hit, r.hit), miss_pos=r.miss_pos,
-            miss_slot=self._physical(r.miss_slot, req),
-            own_slot=torch.where(res_own, mine.own_slot, self._physical(r.own_slot, req)),
-            n_miss=r.n_miss, n_set=torch.where(res, mine.n_set, r.n_set), miss_row=r.miss_row)
+            return self._mapped(r, req, topk, own_pos) if self.moved else r
+        sets, own = region_map.premask(req, topk, own_pos, self.is_resident, self.backend)
+        return self._mapped(self.sparse.step(layer, req, sets, own, self.stamp, token_table), req, topk, own_pos)
 
     def miss_rows(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> torch.Tensor:
         """Each miss's host row [B, K] (the sink row where padded)."""
@@ -370,9 +355,14 @@ class ServingLatentCache:
 
     def store_own(self, layer: int, r: PolicyResult, own_rows: torch.Tensor) -> None:
         """The step's own rows [B(, M), 656] into their GPU slots."""
-        own_slot = r.own_slot.reshape(-1).long()
-        own_slot = torch.where(own_slot >= 0, own_slot, torch.full_like(own_slot, self.sink_slot))
-        self.gpu[layer].index_copy_(0, own_slot, own_rows.reshape(-1, layout.LATENT_ROW_BYTES))
+        own_slot = r.own_slot.reshape(-1)
+        n = own_slot.shape[0]
+        key = ("rows", n, own_slot.device)
+        if key not in self._constants:  # 0..n-1, made once per shape
+            self._constants[key] = torch.arange(n, dtype=torch.int32, device=own_slot.device)
+        # one FlashTrans copy (one kernel on a GPU); a -1 slot (no own token) copies nothing
+        flashtrans.copy_rows(own_rows.reshape(-1, layout.LATENT_ROW_BYTES).contiguous(), self._constants[key], self.gpu[layer],
+                             own_slot, self.backend)
 
     def translate(
         self,

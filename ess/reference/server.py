@@ -22,6 +22,7 @@ import sys
 import time
 
 READY = "The server is fired up and ready to roll"  # SGLang's log line once its warm-up request is done
+BIND_FAILED = "error while attempting to bind on address"  # uvicorn's, when another process took the port
 CPU_FLAGS = ["--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"]  # everything else is the plugin's CPU default
 # 96 slots with every request offloaded: a few hundred tokens overflow them every step
 ESS_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96", "--ess-residency", "off"]
@@ -80,6 +81,9 @@ class Server:
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "Server":
         deadline = time.monotonic() + timeout_s
         while READY not in self.log():
+            if BIND_FAILED in self.log():  # uvicorn gave up its port but the scheduler lives on: never ready
+                raise ServerError(f"port {self.port} was taken before the server bound it: {' '.join(self.command)}\n"
+                                  f"{self.log_tail()}")
             if self.process.poll() is not None:
                 raise ServerError(f"the server exited ({self.process.returncode}) before it was ready: "
                                   f"{' '.join(self.command)}\n{self.log_tail()}")

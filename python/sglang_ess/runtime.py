@@ -137,7 +137,10 @@ class EssRuntime:
         self._split = None  # (layer, request indices, the LRU step, its H2D's event) from swap_in to the FlashMLA call
         self._warm: WarmupPlan | None = None  # the prefill forward's warm-up windows
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-        self._forward = torch.zeros(2, dtype=torch.int64, device=device)  # this forward's (layer steps, misses)
+        # this forward's tally, per step row: [0, 0] += 1 a step, [1] += its sets, [2] += its misses (two kernels a step,
+        # summed into the counters once a forward, outside any graph: end_forward)
+        self._tally = torch.zeros(3, max(1, token_table.shape[0]), dtype=torch.int32, device=device)
+        self._first = {}  # B -> [B] int32 (1, 0, 0, ...): a step's count in the tally
         self.released = 0  # requests let go (finished or aborted), a host count
         self.progressive = None  # a PD decode node's --ess-progressive-pd (sglang_ess.pd.landing.ProgressiveDecode)
         # Request rows to reset and PD warm-up states to load, from the scheduler (its request lifecycle), applied at
@@ -169,7 +172,7 @@ class EssRuntime:
         if self.ring is not None:
             self.ring.reset()
         self.next_ranked.clear()
-        self._forward.zero_()
+        self._tally.zero_()  # (a CUDA graph's capture runs count nothing)
 
     def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, serial: bool = False,
               own_rows: torch.Tensor | None = None) -> PolicyResult:
@@ -221,16 +224,22 @@ class EssRuntime:
         self.next_ranked.append(ext)
 
     def _count(self, r: PolicyResult) -> None:
-        """One LRU step into this forward's and the server's counters (device ops)."""
-        step = torch.stack([torch.ones_like(r.n_set[0]), r.n_set.sum(), r.n_miss.sum()]).long()
-        self.counters[:3] += step
-        self._forward += step[0::2]
+        """One LRU step into this forward's tally (two device ops: a CUDA graph captures them)."""
+        B = r.n_set.shape[0]
+        if B > self._tally.shape[1]:  # more rows than request slots (never in SGLang): summed first
+            self._tally[:, 0] += torch.stack([torch.ones_like(r.n_set[0]), r.n_set.sum(), r.n_miss.sum()]).int()
+            return
+        if B not in self._first:
+            self._first[B] = (torch.arange(B, device=r.n_set.device) == 0).to(torch.int32)
+        self._tally[:, :B] += torch.stack([self._first[B], r.n_set, r.n_miss])
 
     def end_forward(self) -> None:
-        """After a forward, outside any graph: the forward's counts (device ops), then the recorded rows go to the
-        trace recorder (SGLang's padding rows, request slot 0, are left out)."""
-        stepped = self._forward[0] > 0
-        self.counters[3:] += torch.stack([stepped, stepped & (self._forward[1] == 0)]).long()
+        """After a forward, outside any graph: the forward's tally into the counters (device ops), then the recorded
+        rows go to the trace recorder (SGLang's padding rows, request slot 0, are left out)."""
+        steps, sets, misses = self._tally.sum(dim=1, dtype=torch.int64)
+        stepped = steps > 0
+        self.counters += torch.stack([steps, sets, misses, stepped, stepped & (misses == 0)]).long()
+        self._tally.zero_()
         if self.ring is None:
             return
         for layer, req, topk, own in self.ring.drain():
@@ -486,7 +495,9 @@ class EssRuntime:
 
     def counts(self) -> dict[str, int]:
         """The step counters (COUNTERS) as host ints: a device sync, for readouts only."""
-        return dict(zip(COUNTERS, self.counters.tolist())) | {"released_requests": self.released}
+        pending = self._tally.sum(dim=1, dtype=torch.int64)  # steps outside a forward's bracket (tests), not yet summed
+        counters = self.counters + torch.cat([pending, pending.new_zeros(len(COUNTERS) - 3)])
+        return dict(zip(COUNTERS, counters.tolist())) | {"released_requests": self.released}
 
     def stats(self) -> dict:
         tier = self.cache.tier

@@ -40,7 +40,7 @@ def rows_of(loc: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None, kernel="torch", residency=False,
-                  fixed=False, requests=4):
+                  fixed=False, requests=4, backend="torch"):
     """A runtime over SGLang's request-to-token table (pool: share another runtime's table; requests: its rows)."""
     if pool is None:
         pool = ReqToTokenPool(requests, CTX + STEPS * rows + 1, "cpu", False)
@@ -51,7 +51,7 @@ def setup_runtime(tmp_path=None, rows=1, overlap="auto", warmup=32, pool=None, k
     ess = EssArgs(enable=True, buffer_tokens=C, record_trace=str(tmp_path) if tmp_path else None, overlap=overlap,
                   warmup_windows=warmup)
     host = torch.zeros(L, 200 * 64 + 1, 656, dtype=torch.uint8)
-    rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend="torch", kernel=kernel)
+    rt = EssRuntime(ess, facts, pool.req_to_token, host=host, device="cpu", backend=backend, kernel=kernel)
     for layer in range(L):  # prefill: every prompt token's row lands in the host pool
         loc = pool.req_to_token[SLOTS, :CTX].flatten()
         store(rt, layer, loc, rows_of(loc, layer), decode=False)
@@ -107,13 +107,16 @@ def test_translation_gives_the_right_rows_and_the_core_misses(kernel):
             assert torch.equal(a.n_miss, b.n_miss) and torch.equal(a.hit, b.hit)
 
 
-@pytest.mark.parametrize("fixed", [False, True])
-def test_residency_steps_resident_and_offloaded_requests_together(fixed):
+@pytest.mark.parametrize("fixed,backend", [(False, "torch"), (True, "torch"),
+                                           pytest.param(True, "interpret", marks=NEEDS_INTERPRETER),
+                                           pytest.param(False, "interpret", marks=NEEDS_INTERPRETER)])
+def test_residency_steps_resident_and_offloaded_requests_together(fixed, backend):
     """Residency first in SGLang's coordinates: request slot 3 fits whole (its region filled as a prefill writes its
     rows), slot 1 is offloaded; one step serves both the right rows, only slot 1 misses. fixed: the one path a CUDA
-    graph replays for any batch (no host-known skips), with the same rows."""
+    graph replays for any batch (no host-known skips), with the same rows. interpret: the GPU's kernels (the region
+    map, FlashTrans) in Triton's interpreter."""
     rng = random.Random(1)
-    rt, pool = setup_runtime(residency=True, fixed=fixed, requests=8)
+    rt, pool = setup_runtime(residency=True, fixed=fixed, requests=8, backend=backend)
     for slot in SLOTS:
         rt.plan_positions(slot, CTX + STEPS + 1)
     rt.reset_rows(SLOTS)
@@ -131,6 +134,10 @@ def test_residency_steps_resident_and_offloaded_requests_together(fixed):
     rt.release(1)
     rt.apply_admissions()
     assert rt.cache.offloaded == set() and rt.cache.all_resident() is not fixed
+    req, topk = torch.tensor([3]), torch.tensor([random_topk(rng, [CTX + STEPS - 1])[0]], dtype=torch.int32)
+    for layer in range(L):  # its step alone still serves the right rows
+        slots = rt.swap_in_selected_pages(req, torch.tensor([CTX + STEPS]), topk, layer)
+        assert torch.equal(rt.latent_buffer(layer)[slots.long(), 0], rows_of(pool.req_to_token[3, topk.long()], layer))
 
 
 def test_residency_on_a_pd_decode_node_fills_a_resident_request_once_its_kv_lands():
