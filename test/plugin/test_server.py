@@ -146,10 +146,12 @@ def residency_workload(srv, is_ess):
     return out
 
 
-@pytest.fixture(scope="module")
-def residency(model, tmp_path_factory):
-    return run_pair(tmp_path_factory.mktemp("residency"), model, ["--max-running-requests", "8"],
-                    S.ESS_RESIDENT_FLAGS, residency_workload)
+@pytest.fixture(scope="module", params=["none", "da"])
+def residency(request, model, tmp_path_factory):
+    """The residency workload with every layer in one overlap mode: none (the serial step) and DA (the step at the
+    indexer, its misses copied beside the rest of the layer)."""
+    return run_pair(tmp_path_factory.mktemp(f"residency-{request.param}"), model, ["--max-running-requests", "8"],
+                    S.ESS_RESIDENT_FLAGS + ["--ess-overlap", request.param], residency_workload)
 
 
 def test_resident_and_offloaded_requests_in_one_batch_give_stock_tokens(residency):
