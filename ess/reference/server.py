@@ -65,6 +65,7 @@ class Server:
     log_path: str
     port: int = dataclasses.field(default_factory=free_port)
     process: subprocess.Popen | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # beside this process's environment
 
     @property
     def command(self) -> list[str]:
@@ -72,7 +73,7 @@ class Server:
                 *self.flags]
 
     def start(self) -> "Server":
-        env = dict(os.environ, SGLANG_PLUGINS=os.environ.get("SGLANG_PLUGINS", "ess"), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, SGLANG_PLUGINS=os.environ.get("SGLANG_PLUGINS", "ess"), PYTHONUNBUFFERED="1") | self.env
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)  # its own group: stop() ends the schedulers too

@@ -115,6 +115,7 @@ class EssRuntime:
         self._reach: dict[int, int] = {}  # request slot -> its resident region's rows (a multiple of C)
         self._landed: dict[int, int] = {}  # PD decode: request slot -> positions whose KV landed in the host pool
         self.demoted = self.promoted = 0  # residency: requests that crossed the wall, each way (host counts)
+        self.warm_loaded = self.filled_from_host = 0  # PD decode: warm-up states loaded, resident regions filled
         self.streams = Streams(device)
         self.modes = layer_modes(ess, self.num_layers, facts.plan)
         self.recorder = TraceRecorder(ess.record_trace, self.num_layers, model, facts.topk) if ess.record_trace else None
@@ -425,11 +426,13 @@ class EssRuntime:
         for slot, length in landed.items():
             if slot in resident:  # its whole KV, from the host pool where the transfer wrote it
                 self.cache.fill_from_host(slot, length, self.token_table)
+                self.filled_from_host += 1
         for slot, entries in loads.items():
             if slot in resident:
                 continue  # every row of it is on the GPU already: no warm-up to load
             pos, window = pd_warmup.unpack(entries.to(self.cache.gpu.device), self.cache.capacity)
             self.cache.load_warm(slot, self.token_table, pos, self.cache.stamp - pd_warmup.WINDOWS + window)
+            self.warm_loaded += 1
 
     # -- residency first (docs/design.md, "Residency first"; the plugin's policy in docs/plugin.md) -----------------------
     def plan_positions(self, req_slot: int, positions: int) -> None:
@@ -501,7 +504,8 @@ class EssRuntime:
 
     def stats(self) -> dict:
         tier = self.cache.tier
-        out = {"device_bytes": self.cache.device_bytes(), "modes": self.modes}
+        out = {"device_bytes": self.cache.device_bytes(), "modes": self.modes,
+               "pd": {"warm_states_loaded": self.warm_loaded, "resident_regions_filled": self.filled_from_host}}
         if self.cache.regions is not None:
             out |= {"residency": {"resident_requests": len(self.cache.resident_requests()),
                                   "offloaded_requests": len(self.cache.offloaded), "demoted": self.demoted,

@@ -142,6 +142,21 @@ INDEX_K_CACHE = "sglang.kernels.ops.kvcache.dsa_index_k_cache"
 TRANSFORM_INDEX = "sglang.kernels.ops.attention.dsa.transform_index"
 QUANT_K_CACHE = "sglang.kernels.ops.quantization.dsa_quant_k_cache"
 ROTARY = "sglang.srt.layers.rotary_embedding.rope_variant.DeepseekScalingRotaryEmbedding"
+MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+PD_PREFILL = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+
+
+def around_early_prefix_send(original, self, req, *args, **kwargs):
+    """A PD prefill node on the CPU: no early send of a cached prefix (under overlap scheduling it records a CUDA
+    event); the request's final send covers the same pages, as SGLang's own code lets it where the early send does
+    not apply."""
+    return None
+
+
+def after_mooncake_sender_init(result, self, *args, **kwargs):
+    """A PD prefill node on the CPU: the sender takes its page indices as it does on every other engine (SGLang's
+    host-tensor path copies them through pinned memory and waits on a CUDA event, which a CPU cannot)."""
+    self.supports_host_tensor_indices = False
 
 PATCHES = [
     Hook(f"{KV_CONFIGURATOR}.KVCacheConfigurator.configure", HookType.AROUND, around_configure,
@@ -204,6 +219,10 @@ PATCHES = [
     Hook(f"{EAGLE_OPS}.fill_accept_out_cache_loc_func", HookType.AROUND, gpu_branch(EAGLE_OPS),
          ("accept_index", "out_cache_loc", "accept_out_cache_loc"),
          "MTP verify: sgl_kernel's CPU build (fill_accept_out_cache_loc_cpu)"),
+    Hook(f"{MOONCAKE}.MooncakeKVSender.__init__", HookType.AFTER, after_mooncake_sender_init, ("self",),
+         "PD prefill over Mooncake: the page indices go through pinned memory and a CUDA event (no driver: RuntimeError)"),
+    Hook(f"{PD_PREFILL}.maybe_send_cached_prefix_chunk", HookType.AROUND, around_early_prefix_send, ("self", "req"),
+         "PD prefill with a radix-cache hit: the early send records a CUDA event (no driver: RuntimeError)"),
 ]
 
 EXPECTED_PARAMS = expected_params(PATCHES)  # the tests' view: target -> the parameters its hook reads
