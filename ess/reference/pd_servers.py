@@ -58,6 +58,7 @@ class Router(Server):
         return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
                 "--port", str(self.port), "--prefill", f"http://127.0.0.1:{self.prefill[0]}", str(self.prefill[1]),
                 "--decode", f"http://127.0.0.1:{self.decode}", "--prometheus-port", str(self.metrics_port),
+                "--disable-retries",  # a failed request fails once, to its client (a retry would send it again)
                 "--log-level", "warn"]
 
     def wait_ready(self, timeout_s: float = 120) -> "Router":

@@ -4,6 +4,9 @@ SGLang's router in front of each pair; greedy tokens equal to one co-located sto
 not batch-invariant, so every request goes alone, to stock and to each router in turn (a prefill batch of one request
 on both sides, decode batches of one)."""
 
+import threading
+import time
+
 import pytest
 
 sglang = pytest.importorskip("sglang")
@@ -16,6 +19,10 @@ MISSING = PD.engine_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no transfer engine or router here: {MISSING}")
 
 NEW_TOKENS = 16
+EXTRA: list = []
+LONG = 3000  # the fault tests' prompt: a prefill long enough to kill a server during it
+# SGLang's own limits on a PD request waiting for its peer (300 s each by default): a lost peer ends it in 30 s
+FAULT_TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
 ESS_DECODE = ["--enable-ess", "--ess-buffer-tokens", "96"]
 DECODES = {  # name -> the decode server's ESS flags
     "resident": ESS_DECODE,  # residency first (the default): every request fits, its region filled from the host pool
@@ -31,7 +38,7 @@ def deployment(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     model = str(tmp / "model")
     checkpoint.write(model, seed=0)
-    env = PD.engine_env()
+    env = PD.engine_env() | FAULT_TIMEOUTS
     bootstrap = S.free_port()
     stock = S.Server(model, S.CPU_FLAGS, str(tmp / "stock.log"))
     # no radix cache on the prefill node: each router sends it the same prompts, and a cached prefix would change its
@@ -42,6 +49,7 @@ def deployment(tmp_path_factory):
                for name, flags in DECODES.items()}
     servers = [stock, prefill, *decodes.values()]
     routers = {}
+    extra = EXTRA  # servers a fault test starts
     try:
         with S.terminate_as_exit():
             for srv in servers:
@@ -58,9 +66,12 @@ def deployment(tmp_path_factory):
             for name, router in routers.items():
                 out[name] = [router.generate([p], NEW_TOKENS)[0] for p in prompts]
                 out[f"{name}_state"] = decodes[name].state()["ess"]
+            # the fault tests (last in this file) stop servers of this deployment
+            out["live"] = {"stock": stock, "prefill": prefill, "decodes": decodes, "routers": routers, "tmp": tmp,
+                           "model": model, "bootstrap": bootstrap, "env": env}
             yield out
     finally:
-        for proc in [*routers.values(), *servers]:
+        for proc in [*routers.values(), *servers, *extra]:
             proc.stop()
 
 
@@ -80,3 +91,73 @@ def test_the_decode_counters_show_what_arrived(deployment):
     assert resident["pd"]["resident_regions_filled"] >= 8 and resident["missed_rows"] == 0, resident
     for state in (offloaded, progressive):
         assert state["pd"]["warm_states_loaded"] >= 8 and state["missed_rows"] > 0, state
+
+
+# -- faults: a server killed while a request is in flight between the two; each costs only that request ----------------
+def in_flight(router, prompt):
+    """Post prompt through router in a thread; returns (thread, result dict: "answer" or "error")."""
+    result = {}
+
+    def post():
+        try:
+            result["answer"] = router.generate([prompt], 64)[0]
+        except Exception as e:  # noqa: BLE001 (the fault under test: any error the client sees)
+            result["error"] = str(e)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread, result
+
+
+def wait_for_log(srv, marker, count, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while len(srv.log_lines(marker)) < count:
+        assert time.monotonic() < deadline, f"no {marker!r} in {srv.log_path}"
+        time.sleep(0.05)
+
+
+def stock_tokens_through(router, stock, seed):
+    prompts = S.prompts(2, (200, 300), seed=seed)
+    return (tokens([router.generate([p], NEW_TOKENS)[0] for p in prompts]),
+            tokens([stock.generate([p], NEW_TOKENS)[0] for p in prompts]))
+
+
+def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
+    """The progressive decode server is killed while its request is in flight (the prefill node has started its
+    prefill; the decode node holds its slots, waiting for the KV): the client gets an error, and the prefill server
+    serves on, its next requests through another decode server giving stock's tokens."""
+    live = deployment["live"]
+    prefill = live["prefill"]
+    seen = len(prefill.log_lines(f"#new-token: {LONG},"))
+    thread, result = in_flight(live["routers"]["progressive"], S.prompts(1, (LONG, LONG), seed=11)[0])
+    wait_for_log(prefill, f"#new-token: {LONG},", seen + 1)  # its prefill forward began: the transfer is next
+    live["decodes"]["progressive"].stop()
+    thread.join(120)
+    assert "error" in result, result
+    got, want = stock_tokens_through(live["routers"]["resident"], live["stock"], seed=12)
+    assert got == want and prefill.process.poll() is None
+
+
+def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
+    """The prefill server is killed while a request is in flight to the offloaded decode server: the client gets an
+    error naming the failed transfer, and the decode server, paired with a new prefill server, serves the next
+    requests with stock's tokens (its slots of the lost request were freed: SGLang's own leak check runs on idle)."""
+    live = deployment["live"]
+    prefill, decode = live["prefill"], live["decodes"]["offloaded"]
+    seen = len(prefill.log_lines(f"#new-token: {LONG},"))
+    thread, result = in_flight(live["routers"]["offloaded"], S.prompts(1, (LONG, LONG), seed=13)[0])
+    wait_for_log(prefill, f"#new-token: {LONG},", seen + 1)
+    prefill.stop()
+    thread.join(120)
+    assert "error" in result, result
+    bootstrap = S.free_port()
+    fresh = S.Server(live["model"], S.CPU_FLAGS + PD.prefill_flags(bootstrap) + ["--enable-ess", "--disable-radix-cache"],
+                     str(live["tmp"] / "prefill-2.log"), env=live["env"])
+    EXTRA.append(fresh.start())
+    fresh.wait_ready()
+    router = PD.Router(live["model"], [], str(live["tmp"] / "router-2.log"), prefill=(fresh.port, bootstrap),
+                       decode=decode.port)
+    EXTRA.append(router.start())
+    router.wait_ready()
+    got, want = stock_tokens_through(router, live["stock"], seed=14)
+    assert got == want and decode.process.poll() is None
