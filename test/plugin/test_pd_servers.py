@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no transfer engine
 
 NEW_TOKENS = 16
 EXTRA: list = []
-LONG = 3000  # the fault tests' prompt: a prefill long enough to kill a server during it
+# The fault tests' prompt: two prefill chunks (the CPU path's --chunked-prefill-size is 4096). A server is killed once
+# the prefill node logs the first chunk: the second is still to run and the request's transfer cannot have finished.
+LONG, CHUNK = 6000, 4096
 # SGLang's own limits on a PD request waiting for its peer (300 s each by default): a lost peer ends it in 30 s
 FAULT_TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
 ESS_DECODE = ["--enable-ess", "--ess-buffer-tokens", "96"]
@@ -123,14 +125,14 @@ def stock_tokens_through(router, stock, seed):
 
 
 def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
-    """The progressive decode server is killed while its request is in flight (the prefill node has started its
-    prefill; the decode node holds its slots, waiting for the KV): the client gets an error, and the prefill server
+    """The progressive decode server is killed while its request is in flight (the prefill node has run the first of
+    its two chunks; the decode node holds its slots, taking the KV): the client gets an error, and the prefill server
     serves on, its next requests through another decode server giving stock's tokens."""
     live = deployment["live"]
     prefill = live["prefill"]
-    seen = len(prefill.log_lines(f"#new-token: {LONG},"))
+    seen = len(prefill.log_lines(f"#new-token: {CHUNK},"))
     thread, result = in_flight(live["routers"]["progressive"], S.prompts(1, (LONG, LONG), seed=11)[0])
-    wait_for_log(prefill, f"#new-token: {LONG},", seen + 1)  # its prefill forward began: the transfer is next
+    wait_for_log(prefill, f"#new-token: {CHUNK},", seen + 1)
     live["decodes"]["progressive"].stop()
     thread.join(120)
     assert "error" in result, result
@@ -144,9 +146,9 @@ def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_reques
     requests with stock's tokens (its slots of the lost request were freed: SGLang's own leak check runs on idle)."""
     live = deployment["live"]
     prefill, decode = live["prefill"], live["decodes"]["offloaded"]
-    seen = len(prefill.log_lines(f"#new-token: {LONG},"))
+    seen = len(prefill.log_lines(f"#new-token: {CHUNK},"))
     thread, result = in_flight(live["routers"]["offloaded"], S.prompts(1, (LONG, LONG), seed=13)[0])
-    wait_for_log(prefill, f"#new-token: {LONG},", seen + 1)
+    wait_for_log(prefill, f"#new-token: {CHUNK},", seen + 1)
     prefill.stop()
     thread.join(120)
     assert "error" in result, result
