@@ -23,8 +23,10 @@ EXTRA: list = []
 # The fault tests' prompt: two prefill chunks (the CPU path's --chunked-prefill-size is 4096). A server is killed once
 # the prefill node logs the first chunk: the second is still to run and the request's transfer cannot have finished.
 LONG, CHUNK = 6000, 4096
-# SGLang's own limits on a PD request waiting for its peer (300 s each by default): a lost peer ends it in 30 s
-FAULT_TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30"}
+# SGLang's own limits on a PD request waiting for its peer (300 s each by default): a lost peer ends it in 30 s; and
+# its idle check of the request and token pools raising on a leak (its default, set so the test does not rest on it)
+FAULT_TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
+                  "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 ESS_DECODE = ["--enable-ess", "--ess-buffer-tokens", "96"]
 DECODES = {  # name -> the decode server's ESS flags
     "resident": ESS_DECODE,  # residency first (the default): every request fits, its region filled from the host pool
@@ -124,6 +126,41 @@ def stock_tokens_through(router, stock, seed):
             tokens([stock.generate([p], NEW_TOKENS)[0] for p in prompts]))
 
 
+def leaks(*servers):
+    """SGLang's idle check's reports (it raises with the strict check set above: the server would be gone too)."""
+    return [line for srv in servers for line in srv.log_lines("memory leak detected")]
+
+
+def test_a_request_aborted_in_flight_costs_only_itself(deployment):
+    """A request aborted by its client while in flight (SGLang's /abort_request with its rid, on both servers, once
+    the prefill node has run the first of its two chunks): it ends with an abort, and both servers serve on, the
+    next requests through the same pair giving stock's tokens."""
+    live = deployment["live"]
+    prefill, decode, router = live["prefill"], live["decodes"]["resident"], live["routers"]["resident"]
+    seen = len(prefill.log_lines(f"#new-token: {CHUNK},"))
+    result = {}
+
+    def post():
+        body = {"input_ids": S.prompts(1, (LONG, LONG), seed=15)[0], "rid": "ess-pd-abort",
+                "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+        try:
+            result["answer"] = router.post("/generate", body)
+        except Exception as e:  # noqa: BLE001 (an aborted request may come back as an error)
+            result["error"] = str(e)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    wait_for_log(prefill, f"#new-token: {CHUNK},", seen + 1)
+    for srv in (prefill, decode):
+        srv.post("/abort_request", {"rid": "ess-pd-abort"})
+    thread.join(120)
+    answer = result.get("answer", {})
+    assert "error" in result or answer.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", result
+    got, want = stock_tokens_through(router, live["stock"], seed=16)
+    assert got == want and prefill.process.poll() is None and decode.process.poll() is None
+    assert not leaks(prefill, decode)
+
+
 def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
     """The progressive decode server is killed while its request is in flight (the prefill node has run the first of
     its two chunks; the decode node holds its slots, taking the KV): the client gets an error, and the prefill server
@@ -137,7 +174,7 @@ def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request
     thread.join(120)
     assert "error" in result, result
     got, want = stock_tokens_through(live["routers"]["resident"], live["stock"], seed=12)
-    assert got == want and prefill.process.poll() is None
+    assert got == want and prefill.process.poll() is None and not leaks(prefill)
 
 
 def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
@@ -162,4 +199,4 @@ def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_reques
     EXTRA.append(router.start())
     router.wait_ready()
     got, want = stock_tokens_through(router, live["stock"], seed=14)
-    assert got == want and decode.process.poll() is None
+    assert got == want and decode.process.poll() is None and not leaks(decode)
