@@ -56,6 +56,21 @@ class ServerError(RuntimeError):
     pass
 
 
+def wait_ready_or_rebind(srv: "Server", tries: int = 2) -> "Server":
+    """srv.wait_ready(); a server whose HTTP port another process took first (servers started together pick ports
+    of their own too) starts again on a new port."""
+    for attempt in range(tries):
+        try:
+            return srv.wait_ready()
+        except ServerError:
+            if attempt + 1 == tries or BIND_FAILED not in srv.log():
+                raise
+            srv.stop()
+            srv.port = free_port()
+            srv.start()
+    raise AssertionError("unreachable")
+
+
 @dataclasses.dataclass
 class Server:
     """One `python -m sglang.launch_server` process (and its scheduler processes), its output in log_path."""

@@ -59,7 +59,7 @@ def deployment(tmp_path_factory):
             for srv in servers:
                 srv.start()
             for srv in servers:
-                srv.wait_ready()
+                S.wait_ready_or_rebind(srv)
             for name, dec in decodes.items():
                 routers[name] = PD.Router(model, [], str(tmp / f"router-{name}.log"), prefill=(prefill.port, bootstrap),
                                           decode=dec.port).start()
@@ -193,7 +193,7 @@ def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_reques
     fresh = S.Server(live["model"], S.CPU_FLAGS + PD.prefill_flags(bootstrap) + ["--enable-ess", "--disable-radix-cache"],
                      str(live["tmp"] / "prefill-2.log"), env=live["env"])
     EXTRA.append(fresh.start())
-    fresh.wait_ready()
+    S.wait_ready_or_rebind(fresh)
     router = PD.Router(live["model"], [], str(live["tmp"] / "router-2.log"), prefill=(fresh.port, bootstrap),
                        decode=decode.port)
     EXTRA.append(router.start())

@@ -36,3 +36,35 @@ def test_sigterm_unwinds_so_started_servers_are_stopped():
             return
         time.sleep(0.1)
     raise AssertionError(f"process {child} outlived its parent's SIGTERM")
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_a_new_port(tmp_path):
+    """wait_ready_or_rebind: a real process that logs uvicorn's bind failure and lives on (as SGLang's scheduler does)
+    is stopped and started again on a new port; any other failure is raised as it is."""
+    from ess.reference import server as S
+
+    class Fake(S.Server):  # a Server whose command is a stand-in: the first one logs the bind failure, the next one READY
+        @property
+        def command(self):
+            line = S.BIND_FAILED if not os.path.exists(self.log_path + ".once") else S.READY
+            open(self.log_path + ".once", "w").close()
+            return [sys.executable, "-c", f"import time; print({line!r}, flush=True); time.sleep(600)"]
+
+    srv = Fake("model", [], str(tmp_path / "fake.log"))
+    first = srv.port
+    srv.start()
+    try:
+        assert S.wait_ready_or_rebind(srv) is srv and srv.port != first
+    finally:
+        srv.stop()
+    class Exits(S.Server):
+        @property
+        def command(self):
+            return [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+    other = Exits("model", [], str(tmp_path / "other.log")).start()  # exits before it is ready: raised, not retried
+    try:
+        S.wait_ready_or_rebind(other)
+        raise AssertionError("not raised")
+    except S.ServerError as e:
+        assert "exited" in str(e)
