@@ -127,21 +127,17 @@ def fit_tokens(args) -> int:
     return whole_pages(args.lengths[1] + max(args.new_tokens, args.bench_output) + PAGE_TOKENS)
 
 
-def start(flags_: list[str], log: str, args, tries: int = 2) -> dict:
-    """Start one server and wait for it; a failure is recorded, not raised. Servers started together can take each
-    other's ports (SGLang opens more than its HTTP port, on ports it picks itself): that failure gets a second try on
-    a new port."""
+def start(flags_: list[str], log: str, args) -> dict:
+    """Start one server and wait for it; a failure is recorded, not raised. A server whose port another took (servers
+    started together pick ports of their own too) starts again on a new port (S.wait_ready_or_rebind)."""
     t0 = time.monotonic()
     srv = S.Server(args.model, flags_, log)
     srv.start()
     try:
-        srv.wait_ready(args.start_timeout)
+        S.wait_ready_or_rebind(srv, args.start_timeout)
         return {"server": srv, "ready_s": round(time.monotonic() - t0, 1)}
     except S.ServerError as e:
         srv.stop()
-        if tries > 1 and S.BIND_FAILED in srv.log():
-            os.replace(log, log + ".port-taken")
-            return start(flags_, log, args, tries - 1)
         return {"server": None, "error": str(e)[-3000:], "ready_s": round(time.monotonic() - t0, 1)}
 
 

@@ -145,13 +145,15 @@ def _map_torch(r, req, topk, own_pos, start32, is_resident, capacity, none, zero
                             n_set=zero)
     res = is_resident[req.long()]
     res_own = res.view(-1, *[1] * (own_pos.dim() - 1))
-    shift = start - (req.long() * capacity).to(torch.int32)
-
-    def physical(virt):
-        return torch.where(virt >= 0, virt + shift.view(-1, *[1] * (virt.dim() - 1)), -1).to(torch.int32)
-
     return PolicyResult(
-        attn_slot=torch.where(res.unsqueeze(1), attn, physical(r.attn_slot)),
-        hit=torch.where(res.unsqueeze(1), entry, r.hit), miss_pos=r.miss_pos, miss_slot=physical(r.miss_slot),
-        own_slot=torch.where(res_own, own_slot, physical(r.own_slot)), n_miss=r.n_miss,
+        attn_slot=torch.where(res.unsqueeze(1), attn, physical(r.attn_slot, req, start32, capacity)),
+        hit=torch.where(res.unsqueeze(1), entry, r.hit), miss_pos=r.miss_pos,
+        miss_slot=physical(r.miss_slot, req, start32, capacity),
+        own_slot=torch.where(res_own, own_slot, physical(r.own_slot, req, start32, capacity)), n_miss=r.n_miss,
         n_set=torch.where(res, zero, r.n_set), miss_row=r.miss_row)
+
+
+def physical(virt: torch.Tensor, req: torch.Tensor, start32: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The LRU policy's slot numbers [B, ...] (req * C + j; -1 none) -> rows of the regions' pool (start + j), int32."""
+    shift = start32[req.long()] - (req.long() * capacity).to(torch.int32)
+    return torch.where(virt >= 0, virt + shift.view(-1, *[1] * (virt.dim() - 1)), -1).to(torch.int32)

@@ -22,7 +22,6 @@ Everything in the step is fixed-shape device work (no host sync), so a CUDA grap
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
@@ -194,12 +193,6 @@ class ServingLatentCache:
     def _any_resident(self) -> bool:
         return len(self.offloaded) < len(self.region)
 
-    def _physical(self, virt: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
-        """The LRU policy's slot numbers (req * C + j; -1 none) -> rows of the regions' pool."""
-        r = req.long().view(-1, *[1] * (virt.dim() - 1))
-        rows = self.start[r] + (virt.long() - r * self.capacity)
-        return torch.where(virt >= 0, rows, -1).to(torch.int32)
-
     def _constants_for(self, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Constant -1 [B, KK] and 0 [B] int32 outputs, made once per shape (never written by their readers)."""
         key = (tuple(topk.shape), topk.device)
@@ -276,7 +269,7 @@ class ServingLatentCache:
             sets = torch.where(self.is_resident[req.long()].view(-1, 1, 1), -1, sets)
         took = self.sparse.warm(layer, req, sets, first_stamp)
         pos, slots = self.sparse.resident_slots(layer, req)  # rows of the slots that took a position are fetched
-        slots = torch.where(took, self._physical(slots, req).long() if self.regions is not None else slots, -1)
+        slots = torch.where(took, region_map.physical(slots, req, self.start32, self.capacity).long() if self.regions is not None else slots, -1)
         loc = self.locations(token_table, req, torch.where(took, pos, -1))
         if self.tier is not None:
             self.tier.ensure_rows(layer, loc)
@@ -361,8 +354,8 @@ class ServingLatentCache:
         if key not in self._constants:  # 0..n-1, made once per shape
             self._constants[key] = torch.arange(n, dtype=torch.int32, device=own_slot.device)
         # one FlashTrans copy (one kernel on a GPU); a -1 slot (no own token) copies nothing
-        flashtrans.copy_rows(own_rows.reshape(-1, layout.LATENT_ROW_BYTES).contiguous(), self._constants[key], self.gpu[layer],
-                             own_slot, self.backend)
+        rows = own_rows.reshape(-1, layout.LATENT_ROW_BYTES).contiguous()
+        flashtrans.copy_rows(rows, self._constants[key], self.gpu[layer], own_slot, self.backend)
 
     def translate(
         self,

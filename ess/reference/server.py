@@ -56,19 +56,19 @@ class ServerError(RuntimeError):
     pass
 
 
-def wait_ready_or_rebind(srv: "Server", tries: int = 2) -> "Server":
-    """srv.wait_ready(); a server whose HTTP port another process took first (servers started together pick ports
-    of their own too) starts again on a new port."""
-    for attempt in range(tries):
+def wait_ready_or_rebind(srv: "Server", timeout_s: float = START_TIMEOUT_S, tries: int = 2) -> "Server":
+    """srv.wait_ready(timeout_s); a server whose HTTP port another process took first (servers started together pick
+    ports of their own too) starts again on a new port."""
+    for _ in range(tries - 1):
         try:
-            return srv.wait_ready()
+            return srv.wait_ready(timeout_s)
         except ServerError:
-            if attempt + 1 == tries or BIND_FAILED not in srv.log():
+            if BIND_FAILED not in srv.log():
                 raise
             srv.stop()
             srv.port = free_port()
             srv.start()
-    raise AssertionError("unreachable")
+    return srv.wait_ready(timeout_s)
 
 
 @dataclasses.dataclass
