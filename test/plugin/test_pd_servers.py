@@ -4,8 +4,11 @@ SGLang's router in front of each pair; greedy tokens equal to one co-located sto
 not batch-invariant, so every request goes alone, to stock and to each router in turn (a prefill batch of one request
 on both sides, decode batches of one)."""
 
+import contextlib
 import threading
 import time
+
+import psutil
 
 import pytest
 
@@ -20,9 +23,8 @@ pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no transfer engine
 
 NEW_TOKENS = 16
 EXTRA: list = []
-# The fault tests' prompt: two prefill chunks (the CPU path's --chunked-prefill-size is 4096). A server is killed once
-# the prefill node logs the first chunk: the second is still to run and the request's transfer cannot have finished.
-LONG, CHUNK = 6000, 4096
+# The fault tests' prompt: two prefill chunks (the CPU path's --chunked-prefill-size is 4096)
+LONG = 6000
 # SGLang's own limits on a PD request waiting for its peer (300 s each by default): a lost peer ends it in 30 s; and
 # its idle check of the request and token pools raising on a leak (its default, set so the test does not rest on it)
 FAULT_TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "30", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "30",
@@ -98,13 +100,42 @@ def test_the_decode_counters_show_what_arrived(deployment):
 
 
 # -- faults: a server killed while a request is in flight between the two; each costs only that request ----------------
-def in_flight(router, prompt):
-    """Post prompt through router in a thread; returns (thread, result dict: "answer" or "error")."""
+# Each fault is set up without a race: the prefill server's scheduler process is paused (SIGSTOP; its HTTP server and
+# PD bootstrap server serve on), the request is sent, and the fault comes once the decode server holds the request's
+# slots waiting for its KV (SGLang's /v1/loads): the request cannot have finished, however fast the machine.
+@contextlib.contextmanager
+def scheduler_paused(srv):
+    procs = [p for p in psutil.Process(srv.process.pid).children(recursive=True)
+             if "sglang::scheduler" in " ".join(p.cmdline())]
+    assert procs, f"no scheduler process under {srv.process.pid}"
+    for proc in procs:
+        proc.suspend()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
+
+
+def wait_for_transfer(decode, timeout_s=60):
+    """Until the decode server holds a request's slots, waiting for its KV."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = decode.get("/v1/loads?include=disagg")["loads"]
+        if sum(load["disaggregation"]["decode_transfer_queue_reqs"] for load in loads) >= 1:
+            return
+        assert time.monotonic() < deadline, f"no request waiting for its KV on {decode.log_path}: {loads}"
+        time.sleep(0.05)
+
+
+def in_flight(router, body):
+    """Post a /generate body through router in a thread; returns (thread, result dict: "answer" or "error")."""
     result = {}
 
     def post():
         try:
-            result["answer"] = router.generate([prompt], 64)[0]
+            result["answer"] = router.post("/generate", body)
         except Exception as e:  # noqa: BLE001 (the fault under test: any error the client sees)
             result["error"] = str(e)
 
@@ -113,11 +144,10 @@ def in_flight(router, prompt):
     return thread, result
 
 
-def wait_for_log(srv, marker, count, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while len(srv.log_lines(marker)) < count:
-        assert time.monotonic() < deadline, f"no {marker!r} in {srv.log_path}"
-        time.sleep(0.05)
+def long_request(seed, rid=None):
+    body = {"input_ids": S.prompts(1, (LONG, LONG), seed=seed)[0],
+            "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+    return body | ({"rid": rid} if rid else {})
 
 
 def stock_tokens_through(router, stock, seed):
@@ -132,27 +162,16 @@ def leaks(*servers):
 
 
 def test_a_request_aborted_in_flight_costs_only_itself(deployment):
-    """A request aborted by its client while in flight (SGLang's /abort_request with its rid, on both servers, once
-    the prefill node has run the first of its two chunks): it ends with an abort, and both servers serve on, the
-    next requests through the same pair giving stock's tokens."""
+    """A request aborted by its client while in flight (SGLang's /abort_request with its rid, on both servers, while
+    the decode node holds its slots): it ends with an abort, and both servers serve on, the next requests through the
+    same pair giving stock's tokens."""
     live = deployment["live"]
     prefill, decode, router = live["prefill"], live["decodes"]["resident"], live["routers"]["resident"]
-    seen = len(prefill.log_lines(f"#new-token: {CHUNK},"))
-    result = {}
-
-    def post():
-        body = {"input_ids": S.prompts(1, (LONG, LONG), seed=15)[0], "rid": "ess-pd-abort",
-                "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
-        try:
-            result["answer"] = router.post("/generate", body)
-        except Exception as e:  # noqa: BLE001 (an aborted request may come back as an error)
-            result["error"] = str(e)
-
-    thread = threading.Thread(target=post)
-    thread.start()
-    wait_for_log(prefill, f"#new-token: {CHUNK},", seen + 1)
-    for srv in (prefill, decode):
-        srv.post("/abort_request", {"rid": "ess-pd-abort"})
+    with scheduler_paused(prefill):
+        thread, result = in_flight(router, long_request(15, rid="ess-pd-abort"))
+        wait_for_transfer(decode)
+        for srv in (prefill, decode):
+            srv.post("/abort_request", {"rid": "ess-pd-abort"})
     thread.join(120)
     answer = result.get("answer", {})
     assert "error" in result or answer.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", result
@@ -162,15 +181,15 @@ def test_a_request_aborted_in_flight_costs_only_itself(deployment):
 
 
 def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
-    """The progressive decode server is killed while its request is in flight (the prefill node has run the first of
-    its two chunks; the decode node holds its slots, taking the KV): the client gets an error, and the prefill server
-    serves on, its next requests through another decode server giving stock's tokens."""
+    """The progressive decode server is killed while its request is in flight (the decode node holds its slots; the
+    prefill node then runs the request and its transfer fails): the client gets an error, and the prefill server serves
+    on, its next requests through another decode server giving stock's tokens."""
     live = deployment["live"]
-    prefill = live["prefill"]
-    seen = len(prefill.log_lines(f"#new-token: {CHUNK},"))
-    thread, result = in_flight(live["routers"]["progressive"], S.prompts(1, (LONG, LONG), seed=11)[0])
-    wait_for_log(prefill, f"#new-token: {CHUNK},", seen + 1)
-    live["decodes"]["progressive"].stop()
+    prefill, decode = live["prefill"], live["decodes"]["progressive"]
+    with scheduler_paused(prefill):
+        thread, result = in_flight(live["routers"]["progressive"], long_request(11))
+        wait_for_transfer(decode)
+        decode.stop()
     thread.join(120)
     assert "error" in result, result
     got, want = stock_tokens_through(live["routers"]["resident"], live["stock"], seed=12)
@@ -178,15 +197,16 @@ def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request
 
 
 def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
-    """The prefill server is killed while a request is in flight to the offloaded decode server: the client gets an
-    error naming the failed transfer, and the decode server, paired with a new prefill server, serves the next
-    requests with stock's tokens (its slots of the lost request were freed: SGLang's own leak check runs on idle)."""
+    """The prefill server is killed while a request is in flight to the offloaded decode server (the decode node holds
+    its slots, waiting for the KV): the client gets an error, and the decode server, paired with a new prefill server,
+    serves the next requests with stock's tokens (its slots of the lost request were freed: SGLang's own leak check
+    runs on idle)."""
     live = deployment["live"]
     prefill, decode = live["prefill"], live["decodes"]["offloaded"]
-    seen = len(prefill.log_lines(f"#new-token: {CHUNK},"))
-    thread, result = in_flight(live["routers"]["offloaded"], S.prompts(1, (LONG, LONG), seed=13)[0])
-    wait_for_log(prefill, f"#new-token: {CHUNK},", seen + 1)
-    prefill.stop()
+    with scheduler_paused(prefill):
+        thread, result = in_flight(live["routers"]["offloaded"], long_request(13))
+        wait_for_transfer(decode)
+        prefill.stop()
     thread.join(120)
     assert "error" in result, result
     bootstrap = S.free_port()
