@@ -151,6 +151,14 @@ class Server:
             raise ServerError(f"POST {path}: HTTP {resp.status}: {data[:500]!r}")
         return json.loads(data) if data.strip() else {}
 
+    def status(self, path: str) -> int:
+        """The HTTP status of GET path (SGLang's /ready: 200 once the server takes requests)."""
+        conn = self._connection(60)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+
     def get(self, path: str) -> dict:
         conn = self._connection(60)
         conn.request("GET", path)

@@ -38,7 +38,30 @@ def test_compose_flags_are_the_plugins():
 
 def test_dockerfile_builds_on_sglang_0_5_23():
     text = (ROOT / "docker/Dockerfile").read_text()
-    assert "FROM lmsysorg/sglang:v0.5.23" in text and "SGLANG_PLUGINS=ess" in text
+    assert "ARG BASE=lmsysorg/sglang:v0.5.23" in text and "FROM ${BASE}" in text and "SGLANG_PLUGINS=ess" in text
+
+
+def test_cpu_compose_runs_the_pd_tests_servers():
+    """docker/compose.cpu.yaml (scripts/docker_pd.sh) starts the servers of the CPU PD test (test_pd_servers.py) with
+    their flags, on the ports ess.reference.pd_check is given."""
+    from ess.reference import pd_servers as PD
+    from ess.reference import server as S
+
+    doc = yaml.safe_load((ROOT / "docker/compose.cpu.yaml").read_text())
+    flags = doc["x-flags"]
+    assert shlex.split(flags["CPU_FLAGS"]) == S.CPU_FLAGS
+    assert shlex.split(flags["PREFILL_FLAGS"]) == PD.prefill_flags(30103) + ["--enable-ess", "--disable-radix-cache"]
+    assert shlex.split(flags["DECODE_FLAGS"]) == PD.DECODE_FLAGS + S.ESS_FLAGS
+    router = PD.Router("", [], "", port=30180, prefill=(30101, 30103), decode=30102, metrics_port=30190)
+    assert shlex.split(flags["ROUTER_FLAGS"]) == router.command[3:]  # after python -m sglang_router.launch_router
+    assert flags["MOONCAKE_PROTOCOL"] == PD.engine_env()["MOONCAKE_PROTOCOL"]
+    cmds = {name: " ".join(s["command"]) for name, s in doc["services"].items()}
+    assert "--port 30100 $$CPU_FLAGS" in cmds["stock"] and "PREFILL" not in cmds["stock"]
+    assert "--port 30101 $$CPU_FLAGS $$PREFILL_FLAGS" in cmds["prefill"]
+    assert "--port 30102 $$CPU_FLAGS $$DECODE_FLAGS" in cmds["decode"]
+    assert "sglang_router.launch_router $$ROUTER_FLAGS" in cmds["router"]
+    script = (ROOT / "scripts/docker_pd.sh").read_text()
+    assert "pd_check --stock 30100 --router 30180 --decode 30102" in script
 
 
 def test_serving_comparison_writes_csv_and_png(tmp_path):

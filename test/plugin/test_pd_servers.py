@@ -5,6 +5,7 @@ not batch-invariant, so every request goes alone, to stock and to each router in
 on both sides, decode batches of one)."""
 
 import contextlib
+import json
 import threading
 import time
 
@@ -15,6 +16,7 @@ import pytest
 sglang = pytest.importorskip("sglang")
 
 from ess.reference import checkpoint  # noqa: E402
+from ess.reference import pd_check  # noqa: E402
 from ess.reference import pd_servers as PD  # noqa: E402
 from ess.reference import server as S  # noqa: E402
 
@@ -97,6 +99,18 @@ def test_the_decode_counters_show_what_arrived(deployment):
     assert resident["pd"]["resident_regions_filled"] >= 8 and resident["missed_rows"] == 0, resident
     for state in (offloaded, progressive):
         assert state["pd"]["warm_states_loaded"] >= 8 and state["missed_rows"] > 0, state
+
+
+def test_the_docker_runs_check_passes_here(deployment, capsys):
+    """ess.reference.pd_check (the check scripts/docker_pd.sh runs against docker/compose.cpu.yaml's servers) on this
+    deployment's stock server and offloaded pair, as those flags are: it passes, every token equal. Stock's radix
+    cache is emptied first, so stock prefills the prompts whole again, as the first time."""
+    live = deployment["live"]
+    live["stock"].flush()
+    code = pd_check.main(["--stock", str(live["stock"].port), "--router", str(live["routers"]["offloaded"].port),
+                          "--decode", str(live["decodes"]["offloaded"].port), "--timeout", "60"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["tokens_equal"] == 8 and summary["warm_states_loaded"] >= 16, summary
 
 
 # -- faults: a server killed while a request is in flight between the two; each costs only that request ----------------
