@@ -3,8 +3,9 @@ at the decode stack's shapes, against the byte floor of reading every token's in
 
 On the H200 (docs/gpu.md) the indexer and its top-k took 1.91 of about 3.2 ms per layer of ESS's step at 32K, batch
 204: about 10x the floor. This splits that time: the scores kernel (fp32 out), the same kernel writing the int64 keys
-the exact top-k ranks, torch.topk over those keys (what indexer_topk_fp8 runs), and, for comparison only, torch.topk
-over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other launch
+the exact top-k ranks, torch.topk over those keys (what indexer_topk_fp8 runs), the radix select over the fp32 scores
+(ess.core.topk_select: its kernel, then the sort of the k it picked; indexer_topk_fp8's select="radix"), and, for
+comparison only, torch.topk over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other launch
 configurations (positions per program, warps, and how rows are loaded: bytes, or 4-byte words unpacked in
 registers, since a 132-byte row is not 16-byte aligned) at the largest case. Each figure: the median of CUDA graph
 replays.
@@ -28,6 +29,7 @@ from ess.analysis.sim.specs import get_hardware
 from ess.analysis.timing import graph_us
 from ess.core import dsa_math, flashtrans, layout
 from ess.core.indexer_kernel import BLOCK_T, LOADS, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8, topk_from_keys
+from ess.core.topk_select import positions_from_keys, radix_keys
 
 HEADS, TOPK = 64, 2048  # DeepSeek-V3.2's indexer: 64 heads of 128, top-2048
 # (context, batch): batch 1, the baseline's memory wall and ESS's largest batch at ratio 0.1 (decode_gpu.py's)
@@ -75,11 +77,22 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
            "topk_keys_us": us(lambda: topk_from_keys(keys, k)),
            "topk_float_sorted_us": us(lambda: torch.topk(scores, k, dim=1)),
            "topk_float_unsorted_us": us(lambda: torch.topk(scores, k, dim=1, sorted=False))}
+    interpret = backend == "interpret"
+    if backend != "torch":  # the radix select over the fp32 scores (ess.core.topk_select): kernel, then sort of k
+        picked = radix_keys(scores, pos, k, interpret=interpret)
+        row["radix_select_us"] = us(lambda: radix_keys(scores, pos, k, interpret=interpret))
+        row["radix_sort_us"] = us(lambda: positions_from_keys(picked))
+        row["indexer_radix_us"] = round(row["scores_kernel_us"] + row["radix_select_us"] + row["radix_sort_us"], 1)
     row["indexer_topk_us"] = round(row["keys_kernel_us"] + row["topk_keys_us"], 1)
     if row["byte_floor_us"]:
         row["over_floor"] = round(row["indexer_topk_us"] / row["byte_floor_us"], 2)
-    # exactness, untimed: the keys' top-k is select_topk's over the kernel's own scores
-    row["topk_exact"] = bool(torch.equal(topk_from_keys(keys, k), dsa_math.select_topk(scores, pos, k)))
+        if "indexer_radix_us" in row:
+            row["over_floor_radix"] = round(row["indexer_radix_us"] / row["byte_floor_us"], 2)
+    # exactness, untimed: each top-k is select_topk's over the kernel's own scores
+    want = dsa_math.select_topk(scores, pos, k)
+    row["topk_exact"] = bool(torch.equal(topk_from_keys(keys, k), want))
+    if backend != "torch":
+        row["radix_exact"] = bool(torch.equal(positions_from_keys(radix_keys(scores, pos, k, interpret=interpret)), want))
     return row
 
 

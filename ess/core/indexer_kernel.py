@@ -1,7 +1,8 @@
 """The decode Lightning Indexer over FP8 index-K rows in place, as one Triton kernel, and its top-k.
 
     indexer_scores_fp8(q, w, rows, pos, loc=None)     fp32 [N, T]: score[n, t] = sum_h w[n, h] * ReLU(q[n, h] . k[n, t])
-    indexer_topk_fp8(q, w, rows, pos, k, loc=None)    int32 [N, k]: the best k positions, best first, -1 padded
+    indexer_topk_fp8(q, w, rows, pos, k, loc=None, select="keys")
+                                                      int32 [N, k]: the best k positions, best first, -1 padded
     indexer_keys_fp8(q, w, rows, pos, loc=None)       int64 [N, T]: the score keys the top-k ranks (below)
 equal to ess.core.dsa_math's `index_scores` then `select_topk` (docs/design.md, "Model facts"), up to fp32 summation
 order in the scores, and exactly in the top-k (tie rule below).
@@ -38,9 +39,11 @@ a fast path). "auto": "triton" for CUDA tensors, else "torch".
 Timed on a GPU only inside the decode stack so far (docs/gpu.md: with the indexer's projections, 1.91 ms per layer at
 32K, batch 204, on an H200, about 10x the byte floor); benchmark/indexer.py times the parts apart. BLOCK_T and
 NUM_WARPS are untuned first choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32
-bits), and the keys take 8 bytes a position ([N, T] int64; the rows read are 132). A 132-byte row is 4-byte but
-not 16-byte aligned, so the FP8 values may be loaded byte by byte; LOADS = "words" reads them as 32 aligned 4-byte
-words unpacked in registers instead (equal keys, tested; which is faster waits for benchmark/indexer.py on a GPU).
+bits), and the keys take 8 bytes a position ([N, T] int64; the rows read are 132); select="radix" writes fp32 scores
+instead and picks the k with ess.core.topk_select's radix select over 32-bit keys (same sets, untimed on a GPU). A
+132-byte row is 4-byte but not 16-byte aligned, so the FP8 values may be loaded byte by byte; LOADS = "words" reads
+them as 32 aligned 4-byte words unpacked in registers instead (equal keys, tested; which is faster waits for
+benchmark/indexer.py on a GPU).
 """
 
 from __future__ import annotations
@@ -49,12 +52,17 @@ import math
 
 import torch
 
-from ess.core import dsa_math, layout
+from ess.core import dsa_math, layout, topk_select
 from ess.core.flashtrans import compiled, triton
 
 BLOCK_T = 128  # positions per program
 NUM_WARPS = 4  # per program (GPU only)
 LOADS = "bytes"  # how a program reads its rows' FP8 values: "bytes", or "words" (4-byte loads; untimed on a GPU)
+# How indexer_topk_fp8 selects: "keys" (int64 keys, torch.topk: the path timed in the decode stack) or "radix"
+# (fp32 scores, ess.core.topk_select's radix select: the same sets, 4 instead of 8 bytes a position written; untimed
+# on a GPU until benchmark/indexer.py runs there)
+SELECT = "keys"
+SELECTS = ("keys", "radix")
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOW_WORD = 0xFFFFFFFF
 NEG_INF_KEY = -2139095041  # the high word of -inf's key: int32 of 0xFF800000 ^ 0x7FFFFFFF
@@ -237,16 +245,23 @@ def indexer_scores_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos
 
 
 def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, k: int,
-                     loc: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                     loc: torch.Tensor | None = None, backend: str = "auto", select: str = SELECT) -> torch.Tensor:
     """The indexer's top-k: int32 [N, k] positions, best first, ties to the lower position, -1 padded; equal to
-    select_topk(indexer_scores_fp8(...), pos, k). Arguments as indexer_scores_fp8."""
+    select_topk(indexer_scores_fp8(...), pos, k). Arguments as indexer_scores_fp8; select: "keys" or "radix" (how the
+    kernels pick the k, module docstring; the same sets either way)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"indexer: k must be a positive int, got {k!r}")
+    if select not in SELECTS:
+        raise ValueError(f"indexer: select must be one of {SELECTS}, got {select!r}")
     N, H, T = _check(q, w, rows, pos, loc)
     backend = _backend(backend, rows)
     if backend == "torch":
         return dsa_math.select_topk(_torch_scores(q, w, rows, pos, loc), pos, k)
-    return topk_from_keys(_launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=True), k)
+    interpret = backend == "interpret"
+    if select == "radix":
+        scores = _launch(q, w, rows, pos, loc, N, H, T, interpret, keys=False)
+        return topk_select.radix_topk(scores, pos, k, backend=backend)
+    return topk_from_keys(_launch(q, w, rows, pos, loc, N, H, T, interpret, keys=True), k)
 
 
 def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,

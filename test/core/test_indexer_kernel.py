@@ -118,8 +118,9 @@ def test_rows_may_be_a_strided_view():
 
 
 @interpreter
+@pytest.mark.parametrize("select", ["keys", "radix"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_topk_equals_select_topk_on_exact_scores(paged):
+def test_topk_equals_select_topk_on_exact_scores(paged, select):
     q, w, rows = integer_case(3, 8, 290, seed=3)
     pos = torch.tensor([289, 150, 20])
     table, loc = table_layout(rows, seed=3) if paged else (rows, None)
@@ -129,7 +130,7 @@ def test_topk_equals_select_topk_on_exact_scores(paged):
     finite = want[0][torch.isfinite(want[0])]
     assert finite.unique().numel() < finite.numel()  # the data has ties for the rule to break
     for k in (1, 16, 40):  # k = 40 > request 2's 21 positions: -1 padding
-        got = indexer_topk_fp8(q, w, table, pos, k, loc=loc, backend="interpret")
+        got = indexer_topk_fp8(q, w, table, pos, k, loc=loc, backend="interpret", select=select)
         assert got.dtype == torch.int32 and torch.equal(got, dsa_math.select_topk(want, pos, k)), k
 
 
@@ -166,8 +167,9 @@ def test_topk_equals_select_topk_on_random_scores_with_a_gap():
 
 
 @interpreter
+@pytest.mark.parametrize("select", ["keys", "radix"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_ties_go_to_the_lower_position(paged):
+def test_ties_go_to_the_lower_position(paged, select):
     """Exact ties: one key repeated at several positions, and all-zero scores (ReLU of negative dots)."""
     N, H, T = 2, 16, 140  # no padded heads: request 1's zeros are sums of -0.0 (w * ReLU = -1 * +0.0), which a
     # reduction may return as -0.0 or +0.0 (the interpreter's gives +0.0); either ties with +0.0
@@ -181,7 +183,7 @@ def test_ties_go_to_the_lower_position(paged):
     rows = integer_rows(vals, torch.ones(N, T))
     pos = torch.tensor([139, 139])
     table, loc = table_layout(rows, seed=5, missing=()) if paged else (rows, None)
-    got = indexer_topk_fp8(q, w, table, pos, 8, loc=loc, backend="interpret")
+    got = indexer_topk_fp8(q, w, table, pos, 8, loc=loc, backend="interpret", select=select)
     assert got[0].tolist() == [9, 30, 31, 77, 133, 50, 0, 1]
     zeros = [t for t in range(T) if t not in (9, 30, 31, 50, 77, 133)]
     assert got[1].tolist() == zeros[:8]  # the positive dots score below zero here
@@ -213,11 +215,12 @@ def test_torch_backend_is_the_reference():
 
 
 @interpreter
-def test_empty_inputs():
+@pytest.mark.parametrize("select", ["keys", "radix"])
+def test_empty_inputs(select):
     q, w, rows = random_case(2, 4, 0, seed=8)
     pos = torch.tensor([5, 0])
     assert indexer_scores_fp8(q, w, rows, pos, backend="interpret").shape == (2, 0)
-    assert indexer_topk_fp8(q, w, rows, pos, 3, backend="interpret").tolist() == [[-1] * 3] * 2
+    assert indexer_topk_fp8(q, w, rows, pos, 3, backend="interpret", select=select).tolist() == [[-1] * 3] * 2
 
 
 def bad_inputs():
@@ -244,6 +247,7 @@ def bad_inputs():
         ("loc", dict(ok, rows=flat, loc=loc + 20)),  # beyond the table
         ("loc", dict(ok, rows=flat, loc=loc - 2)),
         ("k", dict(ok, k=0)),
+        ("select", dict(ok, select="heap")),
         ("backend", dict(ok, backend="cuda")),
         ("backend", dict(ok, backend="triton")),  # CPU tensors
     ]
@@ -253,7 +257,7 @@ def bad_inputs():
 def test_bad_input_is_refused_naming_the_argument(name, kwargs):
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
         indexer_topk_fp8(**{"k": 4, **kwargs})
-    if name != "k":
+    if name not in ("k", "select"):
         with pytest.raises(ValueError, match=rf"\b{name}\b"):
             indexer_scores_fp8(**kwargs)
 
@@ -278,10 +282,11 @@ def test_gpu_kernel_equals_the_reference(paged):
 
 
 @cuda
-def test_gpu_topk_equals_select_topk_at_k_2048():
+@pytest.mark.parametrize("select", ["keys", "radix"])
+def test_gpu_topk_equals_select_topk_at_k_2048(select):
     q, w, rows = integer_case(4, 64, 6000, seed=11)
     pos = torch.tensor([5999, 4000, 2100, 1000])  # the last request has fewer than k positions
     want, _ = reference(q, w, rows, pos)
     q = q.bfloat16()  # small integers: exact in bf16
-    got = indexer_topk_fp8(q.cuda(), w.cuda(), rows.cuda(), pos.cuda(), 2048).cpu()
+    got = indexer_topk_fp8(q.cuda(), w.cuda(), rows.cuda(), pos.cuda(), 2048, select=select).cpu()
     assert torch.equal(got, dsa_math.select_topk(want, pos, 2048))

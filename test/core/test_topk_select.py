@@ -1,0 +1,80 @@
+"""The radix select (ess.core.topk_select) against select_topk, its oracle: the same positions in the same order, on
+scores built to break it (ties, -0.0 against +0.0, -inf, keys equal in their high digits, k at and beyond the
+candidates, positions beyond pos), in Triton's CPU interpreter; on a GPU, the compiled kernel at k = 2048."""
+
+import math
+
+import pytest
+import torch
+
+from ess.core import dsa_math, flashtrans
+from ess.core.topk_select import PAD_KEY, positions_from_keys, radix_keys, radix_topk
+
+interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8's interpreter")
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or flashtrans.triton is None, reason="needs a CUDA GPU")
+
+
+def hard_scores(N: int, T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(-6, 7, (N, T), generator=g).float() * 0.25  # few values: long runs of ties
+    s[0] = torch.randn(T, generator=g)  # no ties
+    if N > 2:
+        s[2] = 1.0 + torch.randint(0, 4, (T,), generator=g).float() * 2.0**-20  # equal in every digit but the last
+    s[s == 0] = torch.where(torch.rand(int((s == 0).sum()), generator=g) < 0.5, -0.0, 0.0)
+    s[torch.rand(N, T, generator=g) < 0.1] = -math.inf
+    return s
+
+
+@interpreter
+@pytest.mark.parametrize("T,block", [(1, 16), (300, 64), (1000, 256), (2500, 1024)])
+def test_radix_select_is_select_topk(T, block):
+    s = hard_scores(4, T, seed=T)
+    pos = torch.tensor([T - 1, T // 2, T + 7, 0])  # the whole row, half of it, beyond it, only position 0
+    for k in sorted({1, 3, 64, T // 3 + 1, T, T + 5}):
+        want = dsa_math.select_topk(s, pos, k)
+        got = positions_from_keys(radix_keys(s, pos, k, interpret=True, block=block))
+        assert torch.equal(got, want), (T, block, k)
+        assert torch.equal(radix_topk(s, pos, k, backend="interpret"), want)
+
+
+@interpreter
+def test_every_score_equal_and_every_score_minus_inf():
+    s = torch.zeros(3, 200)
+    s[1, ::2] = -0.0
+    s[2] = -math.inf
+    pos = torch.tensor([199, 199, 199])
+    got = radix_topk(s, pos, 16, backend="interpret")
+    assert got[0].tolist() == got[1].tolist() == list(range(16)) and got[2].tolist() == [-1] * 16
+    assert torch.equal(got, dsa_math.select_topk(s, pos, 16))
+
+
+@interpreter
+def test_the_kernel_fills_exactly_the_chosen_slots():
+    s = hard_scores(2, 100, seed=1)
+    pos = torch.tensor([99, 10])
+    keys = radix_keys(s, pos, 40, interpret=True)
+    chosen = (dsa_math.select_topk(s, pos, 40) >= 0).sum(1)
+    assert ((keys != PAD_KEY).sum(1) == chosen).all()
+    for row, n in zip(keys, chosen.tolist()):  # the filled slots first, in position order
+        assert bool((row[n:] == PAD_KEY).all())
+        positions = 0xFFFFFFFF - (row[:n] & 0xFFFFFFFF)
+        assert bool((positions[1:] > positions[:-1]).all())
+
+
+def test_torch_backend_is_select_topk_and_bad_input_is_refused():
+    s = hard_scores(2, 50, seed=2)
+    pos = torch.tensor([49, 20])
+    assert torch.equal(radix_topk(s, pos, 5), dsa_math.select_topk(s, pos, 5))  # auto on a CPU: torch
+    for kwargs, name in [({"scores": s.double()}, "scores"), ({"scores": s[0]}, "scores"), ({"pos": pos.float()}, "pos"),
+                         ({"pos": pos[:1]}, "pos"), ({"k": 0}, "k"), ({"k": True}, "k"), ({"backend": "cuda"}, "backend"),
+                         ({"backend": "triton"}, "backend")]:
+        with pytest.raises(ValueError, match=name):
+            radix_topk(**({"scores": s, "pos": pos, "k": 5} | kwargs))
+
+
+@cuda
+def test_gpu_radix_select_is_select_topk_at_k_2048():
+    s = hard_scores(6, 40000, seed=3)
+    pos = torch.tensor([39999, 30000, 2047, 1000, 40010, 0])
+    got = radix_topk(s.cuda(), pos.cuda(), 2048).cpu()
+    assert torch.equal(got, dsa_math.select_topk(s, pos, 2048))
