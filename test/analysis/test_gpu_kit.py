@@ -22,6 +22,8 @@ def test_kit_smoke_run_writes_every_key(tmp_path):
     indexer = json.loads((tmp_path / "indexer.json").read_text())
     want = {"scores_kernel_us", "keys_kernel_us", "topk_keys_us", "topk_float_sorted_us", "indexer_topk_us"}
     assert indexer["cases"] and all(want <= set(c) and c["topk_exact"] for c in indexer["cases"])
+    if indexer["backend"] == "interpret":  # the radix select beside the keys path, where the kernels run
+        assert all(c["radix_exact"] and "indexer_radix_us" in c for c in indexer["cases"])
     kit = json.loads((tmp_path / "kit.json").read_text())
     for key in ("device", "torch", "date", "flashtrans", "flashmla", "da_split", "cuda_graph",
                 "bookkeeping_us_per_layer", "overlap"):
