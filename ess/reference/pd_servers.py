@@ -1,6 +1,7 @@
 """PD disaggregation on this machine, for real (docs/plugin.md, "PD on one machine"): a prefill server and decode
 servers (`--disaggregation-mode prefill / decode`), their KV moved by Mooncake's transfer engine over its TCP
-transport on the loopback, SGLang's router (`sglang_router`, `--pd-disaggregation`) in front of each pair.
+transport, or by NIXL over UCX, on this host; SGLang's router (`sglang_router`, `--pd-disaggregation`) in front of
+each pair.
 
 Mooncake's engine links libibverbs even when it moves bytes over TCP; scripts/setup.sh copies that library (and the
 libnl it needs) under the venv where the system has none, and `engine_env` puts it on the servers' library path.
@@ -17,12 +18,22 @@ import time
 from ess.reference.server import Server, ServerError, free_port
 
 ENGINE_LIBS = os.path.join(sys.prefix, "lib", "pd-engine")  # scripts/setup.sh's copy of libibverbs and libnl
-DECODE_FLAGS = ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "mooncake"]
 
 
-def prefill_flags(bootstrap_port: int) -> list[str]:
-    return ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake",
+def decode_flags(engine: str = "mooncake") -> list[str]:
+    """engine: SGLang's --disaggregation-transfer-backend; run here: "mooncake" (over TCP) and "nixl" (over UCX)."""
+    return ["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", engine]
+
+
+def prefill_flags(bootstrap_port: int, engine: str = "mooncake") -> list[str]:
+    return ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", engine,
             "--disaggregation-bootstrap-port", str(bootstrap_port)]
+
+
+DECODE_FLAGS = decode_flags()
+# a prefill node's ESS flags here: it sends the warm-up state; no radix cache, since the tests' routers send it the same
+# prompts, and a cached prefix would change its prefill batches (and their rounding) against stock's
+PREFILL_ESS = ["--enable-ess", "--disable-radix-cache"]
 
 
 def engine_env() -> dict[str, str]:
@@ -34,9 +45,9 @@ def engine_env() -> dict[str, str]:
 
 
 def engine_missing() -> str | None:
-    """Why Mooncake's engine or SGLang's router cannot load here (the import's last error line), or None. Imported in a
+    """Why Mooncake's engine, NIXL or SGLang's router cannot load here (the import's last error line), or None. Imported in a
     child process: the library path must be set before the engine's import."""
-    for module in ("mooncake.engine", "sglang_router.launch_router"):
+    for module in ("mooncake.engine", "nixl._api", "sglang_router.launch_router"):
         run = subprocess.run([sys.executable, "-c", f"import {module}"], env=os.environ | engine_env(),
                              capture_output=True, text=True)
         if run.returncode != 0:

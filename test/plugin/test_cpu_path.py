@@ -253,3 +253,24 @@ def test_a_nodes_ranks_count_data_parallel_replicas():
     assert node_ranks(types.SimpleNamespace(**args, enable_dp_attention=False)) == 8
     assert node_ranks(types.SimpleNamespace(**args, enable_dp_attention=True)) == 4
     assert node_ranks(types.SimpleNamespace(tp_size=16, pp_size=1, nnodes=2, dp_size=16, enable_dp_attention=True)) == 8
+
+
+def test_the_nixl_agent_on_the_cpu_is_asked_for_host_memory():
+    """SGLang asks NIXL for "VRAM" (its KV and state buffers); on the CPU the wrapped agent is asked for "DRAM", in
+    positional and keyword arguments, and everything else (arrays, names, attributes) passes unchanged. The real agent
+    runs in test_pd_nixl.py; this stand-in only records calls."""
+    import numpy as np
+
+    from sglang_ess.cpu.patches import _HostMemoryAgent
+
+    class Recorder:
+        name = "agent-0"
+
+        def register_memory(self, *args, **kwargs):
+            return args, kwargs
+
+    agent = _HostMemoryAgent(Recorder())
+    descs = np.array([[1, 2, 0]])
+    args, kwargs = agent.register_memory(descs, "VRAM", backends=["UCX"], mem_type="VRAM")
+    assert args[0] is descs and args[1] == "DRAM" and kwargs == {"backends": ["UCX"], "mem_type": "DRAM"}
+    assert agent.register_memory("DRAM")[0] == ("DRAM",) and agent.name == "agent-0"

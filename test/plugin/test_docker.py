@@ -50,7 +50,7 @@ def test_cpu_compose_runs_the_pd_tests_servers():
     doc = yaml.safe_load((ROOT / "docker/compose.cpu.yaml").read_text())
     flags = doc["x-flags"]
     assert shlex.split(flags["CPU_FLAGS"]) == S.CPU_FLAGS
-    assert shlex.split(flags["PREFILL_FLAGS"]) == PD.prefill_flags(30103) + ["--enable-ess", "--disable-radix-cache"]
+    assert shlex.split(flags["PREFILL_FLAGS"]) == PD.prefill_flags(30103) + PD.PREFILL_ESS
     assert shlex.split(flags["DECODE_FLAGS"]) == PD.DECODE_FLAGS + S.ESS_FLAGS
     router = PD.Router("", [], "", port=30180, prefill=(30101, 30103), decode=30102, metrics_port=30190)
     assert shlex.split(flags["ROUTER_FLAGS"]) == router.command[3:]  # after python -m sglang_router.launch_router

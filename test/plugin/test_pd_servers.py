@@ -1,7 +1,7 @@
 """PD for real on the CPU (docs/plugin.md, "PD on one machine"): a prefill server and ESS decode servers
-(`--disaggregation-mode`), KV and ESS's warm-up metadata moved by Mooncake's transfer engine over TCP on the loopback,
-SGLang's router in front of each pair; greedy tokens equal to one co-located stock server's. SGLang's CPU kernels are
-not batch-invariant, so every request goes alone, to stock and to each router in turn (a prefill batch of one request
+(`--disaggregation-mode`), KV and ESS's warm-up metadata moved by Mooncake's transfer engine over TCP on this host
+(NIXL: test_pd_nixl.py), SGLang's router in front of each pair; greedy tokens equal to one co-located stock server's.
+SGLang's CPU kernels are not batch-invariant, so every request goes alone, to stock and to each router in turn (a prefill batch of one request
 on both sides, decode batches of one)."""
 
 import contextlib
@@ -51,8 +51,8 @@ def deployment(tmp_path_factory):
     stock = S.Server(model, S.CPU_FLAGS, str(tmp / "stock.log"))
     # no radix cache on the prefill node: each router sends it the same prompts, and a cached prefix would change its
     # prefill batches (and their rounding) against stock's, which sees each prompt once
-    prefill = S.Server(model, S.CPU_FLAGS + PD.prefill_flags(bootstrap) + ["--enable-ess", "--disable-radix-cache"],
-                       str(tmp / "prefill.log"), env=env)
+    prefill = S.Server(model, S.CPU_FLAGS + PD.prefill_flags(bootstrap) + PD.PREFILL_ESS, str(tmp / "prefill.log"),
+                       env=env)
     decodes = {name: S.Server(model, S.CPU_FLAGS + PD.DECODE_FLAGS + flags, str(tmp / f"decode-{name}.log"), env=env)
                for name, flags in DECODES.items()}
     servers = [stock, prefill, *decodes.values()]
@@ -95,7 +95,7 @@ def test_pd_through_a_real_engine_and_router_gives_colocated_stock_tokens(deploy
 def test_the_decode_counters_show_what_arrived(deployment):
     """Resident: each request's region filled from the host pool the engine wrote, no miss. Offloaded: each loaded the
     prefill node's warm-up state, then missed. Progressive: offloaded, and served while its pages landed."""
-    resident, offloaded, progressive = (deployment[f"{n}_state"] for n in ("resident", "offloaded", "progressive"))
+    resident, offloaded, progressive = (deployment[f"{n}_state"] for n in DECODES)
     assert resident["pd"]["resident_regions_filled"] >= 8 and resident["missed_rows"] == 0, resident
     for state in (offloaded, progressive):
         assert state["pd"]["warm_states_loaded"] >= 8 and state["missed_rows"] > 0, state
@@ -224,7 +224,7 @@ def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_reques
     thread.join(120)
     assert "error" in result, result
     bootstrap = S.free_port()
-    fresh = S.Server(live["model"], S.CPU_FLAGS + PD.prefill_flags(bootstrap) + ["--enable-ess", "--disable-radix-cache"],
+    fresh = S.Server(live["model"], S.CPU_FLAGS + PD.prefill_flags(bootstrap) + PD.PREFILL_ESS,
                      str(live["tmp"] / "prefill-2.log"), env=live["env"])
     EXTRA.append(fresh.start())
     S.wait_ready_or_rebind(fresh)

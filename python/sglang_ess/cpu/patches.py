@@ -143,6 +143,7 @@ TRANSFORM_INDEX = "sglang.kernels.ops.attention.dsa.transform_index"
 QUANT_K_CACHE = "sglang.kernels.ops.quantization.dsa_quant_k_cache"
 ROTARY = "sglang.srt.layers.rotary_embedding.rope_variant.DeepseekScalingRotaryEmbedding"
 MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+NIXL = "sglang.srt.disaggregation.nixl.conn"
 PD_PREFILL = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
 
 
@@ -157,6 +158,34 @@ def after_mooncake_sender_init(result, self, *args, **kwargs):
     """A PD prefill node on the CPU: the sender takes its page indices as it does on every other engine (SGLang's
     host-tensor path copies them through pinned memory and waits on a CUDA event, which a CPU cannot)."""
     self.supports_host_tensor_indices = False
+
+class _HostMemoryAgent:
+    """A NIXL agent whose every "VRAM" memory type is "DRAM": on the CPU all of SGLang's buffers are host memory."""
+
+    def __init__(self, agent):
+        self._agent = agent
+
+    def __getattr__(self, name):
+        attr = getattr(self._agent, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            args = tuple("DRAM" if isinstance(a, str) and a == "VRAM" else a for a in args)
+            kwargs = {k: "DRAM" if isinstance(v, str) and v == "VRAM" else v for k, v in kwargs.items()}
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def around_nixl_register_buffers(original, self, *args, **kwargs):
+    """A PD node over NIXL on the CPU: SGLang registers and addresses its KV and state buffers as VRAM, which UCX
+    refuses for host addresses ("VRAM memory is detected as host by UCX"); the agent is asked for DRAM instead, here
+    and in every later call (the manager keeps the wrapped agent)."""
+    if not isinstance(self.agent, _HostMemoryAgent):
+        self.agent = _HostMemoryAgent(self.agent)
+    return original(self, *args, **kwargs)
+
 
 PATCHES = [
     Hook(f"{KV_CONFIGURATOR}.KVCacheConfigurator.configure", HookType.AROUND, around_configure,
@@ -221,6 +250,8 @@ PATCHES = [
          "MTP verify: sgl_kernel's CPU build (fill_accept_out_cache_loc_cpu)"),
     Hook(f"{MOONCAKE}.MooncakeKVSender.__init__", HookType.AFTER, after_mooncake_sender_init, ("self",),
          "PD prefill over Mooncake: the page indices go through pinned memory and a CUDA event (no driver: RuntimeError)"),
+    Hook(f"{NIXL}.NixlKVManager.register_buffer_to_engine", HookType.AROUND, around_nixl_register_buffers, ("self",),
+         "PD over NIXL: KV and state buffers registered as VRAM (host memory on the CPU: UCX fails, NIXL_ERR_BACKEND)"),
     Hook(f"{PD_PREFILL}.maybe_send_cached_prefix_chunk", HookType.AROUND, around_early_prefix_send, ("self", "req"),
          "PD prefill with a radix-cache hit: the early send records a CUDA event (no driver: RuntimeError)"),
 ]
