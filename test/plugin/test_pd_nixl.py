@@ -28,7 +28,6 @@ def test_pd_over_nixl_gives_colocated_stock_tokens(tmp_path):
                        str(tmp_path / "prefill.log"), env=env)
     decode = S.Server(model, S.CPU_FLAGS + PD.decode_flags("nixl") + S.ESS_FLAGS, str(tmp_path / "decode.log"),
                       env=env)
-    router = PD.Router(model, [], str(tmp_path / "router.log"), prefill=(prefill.port, bootstrap), decode=decode.port)
     procs = [stock, prefill, decode]
     try:
         with S.terminate_as_exit():
@@ -36,6 +35,9 @@ def test_pd_over_nixl_gives_colocated_stock_tokens(tmp_path):
                 srv.start()
             for srv in procs:
                 S.wait_ready_or_rebind(srv)
+            # its ports picked now, not before the servers (and NIXL's listeners) took theirs
+            router = PD.Router(model, [], str(tmp_path / "router.log"), prefill=(prefill.port, bootstrap),
+                               decode=decode.port)
             procs.append(router.start())
             router.wait_ready()
             prompts = S.prompts(4, (200, 420), seed=0)
