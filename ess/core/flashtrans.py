@@ -84,6 +84,24 @@ except ImportError:  # pragma: no cover
 INTERPRETER_OK = triton is not None and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8)
 
 
+KERNEL_BACKENDS = ("auto", "triton", "interpret", "torch")
+
+
+def kernel_backend(backend: str, device: torch.device, what: str) -> str:
+    """A kernel's backend, resolved on the device of its tensors: "auto" is the Triton kernel on a GPU and the torch
+    reference elsewhere; "triton" needs CUDA tensors, "interpret" (Triton's CPU interpreter) CPU ones. `what` names
+    the caller in the errors."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"{what}: backend must be one of {KERNEL_BACKENDS}, got {backend!r}")
+    if backend == "triton" and device.type != "cuda":
+        raise ValueError(f"{what}: backend 'triton' needs CUDA tensors ('interpret' runs the kernel on a CPU)")
+    if backend == "interpret" and device.type == "cuda":
+        raise ValueError(f"{what}: backend 'interpret' needs CPU tensors (Triton's interpreter reads host memory)")
+    return backend
+
+
 @functools.lru_cache(maxsize=None)
 def compiled(fn, interpret: bool, what: str):
     """A Triton kernel function compiled for the GPU, or wrapped for Triton's CPU interpreter (decided per call, not

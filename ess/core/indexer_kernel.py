@@ -53,7 +53,7 @@ import math
 import torch
 
 from ess.core import dsa_math, layout, topk_select
-from ess.core.flashtrans import compiled, triton
+from ess.core.flashtrans import compiled, kernel_backend, triton
 
 BLOCK_T = 128  # positions per program
 NUM_WARPS = 4  # per program (GPU only)
@@ -163,18 +163,6 @@ def _check(q, w, rows, pos, loc) -> tuple[int, int, int]:
     return N, H, T
 
 
-def _backend(backend: str, rows: torch.Tensor) -> str:
-    if backend == "auto":
-        return "triton" if rows.is_cuda and triton is not None else "torch"
-    if backend not in ("triton", "interpret", "torch"):
-        raise ValueError(f"indexer: backend must be 'auto', 'triton', 'interpret' or 'torch', got {backend!r}")
-    if backend == "triton" and not rows.is_cuda:
-        raise ValueError("indexer: backend 'triton' needs CUDA tensors ('interpret' runs the kernel on a CPU)")
-    if backend == "interpret" and rows.is_cuda:
-        raise ValueError("indexer: backend 'interpret' needs CPU tensors (Triton's interpreter reads host memory)")
-    return backend
-
-
 def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
     """The reference math (dequantises the rows the request reads)."""
     if loc is not None:
@@ -238,7 +226,7 @@ def indexer_scores_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos
     index-K rows: rows [N, T, 132] uint8, or a row table rows [S, 132] with locations loc [N, T] (-1: no row).
     Positions beyond pos [N], and missing rows, score -inf."""
     N, H, T = _check(q, w, rows, pos, loc)
-    backend = _backend(backend, rows)
+    backend = kernel_backend(backend, rows.device, "indexer")
     if backend == "torch":
         return _torch_scores(q, w, rows, pos, loc)
     return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=False)
@@ -254,7 +242,7 @@ def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
     if select not in SELECTS:
         raise ValueError(f"indexer: select must be one of {SELECTS}, got {select!r}")
     N, H, T = _check(q, w, rows, pos, loc)
-    backend = _backend(backend, rows)
+    backend = kernel_backend(backend, rows.device, "indexer")
     if backend == "torch":
         return dsa_math.select_topk(_torch_scores(q, w, rows, pos, loc), pos, k)
     interpret = backend == "interpret"
@@ -270,7 +258,7 @@ def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
     """The kernel's int64 score keys [N, T] (score_keys of indexer_scores_fp8's scores), under a given launch
     configuration: what indexer_topk_fp8 hands topk_from_keys (benchmark/indexer.py times the two apart)."""
     N, H, T = _check(q, w, rows, pos, loc)
-    backend = _backend(backend, rows)
+    backend = kernel_backend(backend, rows.device, "indexer")
     if backend == "torch":
         return score_keys(_torch_scores(q, w, rows, pos, loc))
     return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=True, block_t=block_t,

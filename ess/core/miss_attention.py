@@ -46,12 +46,11 @@ import math
 import torch
 
 from ess.core import dsa_math, flashtrans, layout
-from ess.core.flashtrans import compiled, triton
+from ess.core.flashtrans import compiled, kernel_backend, triton
 
 BLOCK_H = 32  # heads per block (tl.dot's minimum is 16)
 BLOCK_N = 32  # entries per chunk of the online softmax
 NUM_WARPS = 8  # per program (GPU only)
-BACKENDS = ("auto", "triton", "interpret", "torch")
 
 if triton is not None:
     import triton.language as tl
@@ -195,18 +194,6 @@ def _check(q_nope, q_pe, counts, lists: dict) -> tuple[int, int, int]:
     return N, H, W
 
 
-def _backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton is not None else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"miss attention: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton" and device.type != "cuda":
-        raise ValueError("miss attention: backend 'triton' needs CUDA tensors ('interpret' runs the kernel on a CPU)")
-    if backend == "interpret" and device.type == "cuda":
-        raise ValueError("miss attention: backend 'interpret' needs CPU tensors (Triton's interpreter reads host memory)")
-    return backend
-
-
 def _listed(slots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[N, W] bool: entry i of row n is one of its first counts[n] and names a slot."""
     return (torch.arange(slots.shape[1], device=slots.device).unsqueeze(0) < counts.unsqueeze(1)) & (slots >= 0)
@@ -250,7 +237,7 @@ def miss_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, pool: torch.Tensor,
     -inf for a row without entries)."""
     N, H, W = _check(q_nope, q_pe, counts, {"slots": slots})
     _pool(pool, "pool")
-    backend = _backend(backend, pool.device)
+    backend = kernel_backend(backend, pool.device, "miss attention")
     if backend == "torch":
         return _torch_attend(q_nope, q_pe, pool, slots, _listed(slots, counts), scale)
     return _launch(q_nope, q_pe, pool, slots, pool, slots, counts, scale, N, H, W, False, backend == "interpret",
@@ -269,7 +256,7 @@ def copy_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, host: torch.Tensor, ho
     N, H, W = _check(q_nope, q_pe, counts, {"host_rows": host_rows, "gpu_slots": gpu_slots})
     _pool(host, "host")
     _pool(gpu, "gpu")
-    backend = _backend(backend, gpu.device)
+    backend = kernel_backend(backend, gpu.device, "miss attention")
     if backend == "torch":
         flashtrans.gather_lists(host, host_rows, gpu, gpu_slots, counts, "torch")
         valid = _listed(gpu_slots, counts) & (host_rows >= 0)
@@ -289,7 +276,7 @@ def merge(o0: torch.Tensor, lse0: torch.Tensor, o1: torch.Tensor, lse1: torch.Te
     if o0.shape != o1.shape or lse0.shape != lse1.shape or o0.shape[:-1] != lse0.shape:
         raise ValueError(f"merge: o0 {tuple(o0.shape)}, o1 {tuple(o1.shape)} must match and lse0 {tuple(lse0.shape)}, "
                          f"lse1 {tuple(lse1.shape)} must be their leading dimensions")
-    backend = _backend(backend, o0.device)
+    backend = kernel_backend(backend, o0.device, "miss attention")
     if backend != "torch":
         D = o0.shape[-1]
         if D & (D - 1):

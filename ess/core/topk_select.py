@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ess.core import dsa_math
-from ess.core.flashtrans import INTERPRETER_OK, compiled, triton
+from ess.core.flashtrans import compiled, kernel_backend, triton
 
 BLOCK = 1024  # positions per loop step of a program
 NUM_WARPS = 4
@@ -89,18 +89,6 @@ else:  # compiled() refuses these without triton, naming the caller
     _select_kernel = None
 
 
-def _backend(backend: str, scores: torch.Tensor) -> str:
-    if backend == "auto":
-        return "triton" if scores.is_cuda and triton is not None else "torch"
-    if backend not in ("triton", "interpret", "torch"):
-        raise ValueError(f"radix_topk: backend must be 'auto', 'triton', 'interpret' or 'torch', got {backend!r}")
-    if backend == "triton" and not scores.is_cuda:
-        raise ValueError("radix_topk: backend 'triton' needs CUDA tensors ('interpret' runs the kernel on a CPU)")
-    if backend == "interpret" and (scores.is_cuda or not INTERPRETER_OK):
-        raise ValueError("radix_topk: backend 'interpret' needs CPU tensors and Triton >= 3.8")
-    return backend
-
-
 def radix_keys(scores: torch.Tensor, pos: torch.Tensor, k: int, interpret: bool = False,
                block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """The kernel alone: int64 [N, k], the chosen positions' keys in position order, PAD_KEY in unfilled slots."""
@@ -130,7 +118,7 @@ def radix_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, backend: str = "
         raise ValueError(f"radix_topk: pos must be an integer [N] = [{scores.shape[0]}] tensor on {scores.device}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"radix_topk: k must be a positive int, got {k!r}")
-    backend = _backend(backend, scores)
+    backend = kernel_backend(backend, scores.device, "radix_topk")
     if backend == "torch":
         return dsa_math.select_topk(scores, pos, k)
     return positions_from_keys(radix_keys(scores, pos, k, interpret=backend == "interpret"))
