@@ -5,9 +5,9 @@ On the H200 (docs/gpu.md) the indexer and its top-k took 1.91 of about 3.2 ms pe
 204: about 10x the floor. This splits that time: the scores kernel (fp32 out), the same kernel writing the int64 keys
 the exact top-k ranks, torch.topk over those keys (what indexer_topk_fp8 runs), the radix select over the fp32 scores
 (ess.core.topk_select: its kernel, then the sort of the k it picked; indexer_topk_fp8's select="radix"), and, for
-comparison only, torch.topk over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other launch
-configurations (positions per program, warps, and how rows are loaded: bytes, or 4-byte words unpacked in
-registers, since a 132-byte row is not 16-byte aligned) at the largest case. Each figure: the median of CUDA graph
+comparison only, torch.topk over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys
+kernel under other launch configurations (positions per program, warps, and how rows are loaded: bytes, or 4-byte
+words unpacked in registers, since a 132-byte row is not 16-byte aligned) at the largest case. Each figure: the median of CUDA graph
 replays.
 
     python benchmark/indexer.py OUT_DIR            # on a GPU: OUT_DIR/indexer.json
@@ -92,7 +92,7 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
     want = dsa_math.select_topk(scores, pos, k)
     row["topk_exact"] = bool(torch.equal(topk_from_keys(keys, k), want))
     if backend != "torch":
-        row["radix_exact"] = bool(torch.equal(positions_from_keys(radix_keys(scores, pos, k, interpret=interpret)), want))
+        row["radix_exact"] = bool(torch.equal(positions_from_keys(picked), want))
     return row
 
 

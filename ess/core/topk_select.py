@@ -96,8 +96,9 @@ def radix_keys(scores: torch.Tensor, pos: torch.Tensor, k: int, interpret: bool 
     out = torch.full((N, k), PAD_KEY, dtype=torch.int64, device=scores.device)
     if N * T == 0:
         return out
-    compiled(_select_kernel, interpret, "radix_topk")[(N,)](
-        scores.contiguous(), pos.contiguous(), out, T, k, BLOCK=block, **({} if interpret else {"num_warps": num_warps}))
+    launch = {} if interpret else {"num_warps": num_warps}
+    compiled(_select_kernel, interpret, "radix_topk")[(N,)](scores.contiguous(), pos.contiguous(), out, T, k,
+                                                            BLOCK=block, **launch)
     return out
 
 

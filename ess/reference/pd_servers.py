@@ -45,8 +45,8 @@ def engine_env() -> dict[str, str]:
 
 
 def engine_missing() -> str | None:
-    """Why Mooncake's engine, NIXL or SGLang's router cannot load here (the import's last error line), or None. Imported in a
-    child process: the library path must be set before the engine's import."""
+    """Why Mooncake's engine, NIXL or SGLang's router cannot load here (the import's last error line), or None.
+    Imported in a child process: the library path must be set before the engine's import."""
     for module in ("mooncake.engine", "nixl._api", "sglang_router.launch_router"):
         run = subprocess.run([sys.executable, "-c", f"import {module}"], env=os.environ | engine_env(),
                              capture_output=True, text=True)

@@ -151,21 +151,20 @@ class Server:
             raise ServerError(f"POST {path}: HTTP {resp.status}: {data[:500]!r}")
         return json.loads(data) if data.strip() else {}
 
+    def _get(self, path: str) -> tuple[int, bytes]:
+        conn = self._connection(60)
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+
     def status(self, path: str) -> int:
         """The HTTP status of GET path (SGLang's /ready: 200 once the server takes requests)."""
-        conn = self._connection(60)
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        resp.read()
-        return resp.status
+        return self._get(path)[0]
 
     def get(self, path: str) -> dict:
-        conn = self._connection(60)
-        conn.request("GET", path)
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise ServerError(f"GET {path}: HTTP {resp.status}: {data[:500]!r}")
+        status, data = self._get(path)
+        if status != 200:
+            raise ServerError(f"GET {path}: HTTP {status}: {data[:500]!r}")
         return json.loads(data)
 
     def generate(self, prompts: list[list[int]], new_tokens: int | list[int], top_logprobs: int = 0) -> list[dict]:

@@ -1,8 +1,8 @@
 """PD for real on the CPU (docs/plugin.md, "PD on one machine"): a prefill server and ESS decode servers
 (`--disaggregation-mode`), KV and ESS's warm-up metadata moved by Mooncake's transfer engine over TCP on this host
 (NIXL: test_pd_nixl.py), SGLang's router in front of each pair; greedy tokens equal to one co-located stock server's.
-SGLang's CPU kernels are not batch-invariant, so every request goes alone, to stock and to each router in turn (a prefill batch of one request
-on both sides, decode batches of one)."""
+SGLang's CPU kernels are not batch-invariant, so every request goes alone, to stock and to each router in turn (a
+prefill batch of one request on both sides, decode batches of one)."""
 
 import contextlib
 import json
@@ -164,6 +164,17 @@ def long_request(seed, rid=None):
     return body | ({"rid": rid} if rid else {})
 
 
+def fault_in_flight(live, pair, body, fault):
+    """Post body through the router of `pair` (a DECODES name) with the prefill scheduler paused; once that decode
+    server holds the request's slots, fault(); then the scheduler resumes. Returns the client's result."""
+    with scheduler_paused(live["prefill"]):
+        thread, result = in_flight(live["routers"][pair], body)
+        wait_for_transfer(live["decodes"][pair])
+        fault()
+    thread.join(120)
+    return result
+
+
 def stock_tokens_through(router, stock, seed):
     prompts = S.prompts(2, (200, 300), seed=seed)
     return (tokens([router.generate([p], NEW_TOKENS)[0] for p in prompts]),
@@ -181,12 +192,8 @@ def test_a_request_aborted_in_flight_costs_only_itself(deployment):
     same pair giving stock's tokens."""
     live = deployment["live"]
     prefill, decode, router = live["prefill"], live["decodes"]["resident"], live["routers"]["resident"]
-    with scheduler_paused(prefill):
-        thread, result = in_flight(router, long_request(15, rid="ess-pd-abort"))
-        wait_for_transfer(decode)
-        for srv in (prefill, decode):
-            srv.post("/abort_request", {"rid": "ess-pd-abort"})
-    thread.join(120)
+    result = fault_in_flight(live, "resident", long_request(15, rid="ess-pd-abort"),
+                             lambda: [srv.post("/abort_request", {"rid": "ess-pd-abort"}) for srv in (prefill, decode)])
     answer = result.get("answer", {})
     assert "error" in result or answer.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", result
     got, want = stock_tokens_through(router, live["stock"], seed=16)
@@ -200,11 +207,7 @@ def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request
     on, its next requests through another decode server giving stock's tokens."""
     live = deployment["live"]
     prefill, decode = live["prefill"], live["decodes"]["progressive"]
-    with scheduler_paused(prefill):
-        thread, result = in_flight(live["routers"]["progressive"], long_request(11))
-        wait_for_transfer(decode)
-        decode.stop()
-    thread.join(120)
+    result = fault_in_flight(live, "progressive", long_request(11), decode.stop)
     assert "error" in result, result
     got, want = stock_tokens_through(live["routers"]["resident"], live["stock"], seed=12)
     assert got == want and prefill.process.poll() is None and not leaks(prefill)
@@ -217,11 +220,7 @@ def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_reques
     runs on idle)."""
     live = deployment["live"]
     prefill, decode = live["prefill"], live["decodes"]["offloaded"]
-    with scheduler_paused(prefill):
-        thread, result = in_flight(live["routers"]["offloaded"], long_request(13))
-        wait_for_transfer(decode)
-        prefill.stop()
-    thread.join(120)
+    result = fault_in_flight(live, "offloaded", long_request(13), prefill.stop)
     assert "error" in result, result
     bootstrap = S.free_port()
     fresh = S.Server(live["model"], S.CPU_FLAGS + PD.prefill_flags(bootstrap) + PD.PREFILL_ESS,

@@ -159,6 +159,7 @@ def after_mooncake_sender_init(result, self, *args, **kwargs):
     host-tensor path copies them through pinned memory and waits on a CUDA event, which a CPU cannot)."""
     self.supports_host_tensor_indices = False
 
+
 class _HostMemoryAgent:
     """A NIXL agent whose every "VRAM" memory type is "DRAM": on the CPU all of SGLang's buffers are host memory."""
 
