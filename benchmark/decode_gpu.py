@@ -4,10 +4,11 @@ An L-layer DeepSeek-V3.2 decode stack at the full dimensions (128 heads, top-k 2
 index-K rows; random weights, shared by the layers: time does not depend on their values). Per layer, measured:
 q_a and kv_a projections, the indexer (index-K of the whole context, logits, top-k 2048), PreAttn (q_b, w_kc, RoPE),
 the cache step and FlashMLA's sparse FP8 decode; for ESS the LRU step (fused kernel on a GPU), FlashTrans H2D of the
-misses and D2H of the own rows, in the mode's order (ess.reference.overlap). The rest of each layer (w_vc, o_proj,
-MoE and its EP all-to-all at the paper's deployment) is modelled: its time per batch comes from the calibrated
-simulator and is added to the measured attention path (the hybrid figures). Adding it is exact here: this stack
-overlaps no transfer with the rest of a layer.
+misses and D2H of the own rows, in the mode's order (ess.reference.overlap). Then the rest of each layer, measured
+(`--rest measured`, the default; ess.reference.layer_rest): w_vc, o_proj, the norm, the router, this GPU's share of
+the routed experts under EP `--ep` as grouped GEMMs, the shared expert, and the LM head once a step; the EP all-to-all
+is the one modelled part, a one-SM spin of the simulator's length (docs/gpu.md, "The whole layer"). `--rest
+modelled`: the simulator's time for the rest, added to the measured attention path (the hybrid figures before).
 
 Memory: the per-layer cache budget of the paper's deployment (the simulator's per-GPU cache budget / 61 x L). The
 baseline holds latent and index-K of every token on the GPU; ESS holds index-K of every token, and residency first
@@ -55,6 +56,7 @@ from ess.analysis.sim.measured import MeasuredError, load_measured
 from ess.analysis.sim.paper import EP, HARDWARE as PAPER_HARDWARE
 from ess.analysis.sim.specs import get_hardware, get_model
 from ess.analysis.synth import SynthOptions, synth_trace
+from ess.analysis.synth_fit import load_fitted, scaled
 from ess.analysis.decode_report import plot, summary
 from ess.analysis.timing import graph_us, median_us
 from ess.core import flashtrans, layout
@@ -66,6 +68,7 @@ from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.ess_cache import EssLatentCache
 from ess.reference.flashmla import sparse_decode, split_decode
+from ess.reference.layer_rest import LayerRest, MoeShape, RestWeights, comm_wait, spin_cycles_per_us
 from ess.reference.overlap import ess_layer_attention
 
 MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
@@ -75,6 +78,8 @@ MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
 # when decode starts, and a logical token space twice its device latent pool (host_to_device_ratio 2,
 # ess.core.memory.HISPARSE_HOST_RATIO).
 HISPARSE_BUFFER_PER_TOPK = 2
+# the generator fitted to real SmolLM2-135M traces (docs/profiling.md, "Fitting the synthetic generator")
+DEFAULT_FIT = "benchmark/results/policies/real_fit.json"
 MODEL_LAYERS = 61  # DeepSeek-V3.2's decoder layers, for the per-model figures
 # The projections' dtype: float32 timed the reference model's float32 torch ops on the H200 (2026-11-26), not a
 # server's speed (docs/gpu.md); bf16 is the default on a GPU
@@ -98,6 +103,9 @@ class Setup:
     dtype: torch.dtype = torch.float32  # weights and activations of the projections (bf16 on a GPU, as a server's)
     attn1: str = DA_ATTN1  # DA / DBA's Attn1 in decode rows (verify rows: two FlashMLA calls)
     residency: bool = True  # residency first (ess.core.regions); False: every ESS request offloaded
+    whole_layer: bool = True  # the rest of each layer measured (ess.reference.layer_rest); False: the simulator's
+    ep: int = EP  # the expert parallelism of the measured MoE share and of the all-to-all's modelled length
+    fitted: SynthOptions | None = None  # locality fitted to real traces: ESS rows also with it (row "locality" fit)
 
 
 def smoke_setup() -> Setup:
@@ -119,7 +127,7 @@ class Stack:
     request b's, at consecutive positions; one LRU step takes their union and S own tokens, as the plugin does)."""
 
     def __init__(self, s: Setup, batch: int, context: int, buffer: int | None, rows: int, topk_steps: torch.Tensor | None,
-                 warm_sets: torch.Tensor | None, seed: int = 0, budget: float | None = None):
+                 warm_sets: torch.Tensor | None, seed: int = 0, budget: float | None = None, rest=None):
         cfg, dev, L = s.cfg, s.device, s.layers
         g = torch.Generator().manual_seed(seed)
         self.s, self.B, self.S, self.context, self.buffer = s, batch, rows, context, buffer
@@ -137,6 +145,8 @@ class Stack:
         block = layout.quantize_latent(torch.randn(4096, 512, generator=g), torch.randn(4096, 64, generator=g)).to(dev)
         prompt = block.repeat(-(-context // 4096), 1)[:context]
         self.topk_steps = topk_steps  # [steps, L, B * S, K] replayed top-k, or None: the indexer's
+        # the rest of each layer and the LM head, measured (rest(self.w, tokens) -> LayerRest), or None: modelled
+        self.rest = None if rest is None else rest(self.w, batch * rows)
         self.modes: list[str] = []  # per layer, for mode "plan"
         if buffer is None:
             self.cache = DenseLatentCache(L, batch, self.max_len, dev)
@@ -157,8 +167,8 @@ class Stack:
         return first + torch.arange(self.S, device=self.s.device).repeat(self.B)
 
     def step(self, t: int, mode: str) -> list[torch.Tensor]:
-        """Decode (or verify) step t of every layer, attention path only; returns each layer's attention output
-        [B * S, H, 512]."""
+        """Decode (or verify) step t of every layer, with the rest of each layer and the LM head where the stack
+        measures them (else the attention path only); returns each layer's attention output [B * S, H, 512]."""
         s, cfg = self.s, self.s.cfg
         pos, h = self.positions(t), self.h[t]
         if self.buffer is not None:
@@ -182,6 +192,10 @@ class Stack:
             else:
                 o = self.verify_layer(self.modes[li] if mode == "plan" else mode, li, h, q_lora, pos, sel)
             out.append(o)
+            if self.rest is not None:  # each layer reads the same h (shared weights): its output is not chained
+                self.rest(o, h)
+        if self.rest is not None:
+            self.rest.lm_head(h)
         return out
 
     def verify_layer(self, mode: str, li: int, h, q_lora, pos, sel) -> torch.Tensor:
@@ -233,14 +247,20 @@ class Stack:
             self.cache.warmup_layer(li, sel.unsqueeze(1))
 
 
-def trace_topk(s: Setup, batch: int, context: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """SYNTHETIC top-k (ess trace synth at this context): decode sets [steps, L, B * S, K] (query row j of step t
-    replays trace step t * S + j, at the same position) and warm-up sets [L, B, W, K]; request b replays trace request
-    b mod 4."""
+def trace_topk(s: Setup, batch: int, context: int, rows: int, fitted: SynthOptions | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SYNTHETIC top-k (ess trace synth at this context, with the ESS paper's locality, or `fitted`'s: a fit to
+    real traces carried to this shape, ess.analysis.synth_fit.scaled): decode sets [steps, L, B * S, K] (query row j
+    of step t replays trace step t * S + j, at the same position) and warm-up sets [L, B, W, K]; request b replays
+    trace request b mod 4."""
     K, steps = s.cfg.index_topk, s.warm_steps + 1
-    opt = SynthOptions(requests=min(batch, 4), steps=steps * rows, layers=s.layers, topk=K, context=context,
-                       warmup_windows=WARMUP_WINDOWS, sinks=4, window=min(128, K // 8), churn_min=min(8, K // 16),
-                       churn_max=min(600, K // 4), pool=min(8192, context // 2), seed=context)
+    shape = dict(requests=min(batch, 4), steps=steps * rows, layers=s.layers, warmup_windows=WARMUP_WINDOWS,
+                 seed=context)
+    if fitted is not None:
+        opt = dataclasses.replace(scaled(fitted, K, context), **shape)
+    else:
+        opt = SynthOptions(topk=K, context=context, sinks=4, window=min(128, K // 8), churn_min=min(8, K // 16),
+                           churn_max=min(600, K // 4), pool=min(8192, context // 2), **shape)
     tr = synth_trace(opt)
     reqs = [b % tr.topk.shape[0] for b in range(batch)]
     decode = torch.as_tensor(tr.topk[reqs]).reshape(batch, steps, rows, s.layers, K)  # [B, steps, S, L, K]
@@ -256,22 +276,23 @@ def stack_positions(context: int, steps: int, rows: int) -> int:
 
 
 def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float | None, rows: int, source: str,
-            plan, budget: float | None = None) -> dict:
+            plan, budget: float | None = None, rest=None, fitted: SynthOptions | None = None) -> dict:
     """The attention path of one decode (rows 1) or MTP verify step of the L layers, per mode, on one stack (the
     baseline's, or ESS's at `ratio`, residency first in `budget` when given): {mode: {"attention_ms", "exposed_ms",
     "misses" (ESS: per request and layer), "modes" (plan), "resident" (requests)}}. plan(per_layer_misses, batch,
-    context) -> modes, for mode "plan"."""
+    context) -> modes, for mode "plan". rest: the rest of each layer, measured (Stack's argument), with its parts
+    under "rest"."""
     hisparse = ratio == "hisparse"
     if hisparse:  # its LRU slots, plus one for the step's own row (HiSparse keeps that in its reserved page)
         buffer = hisparse_slots(s) + 1
     else:
         buffer = None if ratio is None else slots(s, ratio, context)
-    decode, warm = trace_topk(s, batch, context, rows) if source == "synth" else (None, None)
+    decode, warm = trace_topk(s, batch, context, rows, fitted) if source == "synth" else (None, None)
     if hisparse:  # decode starts with the prompt's first buffer-full resident, not LRU-Warmup's sets
         first = torch.arange(min(hisparse_slots(s), context), device=s.device, dtype=torch.int32)
         warm = first.expand(s.layers, batch, 1, first.numel())
         modes = ["none"]
-    stack = Stack(s, batch, context, buffer, rows, decode, warm, budget=None if hisparse else budget)
+    stack = Stack(s, batch, context, buffer, rows, decode, warm, budget=None if hisparse else budget, rest=rest)
     all_resident = buffer is not None and not hisparse and stack.cache.serving.all_resident()
     if all_resident:  # nothing offloaded: nothing to overlap, every mode is the same step (module docstring)
         modes = ["none"]
@@ -279,9 +300,11 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
     for i in range(t):  # the cache's state before the timed step: the same requests' earlier steps
         stack.step(i, "baseline" if buffer is None else "none")  # every ESS mode leaves the same LRU state
     timer = graph_us if s.device.type == "cuda" else median_us
+    rest_ms = rest_times(stack, t, timer)
     if buffer is None:
         return {"baseline": {"attention_ms": timer(lambda: stack.step(t, "baseline"), s.iters) / 1e3,
-                             "exposed_ms": 0.0, "misses": None, "parts_ms": part_times(stack, t, timer)}}
+                             "exposed_ms": 0.0, "misses": None, "parts_ms": part_times(stack, t, timer),
+                             "rest": rest_ms}}
     # the timed replays restore the LRU tables only (they decide the misses; row contents do not change the time); the
     # check restores the GPU pool's rows as well
     state = (lambda: stack.tables() + [stack.cache.serving.gpu]) if s.check else stack.tables
@@ -323,8 +346,33 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
     if all_resident:
         probe = None  # nothing moves
     for m in out.values():
-        m["parts_ms"], m["h2d_probe"] = parts, probe
+        m["parts_ms"], m["h2d_probe"], m["rest"] = parts, probe, rest_ms
     return {"hisparse": out["none"]} if hisparse else out
+
+
+def rest_times(stack: Stack, t: int, timer) -> dict | None:
+    """One layer's measured rest, each timed alone (ms): the MoE layer's (w_vc, o_proj, norm, router, dispatch wait,
+    routed experts, shared expert, combine wait), its attention output projections and routed experts alone, the dense
+    layer's rest, the two waits alone against their modelled length, and the LM head. None where the stack models the
+    rest."""
+    rest = stack.rest
+    if rest is None:
+        return None
+    s, h = stack.s, stack.h[t]
+    o = torch.randn(h.shape[0], s.cfg.num_heads, layout.NOPE_DIM, device=s.device).to(h.dtype)
+
+    def ms(fn) -> float:
+        return round(timer(fn, s.iters) / 1e3, 4)
+
+    def waits():
+        comm_wait(rest.dispatch_us, s.device)
+        comm_wait(rest.combine_us, s.device)
+
+    return {"moe_layer": ms(lambda: rest(o, h)), "attn_output": ms(lambda: A.attn_output(stack.w, o)),
+            "routed_experts": ms(rest.routed),
+            "dense_layer": ms(lambda: rest(o, h, dense=True)), "comm_wait": ms(waits),
+            "comm_modelled": round((rest.dispatch_us + rest.combine_us) / 1e3, 4), "lm_head": ms(lambda: rest.lm_head(h)),
+            "routed_pairs": sum(rest.counts), "experts_gemm": rest.gemm}
 
 
 def part_times(stack: Stack, t: int, timer, restore=lambda: None) -> dict | None:
@@ -417,6 +465,21 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
     def plan(per_layer, batch, context):
         return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer, measured)
 
+    rest = None
+    if s.whole_layer:  # the rest of each layer measured; the all-to-all's length the simulator's at s.ep
+        shape = MoeShape.mini(s.cfg.hidden, s.cfg.vocab) if s.cfg.name == "mini" else MoeShape.dsv32()
+        weights = RestWeights.random(shape, s.ep, s.dtype, s.device)
+        spin_cycles_per_us(s.device)  # the spin's clock, timed once before any graph captures a wait
+        comm_dep = dataclasses.replace(dep, ep=s.ep)
+
+        def rest(attn, tokens: int) -> LayerRest:
+            # dispatch moves FP8 hidden states, combine bf16: a third and two thirds of the bytes (cost.py)
+            comm_us = cost.layer_cost(spec, hw, cal, comm_dep, tokens, tokens, 0, moe=True).comm * 1e6
+            return LayerRest(shape, attn, weights, tokens, s.ep, comm_us / 3, 2 * comm_us / 3)
+
+    # the paper's locality; with a fit, ESS's and HiSparse's largest batches again with it (the baseline's time, and
+    # ESS's with its requests resident, do not depend on it)
+    localities = ["paper"] + (["fit"] if s.fitted is not None and source == "synth" else [])
     rows, errors = [], []
     for context in s.contexts:
         wall = largest_batch(budget, s.layers, context, None, s.max_batch)
@@ -424,10 +487,11 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
         stacks = []
         if "hisparse" in modes:  # decode only: HiSparse's verify path swaps differently
             top = hisparse_largest_batch(budget, s.layers, context, hisparse_slots(s), s.max_batch)
-            stacks += [("hisparse", b, 1) for b in sorted({*s.small_batches, min(wall, top), top}) if b >= 1]
+            stacks += [("hisparse", b, 1, "paper") for b in sorted({*s.small_batches, min(wall, top), top}) if b >= 1]
+            stacks += [("hisparse", top, 1, loc) for loc in localities[1:]]
         for S in s.query_rows:
             if "baseline" in modes:
-                stacks += [(None, b, S) for b in sorted({*s.small_batches, wall}) if 1 <= b <= wall]
+                stacks += [(None, b, S, "paper") for b in sorted({*s.small_batches, wall}) if 1 <= b <= wall]
             for ratio in s.ratios if ess_modes else []:
                 C = slots(s, ratio, context)
                 if C < S * (s.cfg.index_topk + 1):  # the plugin refuses it too: every row's set and own token
@@ -435,14 +499,15 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                     continue
                 top = largest_batch(budget, s.layers, context, C, s.max_batch)
                 at = {*s.small_batches, top} | ({min(wall, top)} if s.residency else set())
-                stacks += [(ratio, b, S) for b in sorted(at) if 1 <= b <= top]
-        for ratio, batch, S in stacks:
+                stacks += [(ratio, b, S, "paper") for b in sorted(at) if 1 <= b <= top]
+                stacks += [(ratio, top, S, loc) for loc in localities[1:]]  # where requests are offloaded
+        for ratio, batch, S, loc in stacks:
             t0 = time.perf_counter()
             try:
                 results = measure(s, ["baseline"] if ratio is None else ess_modes, batch, context, ratio, S, source,
-                                  plan, budget if s.residency else None)
+                                  plan, budget if s.residency else None, rest, s.fitted if loc == "fit" else None)
             except (RuntimeError, AssertionError, ValueError) as e:  # e.g. out of memory: record it, go on
-                errors.append({"context": context, "ratio": ratio, "batch": batch, "query_rows": S,
+                errors.append({"context": context, "ratio": ratio, "batch": batch, "query_rows": S, "locality": loc,
                                "error": f"{type(e).__name__}: {e}"[:500]})
                 progress(f"{context} ratio {ratio} batch {batch} rows {S}: FAILED {errors[-1]['error']}")
                 if s.device.type == "cuda":
@@ -463,10 +528,21 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                     h2d = cost.h2d_seconds(batch, m["misses"], costs)
                     sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, costs, batch, m["misses"]))
                                     for md in (m["modes"] or ["none" if hisparse else mode] * s.layers)) / s.layers
-                step_ms = m["attention_ms"] + s.layers * rest_ms
-                row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S,
-                       "attention_step_ms": round(m["attention_ms"], 4), "step_ms": round(step_ms, 4),
-                       "tokens_per_s": round(batch * tokens / (step_ms / s.layers * MODEL_LAYERS + draft_ms) * 1e3, 2),
+                parts = m.get("rest")
+                if parts:  # measured: the L layers' whole step and the LM head; the model's dense layers' rest in
+                    # place of the MoE's (the stack's layers are MoE layers)
+                    step_ms, head = m["attention_ms"], parts["lm_head"]
+                    attention_ms = step_ms - head - s.layers * parts["moe_layer"]  # derived
+                    model_ms = ((step_ms - head) / s.layers * MODEL_LAYERS + head
+                                + spec.dense_layers * (parts["dense_layer"] - parts["moe_layer"]))
+                else:  # the hybrid figure: the measured attention path and the simulator's rest
+                    attention_ms = m["attention_ms"]
+                    step_ms = attention_ms + s.layers * rest_ms
+                    model_ms = step_ms / s.layers * MODEL_LAYERS
+                row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S, "locality": loc,
+                       "attention_step_ms": round(attention_ms, 4), "step_ms": round(step_ms, 4),
+                       "model_step_ms": round(model_ms, 4),
+                       "tokens_per_s": round(batch * tokens / (model_ms + draft_ms) * 1e3, 2),
                        "exposed_transfer_ms": round(m["exposed_ms"], 4),
                        "misses_per_request_layer": None if m["misses"] is None else round(m["misses"], 2),
                        "simulator_step_ms": round(sim_attn * s.layers * 1e3, 4), "memory_wall_batch": wall}
@@ -476,6 +552,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                     row["buffer_tokens"] = hisparse_slots(s)
                 if m.get("parts_ms") is not None:  # layer 0, part by part, beside the modelled rest of a layer
                     row["parts_ms"] = m["parts_ms"] | {"modelled_rest": round(rest_ms, 4)}
+                if parts:
+                    row["rest_ms"] = parts | {"modelled_rest": round(rest_ms, 4)}
                 if m.get("h2d_probe") is not None:
                     row["h2d_probe"] = m["h2d_probe"]
                 if m.get("diff") is not None:
@@ -488,6 +566,15 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
             progress(f"  ({time.perf_counter() - t0:.1f} s)")
             checkpoint(rows, errors)
     return {"rows": rows, "errors": errors, **summary(rows, s)}
+
+
+def modelled_parts(rows: list[dict], whole_layer: bool) -> list[str]:
+    """What decode.json's figures still take from the simulator."""
+    parts = (["the EP all-to-all (network): a one-SM spin of the simulator's length"] if whole_layer
+             else ["w_vc, o_proj, the MoE, the dense FFN and the EP all-to-all: the simulator's"])
+    if any(r["query_rows"] > 1 for r in rows):
+        parts.append("the MTP draft passes (verify rows): the simulator's")
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accept", type=float, default=1.7,
                    help="tokens per request a verify step yields (the simulator's default for 2 draft tokens)")
     p.add_argument("--topk-source", choices=["synth", "indexer"], default="synth")
+    p.add_argument("--fit", metavar="FILE", nargs="?", const=DEFAULT_FIT,
+                   help="ESS's rows also with the locality of a fit to real traces (`ess trace synth --like`'s report; "
+                   f"alone: {DEFAULT_FIT}, the SmolLM2 traces), rows labelled locality fit beside the paper's")
     p.add_argument("--warm-steps", type=int, default=4, help="eager steps before the timed one")
     p.add_argument("--iters", type=int, default=10, help="timed replays per configuration")
     p.add_argument("--max-batch", type=int, help="cap the largest batches (memory or time)")
@@ -524,6 +614,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn1", choices=DA_ATTN1_KINDS, default=DA_ATTN1,
                    help="DA / DBA's Attn1 in decode rows: the miss kernel, the fused copy-attend, or a second FlashMLA "
                    "call (the plugin's default); verify rows always make two calls")
+    p.add_argument("--rest", choices=["measured", "modelled"], default="measured",
+                   help="the rest of each layer (w_vc, o_proj, MoE, the dense FFN, the LM head): measured on this GPU "
+                   "(the all-to-all a wait of its modelled length) or the simulator's (the hybrid figures before "
+                   "2026-11-28)")
+    p.add_argument("--ep", type=int, default=EP, choices=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="expert parallelism of the measured MoE share (256 / EP routed experts on this GPU) and of the "
+                   "all-to-all's length; the cache budget stays the paper's deployment's (EP %(default)s)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     args = p.parse_args(argv)
     bad = [m for m in args.modes if m not in MODES]
@@ -540,6 +637,15 @@ def main(argv: list[str] | None = None) -> int:
         s.dtype = DTYPES[args.dtype]
     s.attn1 = args.attn1
     s.residency = args.residency == "on"
+    s.whole_layer, s.ep = args.rest == "measured", args.ep
+    if args.fit:
+        if args.topk_source != "synth":
+            p.error("--fit: the fitted locality replays a synthetic trace (--topk-source synth)")
+        try:
+            s.fitted = load_fitted(args.fit)
+            scaled(s.fitted, s.cfg.index_topk, min(s.contexts)).validate()
+        except ValueError as e:
+            p.error(f"--fit: {e}")
     if args.smoke and args.batches != p.get_default("batches"):
         s.small_batches = args.batches
     if args.hardware is None:
@@ -563,8 +669,12 @@ def main(argv: list[str] | None = None) -> int:
                "machine": torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU ({platform.machine()}), smoke",
                "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,
                "topk_label": "SYNTHETIC (ess trace synth)" if args.topk_source == "synth" else "computed (random weights)",
+               "localities": {"paper": "the ESS paper's locality (the generator's defaults)"}
+               | ({"fit": f"fitted to real traces ({args.fit}), scaled to top-k and context"} if s.fitted else {}),
                "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "attn1": s.attn1,
-               "residency": s.residency,
+               "residency": s.residency, "whole_layer": s.whole_layer, "ep": s.ep,
+               "modelled_parts": modelled_parts(every, s.whole_layer),
+               "spin_cycles_per_us": spin_cycles_per_us(s.device) if s.whole_layer else None,
                "hardware_profile": args.hardware,
                "plan_costs": measured.describe() if measured else "modelled",
                "complete": done, "rows": every,

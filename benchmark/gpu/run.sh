@@ -61,7 +61,8 @@ phase_kit() {
     local files=(test/core test/reference test/analysis --ignore=test/analysis/test_gpu_kit.py
                  --ignore=test/analysis/test_decode_gpu.py)
     [ "$test_set" = gpu ] && files=(test/core/test_lru_cuda.py test/core/test_lru_kernel.py test/core/test_miss_attention.py
-                                    test/core/test_flashtrans.py test/reference/test_overlap.py)
+                                    test/core/test_flashtrans.py test/reference/test_overlap.py
+                                    test/reference/test_layer_rest.py)
     if [ "$test_set" != none ]; then
       "$PY" -m pytest -q -p no:cacheprovider --junitxml="$out/tests.xml" "${files[@]}" > "$out/tests.log" 2>&1 || true
       tail -n 3 "$out/tests.log"

@@ -24,10 +24,22 @@ def ratio_by_batch(base: list[dict], ess: list[dict]) -> list[dict]:
 
 
 def summary(rows: list[dict], s) -> dict:
+    """decode.json's summary (summary_of) of the rows with the paper's locality, and under locality_fit the same of
+    the rows with locality fitted to real traces, against the same baseline."""
+    fit = [r for r in rows if r.get("locality") == "fit"]
+    rows = [r for r in rows if r.get("locality") != "fit"]
+    out = summary_of(rows, s)
+    fitted = summary_of([r for r in rows if r["mode"] == "baseline"] + fit, s) if fit else {}
+    return out | ({"locality_fit": fitted} if fitted else {})
+
+
+def summary_of(rows: list[dict], s) -> dict:
     """gain_32k_max_batch: the best ESS mode at its largest batch over the baseline at its largest batch (hybrid
     tokens/s, the smallest context, decode); ratio_by_batch: ESS's best over the baseline at every batch both ran
-    (up to the baseline's memory wall); ratio_small_batch: the smaller of those at batch 1 and 2; the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch(_mtp): the decode (MTP
-    verify) gain at each longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its
+    (up to the baseline's memory wall); exposed_transfer_share: ESS's exposed transfer over its step at its largest
+    batch (decode, mode plan where it ran, else the best); ratio_small_batch: the smaller of those at batch 1 and 2;
+    the same with MTP verify rows under the keys ending in _mtp; gain_<N>k_max_batch(_mtp): the decode (MTP verify)
+    gain at each longer context; gain_vs_hisparse_max_batch: ESS's best over the HiSparse arm, each at its
     largest batch."""
     out = {}
     ctx = min(r["context"] for r in rows) if rows else None
@@ -47,6 +59,11 @@ def summary(rows: list[dict], s) -> dict:
                 f"best_ess{key}": {k: best_top[k] for k in ("mode", "ratio", "batch")},
                 f"ratio_small_batch{key}": round(min(small), 4) if small else None,
                 f"ratio_by_batch{key}": by_batch}
+        if S == 1 and "step_ms" in best_top:  # ESS's exposed transfer at its largest batch, in the mode plan picks where it ran
+            same = [r for r in ess if (r["ratio"], r["batch"]) == (best_top["ratio"], best_top["batch"])]
+            at_plan = next((r for r in same if r["mode"] == "plan"), best_top)
+            out |= {"exposed_transfer_share": round(at_plan["exposed_transfer_ms"] / at_plan["step_ms"], 4),
+                    "exposed_transfer_mode": at_plan["mode"]}
         if hisparse:  # each at its largest batch
             h_top = max(hisparse, key=lambda r: r["batch"])
             out |= {"gain_vs_hisparse_max_batch": round(best_top["tokens_per_s"] / h_top["tokens_per_s"], 4),
@@ -76,17 +93,21 @@ def plot(doc: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(contexts), figsize=(6.5 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         rows = [r for r in doc["rows"] if r["context"] == ctx]
-        keys = sorted({(r["mode"], r["ratio"], r["query_rows"]) for r in rows}, key=lambda k: (k[0] != "baseline", str(k)))
-        for i, (mode, ratio, S) in enumerate(keys):
-            pts = sorted((r for r in rows if (r["mode"], r["ratio"], r["query_rows"]) == (mode, ratio, S)),
-                         key=lambda r: r["batch"])
+        def key(r):
+            return r["mode"], r["ratio"], r["query_rows"], r.get("locality", "paper")
+
+        keys = sorted({key(r) for r in rows}, key=lambda k: (k[0] != "baseline", str(k)))
+        for i, (mode, ratio, S, loc) in enumerate(keys):
+            pts = sorted((r for r in rows if key(r) == (mode, ratio, S, loc)), key=lambda r: r["batch"])
             label = ("baseline" if mode == "baseline" else "HiSparse (modelled policy)" if mode == "hisparse"
-                     else f"ESS {mode}, ratio {ratio}") + ("" if S == 1 else f", verify {S}")
+                     else f"ESS {mode}, ratio {ratio}") + ("" if S == 1 else f", verify {S}") \
+                + ("" if loc == "paper" else ", locality fitted to real traces")
             ax.plot([r["batch"] for r in pts], [r["tokens_per_s"] for r in pts], marker="o" if S == 1 else "^",
                     ls="-" if S == 1 else ":", color=f"C{i % 10}", label=label)
         ax.axvline(rows[0]["memory_wall_batch"], color="k", ls="--", lw=1, label="memory wall (baseline)")
         ax.set_xlabel("batch (requests)")
-        ax.set_ylabel("tokens/s (hybrid: measured attention + modelled rest)")
+        ax.set_ylabel("tokens/s (whole layer measured, the network modelled)" if doc.get("whole_layer")
+                      else "tokens/s (hybrid: measured attention + modelled rest)")
         ax.set_title(f"context {ctx}", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)

@@ -15,6 +15,7 @@ per-layer spread).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Callable
 
 import numpy as np
@@ -182,3 +183,26 @@ def fit_like(real: Trace, seed: int = 0, progress: Callable[[int, int], None] | 
         "real_stats": trace_stats(real, real_ranks), "synthetic_stats": trace_stats(syn, syn_ranks),
     }
     return fitted, syn, report
+
+
+def load_fitted(path: str) -> SynthOptions:
+    """The fitted options of a `ess trace synth --like` report (its "options")."""
+    try:
+        with open(path) as f:
+            options = json.load(f)["options"]
+        return SynthOptions(**options)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a fit report of `ess trace synth --like` ({type(e).__name__}: {e})") from e
+
+
+def scaled(fitted: SynthOptions, topk: int, context: int) -> SynthOptions:
+    """The fitted locality carried to another shape: what counts top-k entries (the local window, the churn) scales
+    with top-k, what counts positions of the context (the working-set pools) with the context; sinks, the fresh
+    share, the pool's skew and spread stay. The decode benchmark's rows with real-trace locality (docs/gpu.md)."""
+    k, c = topk / fitted.topk, context / fitted.context
+    hi = max(1, round(fitted.churn_max * k))
+    pool = max(hi, round(fitted.pool * c))
+    return dataclasses.replace(fitted, topk=topk, context=context, window=max(1, round(fitted.window * k)),
+                               churn_min=min(hi, round(fitted.churn_min * k)), churn_max=hi, pool=min(pool, context),
+                               pool_min=None if fitted.pool_min is None else
+                               max(1, min(pool, round(fitted.pool_min * c))))

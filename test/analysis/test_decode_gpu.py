@@ -45,6 +45,14 @@ def test_decode_gpu_smoke_run(tmp_path):
                                                            (x["batch"], x["query_rows"]) == (r["batch"], r["query_rows"])] == ["none"]
     assert any(0 < r["resident_requests"] < r["batch"] for r in ess_decode)
     assert [x["batch"] for x in doc["ratio_by_batch"]] == [1, 2, 3] and doc["residency"] is True
+    # the whole layer measured (the network modelled): every row's rest, part by part, beside the simulator's
+    assert doc["whole_layer"] is True and doc["ep"] == 32 and doc["modelled_parts"][0].startswith("the EP all-to-all")
+    for r in doc["rows"]:
+        rest = r["rest_ms"]
+        assert {"moe_layer", "dense_layer", "comm_wait", "comm_modelled", "lm_head", "routed_experts", "attn_output",
+                "modelled_rest"} <= set(rest) and rest["experts_gemm"] == "grouped" and rest["routed_pairs"] > 0, r
+        assert r["step_ms"] >= r["attention_step_ms"] and r["model_step_ms"] > 0
+    assert 0 <= doc["exposed_transfer_share"] < 1 and doc["exposed_transfer_mode"] == "plan"
     # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
     for r in ess:
         assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r
@@ -131,3 +139,35 @@ def test_da_with_each_attn1_stays_lossless(tmp_path):
         doc = json.loads((tmp_path / kind / "decode.json").read_text())
         assert doc["attn1"] == kind and doc["errors"] == []
         assert all(r["max_abs_diff_vs_baseline"] <= 1e-4 for r in doc["rows"] if r["mode"] == "da")
+
+
+def test_the_hybrid_figures_stay_a_flag_away(tmp_path):
+    """--rest modelled: the attention path measured and the simulator's rest of each layer (the figures before the
+    whole layer was measured), and decode.json says so."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--rest", "modelled",
+                          "--modes", "baseline,none", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert doc["whole_layer"] is False
+    assert doc["modelled_parts"][0] == "w_vc, o_proj, the MoE, the dense FFN and the EP all-to-all: the simulator's"
+    assert all("rest_ms" not in r for r in doc["rows"])
+
+
+def test_locality_fitted_to_real_traces_beside_the_papers(tmp_path):
+    """--fit: ESS's largest batches again with the locality fitted to the real SmolLM2 traces (the committed fit,
+    scaled to the stack's top-k and context), labelled, with their own summary against the same baseline; a file that
+    is no fit report is refused by name."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--fit",
+                          "--modes", "baseline,none", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    fit = [r for r in doc["rows"] if r["locality"] == "fit"]
+    top = max(r["batch"] for r in doc["rows"] if r["mode"] == "none")
+    assert fit and {(r["mode"], r["batch"]) for r in fit} == {("none", top)} and set(doc["localities"]) == {"paper", "fit"}
+    assert doc["locality_fit"]["gain_32k_max_batch"] > 0 and all(r["locality"] == "paper" for r in doc["rows"]
+                                                                 if r["mode"] == "baseline")
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--fit",
+                          str(ROOT / "README.md"), "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--fit" in bad.stderr and "README.md" in bad.stderr

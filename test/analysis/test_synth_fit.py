@@ -1,6 +1,7 @@
 """ESS's LRU as a stack policy (ess.analysis.lru_curve) and `ess trace synth --like` (ess.analysis.synth_fit)."""
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from ess.analysis.lru_curve import lru_ranks, misses_at
 from ess.analysis.replay import replay_counts
 from ess.analysis.synth import SynthOptions, synth_trace
-from ess.analysis.synth_fit import fit_like
+from ess.analysis.synth_fit import fit_like, load_fitted, scaled
 from ess.cli import main
 from ess.core.trace import Trace, load_trace, save_trace
 
@@ -83,3 +84,15 @@ def test_synth_like_cli(tmp_path, capsys):
     assert "--pool: --like fits" in capsys.readouterr().err
     assert main(["trace", "synth", "--fit-out", str(fit) + "2", "--out", str(tmp_path / "x.npz")]) == 2
     assert "give --like too" in capsys.readouterr().err
+
+
+def test_the_committed_fit_carries_to_deepseek_shapes():
+    """scaled: the SmolLM2 fit (top-k 256 of 7,936 tokens) at top-k 2048 and 32K / 128K: window and churn scale with
+    top-k, the pools with the context, the rest stays; the result is a valid generator setting."""
+    fit = load_fitted(str(pathlib.Path(__file__).resolve().parents[2] / "benchmark/results/policies/real_fit.json"))
+    for context in (32768, 131072):
+        s = scaled(fit, 2048, context)
+        s.validate()
+        assert s.window == round(fit.window * 8) and s.churn_max == round(fit.churn_max * 8)
+        assert s.pool == round(fit.pool * context / fit.context) and (s.sinks, s.fresh, s.pool_power) == (
+            fit.sinks, fit.fresh, fit.pool_power)
