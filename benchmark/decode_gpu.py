@@ -60,16 +60,14 @@ from ess.analysis.synth_fit import load_fitted, scaled
 from ess.analysis.decode_report import plot, summary
 from ess.analysis.timing import graph_us, median_us
 from ess.core import flashtrans, layout
-from ess.core.memory import cache_bytes, ess_device_rows, hisparse_largest_batch, largest_batch
+from ess.core.memory import cache_bytes, hisparse_largest_batch, largest_batch
 from ess.core.pinned import pinned_zeros
-from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, PAGE_TOKENS, WARMUP_WINDOWS, EssConfig
+from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, WARMUP_WINDOWS
 from ess.reference import attention as A
 from ess.reference.config import get_config
-from ess.reference.dense_cache import DenseLatentCache
-from ess.reference.ess_cache import EssLatentCache
-from ess.reference.flashmla import sparse_decode, split_decode
+from ess.reference.decode_stack import Setup, Stack, make_stack
+from ess.reference.flashmla import sparse_decode
 from ess.reference.layer_rest import LayerRest, MoeShape, RestWeights, comm_wait, spin_cycles_per_us
-from ess.reference.overlap import ess_layer_attention
 
 MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
 # The HiSparse arm: SGLang 0.5.23's --enable-hisparse at its defaults, as its source sets them (docs/gpu.md, "The
@@ -86,28 +84,6 @@ MODEL_LAYERS = 61  # DeepSeek-V3.2's decoder layers, for the per-model figures
 DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
 
 
-@dataclasses.dataclass
-class Setup:
-    cfg: object
-    layers: int
-    contexts: list[int]
-    ratios: list[float]
-    small_batches: list[int]
-    warm_steps: int
-    iters: int
-    device: torch.device
-    attention: str
-    max_batch: int | None  # a cap on the largest batches (the smoke run's)
-    query_rows: list[int] = dataclasses.field(default_factory=lambda: [1])  # 1: decode; 1 + draft tokens: MTP verify
-    check: bool = False  # compare every ESS mode's outputs with the baseline's (a second stack: small runs only)
-    dtype: torch.dtype = torch.float32  # weights and activations of the projections (bf16 on a GPU, as a server's)
-    attn1: str = DA_ATTN1  # DA / DBA's Attn1 in decode rows (verify rows: two FlashMLA calls)
-    residency: bool = True  # residency first (ess.core.regions); False: every ESS request offloaded
-    whole_layer: bool = True  # the rest of each layer measured (ess.reference.layer_rest); False: the simulator's
-    ep: int = EP  # the expert parallelism of the measured MoE share and of the all-to-all's modelled length
-    fitted: SynthOptions | None = None  # locality fitted to real traces: ESS rows also with it (row "locality" fit)
-
-
 def smoke_setup() -> Setup:
     cfg = get_config("mini", num_layers=2)
     return Setup(cfg, 2, [256], [0.6], [1, 2], 2, 1, torch.device("cpu"), "reference", 3, [1, 2], check=True)
@@ -119,132 +95,6 @@ def gpu_setup(args) -> Setup:
     return Setup(get_config("full", num_layers=args.layers), args.layers, args.contexts, args.ratios, args.batches,
                  args.warm_steps, args.iters, torch.device("cuda"), "flashmla", args.max_batch, args.query_rows,
                  args.check, DTYPES[args.dtype or "bf16"])
-
-
-class Stack:
-    """L decode layers over one batch: the baseline's dense cache (buffer None) or ESS's cache with `buffer` slots.
-    rows S query rows per request and step: 1 in decode, 1 + draft tokens in MTP verify (rows b*S .. b*S+S-1 are
-    request b's, at consecutive positions; one LRU step takes their union and S own tokens, as the plugin does)."""
-
-    def __init__(self, s: Setup, batch: int, context: int, buffer: int | None, rows: int, topk_steps: torch.Tensor | None,
-                 warm_sets: torch.Tensor | None, seed: int = 0, budget: float | None = None, rest=None):
-        cfg, dev, L = s.cfg, s.device, s.layers
-        g = torch.Generator().manual_seed(seed)
-        self.s, self.B, self.S, self.context, self.buffer = s, batch, rows, context, buffer
-        steps = s.warm_steps + 1
-        self.max_len = stack_positions(context, steps, rows)
-        w = A.AttentionWeights.random(cfg, g, dev)
-        self.w = dataclasses.replace(w, **{f.name: getattr(w, f.name).to(s.dtype) for f in dataclasses.fields(w)})
-        self.h = torch.randn(steps, batch * rows, cfg.hidden, generator=g).to(dev, s.dtype)  # each step's hidden states
-        # drawn where they live: on a GPU, the CPU's generator took seconds per large batch (setup, not timed)
-        keys = torch.randn(batch, self.max_len, cfg.index_head_dim, device=dev,
-                           generator=torch.Generator(device=dev).manual_seed(seed))
-        # index-K [B * S, max_len, 132]: each query row scores its request's keys (shared by the layers)
-        self.index_k = layout.quantize_index_k(keys).repeat_interleave(rows, 0)
-        self.row_req = torch.arange(batch, device=dev).repeat_interleave(rows)  # the request of each query row
-        block = layout.quantize_latent(torch.randn(4096, 512, generator=g), torch.randn(4096, 64, generator=g)).to(dev)
-        prompt = block.repeat(-(-context // 4096), 1)[:context]
-        self.topk_steps = topk_steps  # [steps, L, B * S, K] replayed top-k, or None: the indexer's
-        # the rest of each layer and the LM head, measured (rest(self.w, tokens) -> LayerRest), or None: modelled
-        self.rest = None if rest is None else rest(self.w, batch * rows)
-        self.modes: list[str] = []  # per layer, for mode "plan"
-        if buffer is None:
-            self.cache = DenseLatentCache(L, batch, self.max_len, dev)
-        else:
-            device_rows = None if budget is None else ess_device_rows(budget, L, batch, context, buffer, self.max_len)
-            self.cache = EssLatentCache(EssConfig(topk=cfg.index_topk, buffer_tokens=buffer), L, [context] * batch,
-                                        self.max_len, dev, device_rows=device_rows)
-        self.resident = None if budget is None or buffer is None else sum(self.cache.resident)  # residency first
-        for li in range(L):
-            for b in range(batch):
-                self.cache.prefill(li, b, prompt, None)
-            if buffer is not None and warm_sets is not None:
-                self.cache.warmup_layer(li, warm_sets[li])
-
-    def positions(self, t: int) -> torch.Tensor:
-        """[B * S] the query rows' positions at step t."""
-        first = self.context + t * self.S
-        return first + torch.arange(self.S, device=self.s.device).repeat(self.B)
-
-    def step(self, t: int, mode: str) -> list[torch.Tensor]:
-        """Decode (or verify) step t of every layer, with the rest of each layer and the LM head where the stack
-        measures them (else the attention path only); returns each layer's attention output [B * S, H, 512]."""
-        s, cfg = self.s, self.s.cfg
-        pos, h = self.positions(t), self.h[t]
-        if self.buffer is not None:
-            self.cache.set_step(t)
-        out = []
-        for li in range(s.layers):
-            q_lora = A.q_lora_of(self.w, h)
-            sel = None if self.topk_steps is None else self.topk_steps[t, li]
-            if self.buffer is None:
-                topk = A.indexer_topk(self.w, cfg, h, q_lora, pos, self.index_k)
-                topk = topk if sel is None else sel
-                self.cache.rows[li, self.row_req, pos] = A.kv_latent_rows(self.w, cfg, h, pos)
-                q_nope, q_pe = A.pre_attn(self.w, cfg, q_lora, pos)
-                idx = torch.where(topk >= 0, self.row_req.unsqueeze(1) * self.max_len + topk, -1)
-                o, _ = sparse_decode(q_nope, q_pe, self.cache.rows[li].view(-1, layout.LATENT_ROW_BYTES), idx,
-                                     cfg.softmax_scale, s.attention)
-            elif self.S == 1:
-                layer_mode = self.modes[li] if mode == "plan" else mode
-                o, _ = ess_layer_attention(layer_mode, self.w, cfg, h, q_lora, pos, self.index_k, self.cache, li,
-                                           s.attention, selected=sel, attn1=s.attn1)
-            else:
-                o = self.verify_layer(self.modes[li] if mode == "plan" else mode, li, h, q_lora, pos, sel)
-            out.append(o)
-            if self.rest is not None:  # each layer reads the same h (shared weights): its output is not chained
-                self.rest(o, h)
-        if self.rest is not None:
-            self.rest.lm_head(h)
-        return out
-
-    def verify_layer(self, mode: str, li: int, h, q_lora, pos, sel) -> torch.Tensor:
-        """MTP verify on ESS: one LRU step over the union of each request's S rows (S own tokens), then FlashMLA over
-        every row's own top-k. none: the serial order; da (and dba, which runs as da here: one indexer call for the
-        batch, as in the plugin without TBO): the H2D on the copy stream under PreAttn and Attn0."""
-        cfg, cache, B, S = self.s.cfg, self.cache, self.B, self.S
-        topk = A.indexer_topk(self.w, cfg, h, q_lora, pos, self.index_k)
-        topk = topk if sel is None else sel
-        sets, own = topk.reshape(B, -1), pos.reshape(B, S)
-        own_rows = A.kv_latent_rows(self.w, cfg, h, pos)
-        if mode == "none":
-            r = cache.translate(li, sets, own, own_rows)
-        else:
-            r = cache.update(li, sets, own)
-            fetched = cache.streams.copy_after(lambda: cache.fetch(li, r, overlapped=True), r.miss_pos, r.miss_slot)
-            cache.store_own(li, r, own_rows)
-        backed_up = cache.backup_own(li, r, own)
-        cache.record(li, r)
-        q_nope, q_pe = A.pre_attn(self.w, cfg, q_lora, pos)
-        pool, slots = cache.serving.gpu[li], r.attn_slot.reshape(B * S, -1)
-        if mode == "none":
-            o, _ = sparse_decode(q_nope, q_pe, pool, slots, cfg.softmax_scale, self.s.attention)
-        else:
-            o, _ = split_decode(q_nope, q_pe, pool, slots, r.hit.reshape(B * S, -1), cfg.softmax_scale,
-                                lambda: cache.streams.wait(fetched), self.s.attention)
-        cache.streams.wait(backed_up)
-        return o
-
-    def selected(self, t: int) -> list[torch.Tensor]:
-        """Each layer's top-k at step t, [B, S * K] per request: the replayed trace's, or the indexer's (the same in
-        every layer: the layers share weights and index-K)."""
-        if self.topk_steps is not None:
-            return [self.topk_steps[t, li].reshape(self.B, -1) for li in range(self.s.layers)]
-        h, cfg, pos = self.h[t], self.s.cfg, self.positions(t)
-        topk = A.indexer_topk(self.w, cfg, h, A.q_lora_of(self.w, h), pos, self.index_k)
-        return [topk.reshape(self.B, -1)] * self.s.layers
-
-    # ESS: the LRU tables decide the misses; they are snapshotted and restored around every timed replay
-    def tables(self) -> list[torch.Tensor]:
-        sp = self.cache.sparse
-        return [sp.slot_pos, sp.slot_stamp, sp.pos_slot]
-
-    def without_misses(self, t: int) -> None:
-        """The LRU tables as if every position step t selects were resident (the step's time without transfer)."""
-        sp = self.cache.sparse
-        sp.slot_pos.fill_(-1), sp.slot_stamp.zero_(), sp.pos_slot.fill_(-1)
-        for li, sel in enumerate(self.selected(t)):
-            self.cache.warmup_layer(li, sel.unsqueeze(1))
 
 
 def trace_topk(s: Setup, batch: int, context: int, rows: int, fitted: SynthOptions | None = None
@@ -269,12 +119,6 @@ def trace_topk(s: Setup, batch: int, context: int, rows: int, fitted: SynthOptio
     return decode.to(s.device), warm.to(s.device)
 
 
-def stack_positions(context: int, steps: int, rows: int) -> int:
-    """The positions a stack's request reaches: its context and `steps` steps of `rows` tokens, in whole FlashMLA
-    pages."""
-    return -(-(context + steps * rows) // PAGE_TOKENS) * PAGE_TOKENS
-
-
 def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float | None, rows: int, source: str,
             plan, budget: float | None = None, rest=None, fitted: SynthOptions | None = None) -> dict:
     """The attention path of one decode (rows 1) or MTP verify step of the L layers, per mode, on one stack (the
@@ -292,35 +136,36 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
         first = torch.arange(min(hisparse_slots(s), context), device=s.device, dtype=torch.int32)
         warm = first.expand(s.layers, batch, 1, first.numel())
         modes = ["none"]
-    stack = Stack(s, batch, context, buffer, rows, decode, warm, budget=None if hisparse else budget, rest=rest)
-    all_resident = buffer is not None and not hisparse and stack.cache.serving.all_resident()
+    stack = make_stack(s, batch, context, buffer, rows, decode, warm, None if hisparse else budget, rest)
+    all_resident = not hisparse and stack.all_resident()
     if all_resident:  # nothing offloaded: nothing to overlap, every mode is the same step (module docstring)
         modes = ["none"]
     t = s.warm_steps
     for i in range(t):  # the cache's state before the timed step: the same requests' earlier steps
         stack.step(i, "baseline" if buffer is None else "none")  # every ESS mode leaves the same LRU state
     timer = graph_us if s.device.type == "cuda" else median_us
-    rest_ms = rest_times(stack, t, timer)
+    rest_ms = rest_times(stack.first, t, timer)  # under two-batch overlap: micro-batch A's
     if buffer is None:
         return {"baseline": {"attention_ms": timer(lambda: stack.step(t, "baseline"), s.iters) / 1e3,
-                             "exposed_ms": 0.0, "misses": None, "parts_ms": part_times(stack, t, timer),
+                             "exposed_ms": 0.0, "misses": None, "parts_ms": part_times(stack.first, t, timer),
                              "rest": rest_ms}}
     # the timed replays restore the LRU tables only (they decide the misses; row contents do not change the time); the
     # check restores the GPU pool's rows as well
-    state = (lambda: stack.tables() + [stack.cache.serving.gpu]) if s.check else stack.tables
+    def state():
+        return stack.state(s.check)
+
     snap = [x.clone() for x in state()]
 
     def restore(saved=snap):
         for x, y in zip(state(), saved):
             x.copy_(y)
 
-    for m in stack.cache.misses:
-        m.clear()
+    stack.clear_misses()
     stack.step(t, "none")  # eager, from the snapshot: the timed step's misses, per layer
-    per_layer = [float(m[-1].float().mean()) for m in stack.cache.misses]
+    per_layer = stack.layer_misses()
     want = None
     if s.check:  # lossless: the baseline's stack, same inputs, gives the outputs every ESS mode must give
-        base = Stack(s, batch, context, None, rows, decode, warm)
+        base = make_stack(s, batch, context, None, rows, decode, warm)
         for i in range(t):
             base.step(i, "baseline")
         want = base.step(t, "baseline")
@@ -341,7 +186,7 @@ def measure(s: Setup, modes: list[str], batch: int, context: int, ratio: float |
                      "misses": sum(per_layer) / len(per_layer), "modes": list(stack.modes) or None, "diff": diff,
                      "resident": stack.resident}
     restore()
-    parts = part_times(stack, t, timer, restore)
+    parts = part_times(stack.first, t, timer, restore)
     probe = parts.pop("h2d_probe", None) if parts else None
     if all_resident:
         probe = None  # nothing moves
@@ -444,6 +289,21 @@ def slots(s: Setup, ratio: float, context: int) -> int:
     return max(s.cfg.index_topk + 1, math.ceil(ratio * context))
 
 
+def make_rest(s: Setup, spec, hw, cal, dep):
+    """The measured rest of each layer (the stack's `rest` argument: (attention weights, tokens) -> LayerRest), the
+    all-to-all's length the simulator's for those tokens under `dep` (EP s.ep); the weights made once, shared."""
+    shape = MoeShape.mini(s.cfg.hidden, s.cfg.vocab) if s.cfg.name == "mini" else MoeShape.dsv32()
+    weights = RestWeights.random(shape, s.ep, s.dtype, s.device)
+    spin_cycles_per_us(s.device)  # the spin's clock, timed once before any graph captures a wait
+
+    def rest(attn, tokens: int) -> LayerRest:
+        # dispatch moves FP8 hidden states, combine bf16: a third and two thirds of the bytes (cost.py)
+        comm_us = cost.layer_cost(spec, hw, cal, dep, tokens, tokens, 0, moe=True).comm * 1e6
+        return LayerRest(shape, attn, weights, tokens, s.ep, comm_us / 3, 2 * comm_us / 3)
+
+    return rest
+
+
 def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, accept: float = 1.7,
         checkpoint=lambda rows, errors: None, measured=None) -> dict:
     """Every configuration's rows and the summary. A configuration that raises is recorded in "errors" (with its
@@ -465,17 +325,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
     def plan(per_layer, batch, context):
         return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer, measured)
 
-    rest = None
-    if s.whole_layer:  # the rest of each layer measured; the all-to-all's length the simulator's at s.ep
-        shape = MoeShape.mini(s.cfg.hidden, s.cfg.vocab) if s.cfg.name == "mini" else MoeShape.dsv32()
-        weights = RestWeights.random(shape, s.ep, s.dtype, s.device)
-        spin_cycles_per_us(s.device)  # the spin's clock, timed once before any graph captures a wait
-        comm_dep = dataclasses.replace(dep, ep=s.ep)
-
-        def rest(attn, tokens: int) -> LayerRest:
-            # dispatch moves FP8 hidden states, combine bf16: a third and two thirds of the bytes (cost.py)
-            comm_us = cost.layer_cost(spec, hw, cal, comm_dep, tokens, tokens, 0, moe=True).comm * 1e6
-            return LayerRest(shape, attn, weights, tokens, s.ep, comm_us / 3, 2 * comm_us / 3)
+    rest = make_rest(s, spec, hw, cal, dataclasses.replace(dep, ep=s.ep)) if s.whole_layer else None
 
     # the paper's locality; with a fit, ESS's and HiSparse's largest batches again with it (the baseline's time, and
     # ESS's with its requests resident, do not depend on it)
@@ -540,6 +390,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                     step_ms = attention_ms + s.layers * rest_ms
                     model_ms = step_ms / s.layers * MODEL_LAYERS
                 row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S, "locality": loc,
+                       "tbo": s.tbo and batch >= 2,
                        "attention_step_ms": round(attention_ms, 4), "step_ms": round(step_ms, 4),
                        "model_step_ms": round(model_ms, 4),
                        "tokens_per_s": round(batch * tokens / (model_ms + draft_ms) * 1e3, 2),
@@ -621,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=EP, choices=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="expert parallelism of the measured MoE share (256 / EP routed experts on this GPU) and of the "
                    "all-to-all's length; the cache budget stays the paper's deployment's (EP %(default)s)")
+    p.add_argument("--tbo", action="store_true",
+                   help="two-batch overlap in every arm from batch 2: two micro-batches, one's all-to-all and H2D "
+                   "beside the other's compute; mode dba is then each micro-batch's H2D under the other's stage, then "
+                   "one attention call (docs/gpu.md, \"Two-batch overlap\")")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     args = p.parse_args(argv)
     bad = [m for m in args.modes if m not in MODES]
@@ -637,7 +492,10 @@ def main(argv: list[str] | None = None) -> int:
         s.dtype = DTYPES[args.dtype]
     s.attn1 = args.attn1
     s.residency = args.residency == "on"
-    s.whole_layer, s.ep = args.rest == "measured", args.ep
+    s.whole_layer, s.ep, s.tbo = args.rest == "measured", args.ep, args.tbo
+    if s.tbo and not s.whole_layer:
+        p.error("--tbo: two-batch overlap hides the all-to-all under the other micro-batch's compute: it needs the "
+                "rest of each layer measured (--rest measured)")
     if args.fit:
         if args.topk_source != "synth":
             p.error("--fit: the fitted locality replays a synthetic trace (--topk-source synth)")
@@ -672,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                "localities": {"paper": "the ESS paper's locality (the generator's defaults)"}
                | ({"fit": f"fitted to real traces ({args.fit}), scaled to top-k and context"} if s.fitted else {}),
                "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "attn1": s.attn1,
-               "residency": s.residency, "whole_layer": s.whole_layer, "ep": s.ep,
+               "residency": s.residency, "whole_layer": s.whole_layer, "ep": s.ep, "tbo": s.tbo,
                "modelled_parts": modelled_parts(every, s.whole_layer),
                "spin_cycles_per_us": spin_cycles_per_us(s.device) if s.whole_layer else None,
                "hardware_profile": args.hardware,

@@ -22,7 +22,9 @@ import functools
 import torch
 
 from ess.core import dsv32
+from ess.core.streams import Streams
 from ess.reference import attention as A
+from ess.reference.stages import drain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,26 @@ def comm_wait(us: float, device: torch.device) -> None:
     nothing: no wait there."""
     if us > 0 and device.type == "cuda":
         torch.cuda._sleep(max(1, int(us * spin_cycles_per_us(device))))
+
+
+class Comm:
+    """Where the all-to-all's waits run: inline on the compute stream (`stream` False: a serial layer), or on a stream
+    of their own (two-batch overlap: one micro-batch's dispatch or combine beside the other's compute; the two
+    micro-batches' waits queue on it, as their transfers share the network). launch returns what `wait` takes."""
+
+    def __init__(self, device: torch.device, stream: bool = False):
+        self.device = device
+        self.streams = Streams(device) if stream else None
+
+    def launch(self, us: float):
+        if self.streams is None:
+            comm_wait(us, self.device)
+            return None
+        return self.streams.copy_after(lambda: comm_wait(us, self.device))
+
+    def wait(self, done) -> None:
+        if self.streams is not None:
+            self.streams.wait(done)
 
 
 def _silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -166,23 +188,35 @@ class LayerRest:
         """This GPU's routed experts over the dispatched tokens: [pairs, hidden], sent back by the combine."""
         return self.experts(_silu_mul(self.experts(self.recv, self.w.w13)), self.w.w2)
 
-    def moe(self, x: torch.Tensor) -> torch.Tensor:
-        """Router, dispatch, this GPU's experts, the shared expert, combine: [T, hidden] -> [T, hidden]."""
+    def stages(self, o_latent: torch.Tensor, h: torch.Tensor, comm: Comm):
+        """The MoE layer's rest for attention output o_latent [T, heads, 512] and layer input h [T, hidden], in the
+        stages of SGLang's two-batch overlap of a decode layer (ess.reference.stages): o_proj, norm and router end
+        attention's core stage; the dispatch's launch and the shared expert; the wait for it, the experts and the
+        combine's launch; the wait for the combine; the output (which starts the next layer's first stage)."""
         w = self.w
+        x = A.rms_norm(A.attn_output(self.attn, o_latent.to(h.dtype)) + h, w.norm)
         (x @ w.gate).float().sigmoid().topk(self.shape.experts_per_token, dim=-1)  # the router (routing: the setup's)
-        comm_wait(self.dispatch_us, self.device)
-        self.routed()
+        yield
+        dispatched = comm.launch(self.dispatch_us)
         shared = _silu_mul(x @ w.s13) @ w.s2
-        comm_wait(self.combine_us, self.device)
-        return shared + self.combined
+        yield
+        comm.wait(dispatched)
+        self.routed()
+        combined = comm.launch(self.combine_us)
+        yield
+        comm.wait(combined)
+        yield
+        return x + shared + self.combined
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         return _silu_mul(x @ self.w.d13) @ self.w.d2
 
     def __call__(self, o_latent: torch.Tensor, h: torch.Tensor, dense: bool = False) -> torch.Tensor:
-        """Layer output for attention output o_latent [T, heads, 512] and layer input h [T, hidden]."""
-        x = A.rms_norm(A.attn_output(self.attn, o_latent.to(h.dtype)) + h, self.w.norm)
-        return x + (self.dense(x) if dense else self.moe(x))
+        """The layer's output, serially (the waits inline); dense: the dense FFN in place of the MoE."""
+        if dense:
+            x = A.rms_norm(A.attn_output(self.attn, o_latent.to(h.dtype)) + h, self.w.norm)
+            return x + self.dense(x)
+        return drain(self.stages(o_latent, h, Comm(self.device)))
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return h @ self.w.head

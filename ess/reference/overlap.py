@@ -11,6 +11,11 @@ attention backend over the top-k with the misses set to -1 in all three.
 The step's own row is written to its GPU slot on the compute stream and backed up to the host (D2H) on the copy
 stream in every mode. On the CPU the streams run in program order, so the same code computes the same values.
 Every step has fixed shapes and no host synchronisation.
+
+Under two-batch overlap (`ess_layer_stages`, tbo=True: the layer is one micro-batch's, docs/gpu.md "Two-batch
+overlap") the layer yields once, where SGLang's two-batch overlap yields between attention's prepare and core: after
+the misses' H2D is launched (or, in none, done). There dba is the micro-batch's whole H2D on the copy stream under
+the other micro-batch's stage, then one attention call once it has landed (the micro-batch is already the half).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from ess.core.policy import PolicyResult
 from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, OVERLAP_MODES
 from ess.reference import attention as A
 from ess.reference.config import ModelConfig
+from ess.reference.stages import drain
 
 MODES = OVERLAP_MODES
 
@@ -48,11 +54,19 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
     attention: the sparse MLA backend of ess.reference.flashmla ("reference", "flashmla" or "auto").
     selected [B, K]: top-k to use instead of the indexer's (a replayed trace); the indexer still runs, for its cost.
     attn1: DA / DBA's Attn1 (module docstring)."""
+    return drain(ess_layer_stages(mode, w, cfg, h, q_lora, pos, index_k_layer, cache, layer, attention, selected, attn1))
+
+
+def ess_layer_stages(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_layer,
+                     cache: EssLatentCache, layer: int, attention: str = "reference", selected=None,
+                     attn1: str = DA_ATTN1, tbo: bool = False):
+    """ess_layer_attention as a generator: it yields once, after the misses' H2D is launched, and returns (o_latent,
+    topk) (`yield from`). tbo: one micro-batch of two-batch overlap (module docstring: dba there)."""
     if mode not in MODES:
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
     if attn1 not in DA_ATTN1_KINDS:
         raise ValueError(f"Attn1 kind must be one of {DA_ATTN1_KINDS}, got {attn1!r}")
-    fused = mode != "none" and attn1 == "fused"
+    fused = mode != "none" and attn1 == "fused" and not (tbo and mode == "dba")
     streams = cache.streams
     own_rows = A.kv_latent_rows(w, cfg, h, pos)
 
@@ -60,12 +74,13 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
         topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
         return topk if selected is None else selected[part]
 
+    one_call = mode == "none" or (tbo and mode == "dba")  # one attention call over every selected row
     if mode == "none":  # the serial order, on the compute stream (ServingLatentCache.translate)
         topk = indexer()
         r = cache.translate(layer, topk, pos, own_rows)
     else:
         topks, results = [], []
-        for part in batch_parts(h.shape[0], mode):
+        for part in [slice(None)] if tbo else batch_parts(h.shape[0], mode):
             topk = indexer(part)
             r = cache.update(layer, topk, pos[part], part)
             # the copy stream runs in order: the last part's event covers every H2D of the step
@@ -76,11 +91,14 @@ def ess_layer_attention(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q
         r = _cat(results)
         topk = torch.cat(topks)
         cache.store_own(layer, r, own_rows)
+    yield  # two-batch overlap: the other micro-batch's stage runs here, beside the H2D
     backed_up = cache.backup_own(layer, r, pos)  # D2H overlaps PreAttn and the attention below
     cache.record(layer, r)
     q_nope_abs, q_pe = A.pre_attn(w, cfg, q_lora, pos)
     pool, scale = cache.serving.gpu[layer], cfg.softmax_scale
-    if mode == "none":
+    if one_call:
+        if mode != "none":
+            streams.wait(fetched)
         o, _ = sparse_decode(q_nope_abs, q_pe, pool, r.attn_slot, scale, attention)
     elif attn1 == "calls":  # Attn0 over hits and the own row, wait for the H2D, Attn1 a second full-width call
         o, _ = split_decode(q_nope_abs, q_pe, pool, r.attn_slot, r.hit, scale, lambda: streams.wait(fetched), attention)

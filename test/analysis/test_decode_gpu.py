@@ -171,3 +171,22 @@ def test_locality_fitted_to_real_traces_beside_the_papers(tmp_path):
                           str(ROOT / "README.md"), "--out", str(tmp_path / "b")], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--fit" in bad.stderr and "README.md" in bad.stderr
+
+
+def test_two_batch_overlap_runs_every_arm_lossless(tmp_path):
+    """--tbo: from batch 2 every arm runs as two micro-batches in SGLang's two-batch overlap order; every ESS mode
+    still gives the baseline's outputs (dba there one attention call: exactly), decode.json says which rows; without
+    the measured rest it is refused (nothing to overlap the all-to-all with)."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--tbo",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert doc["tbo"] is True and doc["errors"] == []
+    assert all(r["tbo"] == (r["batch"] >= 2) for r in doc["rows"])
+    for r in doc["rows"]:
+        if r["mode"] not in ("baseline",):
+            exact = r["mode"] in ("none", "hisparse") or (r["mode"] == "dba" and r["query_rows"] == 1)
+            assert r["max_abs_diff_vs_baseline"] <= (0.0 if exact else 1e-4), r
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--tbo", "--rest",
+                          "modelled", "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--tbo" in bad.stderr and not (tmp_path / "b").exists()
