@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="add the rows to OUT/decode.json (one context per run keeps each run short)")
     p.add_argument("--measured", nargs="+", metavar="FILE",
                    help="mode plan chooses each layer's overlap on ESS's terms measured on a GPU: a kit.json, then "
-                   "optionally a bookkeeping.json (e.g. benchmark/results/gpu/h200/); default: the simulator's "
+                   "optionally a bookkeeping.json and a whole-layer decode.json (e.g. benchmark/results/gpu/h200/); "
+                   "default: the simulator's "
                    "modelled terms, with which plan lost 6-10%% to none on the H200 (docs/gpu.md)")
     p.add_argument("--dtype", choices=sorted(DTYPES),
                    help="weights and activations of the projections (default: bf16 on a GPU, float32 in the smoke run)")

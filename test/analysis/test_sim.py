@@ -267,3 +267,32 @@ def test_a_bad_measurement_file_is_named_with_its_field(tmp_path, edit, message)
     with pytest.raises(MeasuredError, match="bookkeeping.json"):
         load_measured([BOOK])
     assert main(["sim", "paper", "--measured", str(path)]) == 2
+
+
+def test_the_measured_rest_of_a_layer_enters_every_arm(tmp_path):
+    """A whole-layer decode.json as a third --measured file: the rest of a layer after attention by tokens (a
+    two-batch-overlap row counts micro-batch A's tokens), its all-to-all wait left out (the simulator models it), the
+    dense layers' own, the LM head; the baseline's step moves with it as ESS's does. A decode.json of the hybrid
+    figures, or a second one, is refused by name."""
+    from ess.analysis.sim.measured import MeasuredError, load_measured
+
+    def row(batch, moe, dense, head, tbo=False):
+        return {"batch": batch, "query_rows": 1, "tbo": tbo, "mode": "none",
+                "rest_ms": {"moe_layer": moe + 0.4, "comm_wait": 0.4, "dense_layer": dense, "lm_head": head}}
+
+    doc = {"whole_layer": True, "ep": 32, "machine": "NVIDIA H200",
+           "rows": [row(10, 0.6, 0.5, 0.1), row(60, 1.6, 1.5, 0.3, tbo=True), {"batch": 5, "mode": "x"}]}
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(doc))
+    m = load_measured([KIT, BOOK, str(path)])
+    assert m.rest.post(20, True) == pytest.approx(1.1e-3) and m.rest.post(20, False) == pytest.approx(1.0e-3)
+    assert m.rest.lm_head(30) == pytest.approx(0.3e-3) and m.rest.post(40, True) == pytest.approx(2.1e-3)
+    assert "decode.json" in m.describe()["rest"] and load_measured([KIT, str(path)]).rest is not None
+    base, base_rest = simulate(context=32768, batch=52), simulate(measured=m, context=32768, batch=52)
+    assert base_rest["step_ms"] != base["step_ms"]
+    doc["whole_layer"] = False
+    path.write_text(json.dumps(doc))
+    with pytest.raises(MeasuredError, match="whole_layer"):
+        load_measured([KIT, str(path)])
+    with pytest.raises(MeasuredError, match="second decode"):
+        load_measured([KIT, str(path), str(path)])

@@ -83,7 +83,9 @@ class LayerCost:
         return self.pre_indexer + self.indexer + self.pre_attn + self.attention + self.post
 
 
-def layer_cost(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment, T: float, B: float, L: float, moe: bool) -> LayerCost:
+def layer_cost(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment, T: float, B: float, L: float, moe: bool,
+               rest=None) -> LayerCost:
+    """rest: the measured rest of a layer (ess.analysis.sim.measured.MeasuredRest) in place of the roofline's post."""
     fp8, bf16 = hw.fp8_tflops, hw.bf16_tflops
     p = spec.mla_params
     pre_indexer = _roofline(2 * T * (p["q_a"] + p["kv_a"]), p["q_a"] + p["kv_a"], fp8, hw, cal)
@@ -112,6 +114,8 @@ def layer_cost(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment,
     else:
         post += _roofline(2 * T * 3 * spec.hidden * spec.dense_inter, 3 * spec.hidden * spec.dense_inter, fp8, hw, cal)
         comm = 0.0
+    if rest is not None:
+        post = rest.post(T, moe)
     return LayerCost(pre_indexer, indexer, pre_attn, attention, post, comm)
 
 
@@ -155,6 +159,8 @@ class EssSetting:
 class EssCosts:
     """ESS's own terms, in seconds. This class holds the modelled ones (assumed constants of a Calibration);
     ess.analysis.sim.measured.MeasuredCosts reads them from a GPU run. `source` names where they come from."""
+
+    rest = None  # the rest of a layer: modelled (the roofline); MeasuredCosts may hold a measured one
 
     def __init__(self, cal: Calibration, row_bytes: int):
         self.cal, self.row_bytes = cal, row_bytes
@@ -243,16 +249,22 @@ def step_time(
     if ess is not None and (len(ess.misses) != n_layers or len(ess.modes) != n_layers):
         raise ValueError(f"ESS setting needs {n_layers} per-layer misses and modes")
 
+    ess_costs = costs or modelled(cal, spec)
+    rest = ess_costs.rest
+
     def layers_at(tokens: float) -> list[LayerCost]:
-        return [layer_cost(spec, hw, cal, dep, tokens, B, context, moe=i >= spec.dense_layers) for i in range(spec.layers)]
+        return [layer_cost(spec, hw, cal, dep, tokens, B, context, moe=i >= spec.dense_layers, rest=rest)
+                for i in range(spec.layers)]
+
+    def head(tokens: float) -> float:
+        return lm_head_time(spec, hw, cal, tokens) if rest is None else rest.lm_head(tokens)
 
     layers = layers_at(T)
     half = layers_at(T / 2) if dep.tbo else None
     extra = [0.0] * spec.layers
     exposed = [0.0] * n_layers
     h2d_bytes = 0.0
-    draft_cost = layer_cost(spec, hw, cal, dep, B, B, context, moe=True) if mtp else None
-    ess_costs = costs or modelled(cal, spec)
+    draft_cost = layer_cost(spec, hw, cal, dep, B, B, context, moe=True, rest=rest) if mtp else None
     lru_s = split_s = 0.0
     if ess is not None:
         # The LRU step runs on the compute stream before the H2D, per micro-batch under TBO; verify layers track
@@ -276,10 +288,10 @@ def step_time(
                 extra[i] = e + added + lru
             else:
                 draft_extra = e + added + lru
-    verify = _pass_time(layers, half, cal, extra) + lm_head_time(spec, hw, cal, T)
+    verify = _pass_time(layers, half, cal, extra) + head(T)
     draft = 0.0
     if mtp:
-        per_draft = draft_cost.compute + draft_cost.comm + cal.layer_overhead_us * 1e-6 + lm_head_time(spec, hw, cal, B)
+        per_draft = draft_cost.compute + draft_cost.comm + cal.layer_overhead_us * 1e-6 + head(B)
         if ess is not None:
             per_draft += draft_extra
         draft = mtp * per_draft

@@ -75,7 +75,8 @@ def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float],
     costs = costs or cost.modelled(cal, spec)
     chosen = []
     for i, m in enumerate(misses):
-        c = cost.layer_cost(spec, hw, cal, dep, T if i < spec.layers else batch, batch, context, moe=i >= spec.dense_layers)
+        c = cost.layer_cost(spec, hw, cal, dep, T if i < spec.layers else batch, batch, context,
+                            moe=i >= spec.dense_layers, rest=costs.rest)
         h = cost.h2d_seconds(batch, m, costs)
         outcome = {mode: cost.exposed_transfer(c, h, mode, costs, batch, m) for mode in order}
         best = min(order, key=lambda k: (round(sum(outcome[k]), 12), order.index(k)))

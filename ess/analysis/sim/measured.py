@@ -18,6 +18,8 @@
                        DBA - DA at 0 misses, whose extra launches do not scale. The fused copy-attend
                        (da_split.fused_copy_attend) is reported by the kit, not charged.
     attention(batch)   one FlashMLA V3.2 sparse decode call, reported beside the modelled one
+    rest               with a decode.json of the whole layer (benchmark/decode_gpu.py --rest measured): one layer's
+                       compute after attention by tokens (MeasuredRest), for the baseline and ESS alike
 
 Linear interpolation between measured points and linear extrapolation past them (the two nearest points); what a
 file lacks, and had to be assumed, is listed in `assumed`.
@@ -93,6 +95,8 @@ def _read(path: str) -> dict:
 
 class MeasuredCosts:
     """ess.analysis.sim.cost.EssCosts' terms from GPU measurements (seconds)."""
+
+    rest: "MeasuredRest | None" = None  # the rest of a layer, from a whole-layer decode.json (load_measured)
 
     def __init__(self, kit_path: str, bookkeeping_path: str | None = None):
         where = f"--measured {kit_path}"
@@ -254,11 +258,62 @@ class MeasuredCosts:
 
     def describe(self) -> dict:
         return {"source": self.source, "device": self.device, "date": self.date, "da_cost": self.da_cost,
-                "assumed": list(self.assumed)}
+                "rest": None if self.rest is None else self.rest.source, "assumed": list(self.assumed)}
+
+
+class MeasuredRest:
+    """The rest of a layer after attention, measured on a GPU by the decode stack (decode.json's rows' `rest_ms`,
+    docs/gpu.md "The whole layer"), by the tokens a layer runs (a row's batch x query rows; a two-batch-overlap row's
+    parts are micro-batch A's): post(tokens, moe) the compute, the MoE layer's less its all-to-all wait (which the
+    simulator models as the layer's comm) or the dense layer's; lm_head(tokens). Linear between the measured token
+    counts and past them (the two nearest); the same count measured twice (several modes of one stack) is averaged."""
+
+    def __init__(self, path: str):
+        where = f"--measured {path}"
+        doc = _read(path)
+        if doc.get("whole_layer") is not True:
+            raise MeasuredError(f"{where}: a decode.json with 'whole_layer' true expected (benchmark/decode_gpu.py "
+                                "--rest measured)")
+        pts: dict[float, list[tuple[float, float, float]]] = {}
+        for i, r in enumerate(_field(doc, "rows", where)):
+            rest = r.get("rest_ms") if isinstance(r, dict) else None
+            if not rest:
+                continue
+            tokens = (r["batch"] // 2 if r.get("tbo") else r["batch"]) * r.get("query_rows", 1)
+            moe = _number(rest.get("moe_layer"), f"rows[{i}].rest_ms.moe_layer", where)
+            wait = _number(rest.get("comm_wait"), f"rows[{i}].rest_ms.comm_wait", where, positive=False)
+            dense = _number(rest.get("dense_layer"), f"rows[{i}].rest_ms.dense_layer", where)
+            head = _number(rest.get("lm_head"), f"rows[{i}].rest_ms.lm_head", where)
+            pts.setdefault(float(tokens), []).append((max(0.0, moe - wait), dense, head))
+        if not pts:
+            raise MeasuredError(f"{where}: no row has 'rest_ms' (benchmark/decode_gpu.py --rest measured writes it)")
+        xs = sorted(pts)
+        mean = [np.mean(pts[x], axis=0) for x in xs]
+        self._moe, self._dense, self._head = (_points(xs, [m[k] for m in mean], "rows.rest_ms", where) for k in range(3))
+        self.ep, self.machine = doc.get("ep"), str(doc.get("machine", "unknown"))
+        self.source = f"{path} ({self.machine}, EP {self.ep}, {len(xs)} token counts)"
+
+    def post(self, tokens: float, moe: bool) -> float:
+        return max(0.0, _interp(tokens, *(self._moe if moe else self._dense))) * 1e-3
+
+    def lm_head(self, tokens: float) -> float:
+        return max(0.0, _interp(tokens, *self._head)) * 1e-3
 
 
 def load_measured(paths: list[str]) -> MeasuredCosts:
-    """`--measured KIT [BOOKKEEPING]`."""
-    if not 1 <= len(paths) <= 2:
-        raise MeasuredError(f"--measured takes a kit.json and optionally a bookkeeping.json, got {len(paths)} files")
-    return MeasuredCosts(paths[0], paths[1] if len(paths) == 2 else None)
+    """`--measured KIT [BOOKKEEPING] [DECODE]`: a kit.json first, then a bookkeeping.json and a whole-layer
+    decode.json, each optional, told apart by their content."""
+    if not 1 <= len(paths) <= 3:
+        raise MeasuredError(f"--measured takes a kit.json and optionally a bookkeeping.json and a decode.json, got "
+                            f"{len(paths)} files")
+    kinds = {"bookkeeping": None, "decode": None}
+    for path in paths[1:]:
+        kind = "decode" if "rows" in _read(path) else "bookkeeping"
+        if kinds[kind] is not None:
+            raise MeasuredError(f"--measured {path}: a second {kind} file")
+        kinds[kind] = path
+    m = MeasuredCosts(paths[0], kinds["bookkeeping"])
+    if kinds["decode"] is not None:
+        m.rest = MeasuredRest(kinds["decode"])
+        m.source += f"; the rest of a layer: {m.rest.source}"
+    return m
