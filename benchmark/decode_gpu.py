@@ -26,6 +26,12 @@ locality the ESS paper reports, not a measurement) or the computed indexer's (`i
 the worst case). With a trace, the cache starts from LRU-Warmup and `--warm-steps` eager steps of the trace; the
 timed step is the next one, replayed as a CUDA graph from the same state each time. `exposed_transfer_ms` is the
 step's time minus its time with every selected row resident.
+`--fit [FILE]`: ESS's and HiSparse's largest batches again with the locality of
+the generator fitted to real traces (default: the SmolLM2 fit), rows labelled `locality`.
+
+`--tbo`: every arm from batch 2 as two micro-batches under two-batch overlap, in SGLang's decode order
+(ess.reference.decode_stack.TwoBatch; docs/gpu.md, "Two-batch overlap"); mode dba there hides each micro-batch's H2D
+under the other's experts and all-to-all.
 
     python benchmark/decode_gpu.py --out benchmark/results/gpu/<device>     # on a GPU (the sgl-flash-mla wheel)
     python benchmark/decode_gpu.py --smoke --out /tmp/decode                 # a CPU run of tiny shapes: checks the script

@@ -2,10 +2,12 @@
 one batch, the baseline's dense cache or ESS's, with the rest of each layer measured where a LayerRest is given; and
 `TwoBatch`, the same batch as two micro-batches under two-batch overlap.
 
-A step is written in stages (ess.reference.stages): each layer yields where SGLang's two-batch overlap lets the other
-micro-batch run (between attention's prepare and core, after launching the dispatch, after launching the combine).
+A step is written in stages (ess.reference.stages): each layer yields where SGLang's two-batch overlap of a DeepSeek
+decode layer lets the other micro-batch run, five times a layer (after attention's prepare; after its core, o_proj and
+the router; after launching the dispatch; after the experts and launching the combine; after the combine's wait).
 Run alone, a stack drains its stages, and the order is the serial one; `TwoBatch` interleaves two stacks' stages,
-micro-batch A one stage ahead, with the all-to-all's waits on a stream of their own.
+micro-batch A two stages ahead, with the all-to-all's waits on a stream of their own (docs/gpu.md, "Two-batch
+overlap").
 """
 
 from __future__ import annotations
@@ -51,18 +53,17 @@ class Setup:
     tbo: bool = False  # two-batch overlap (TwoBatch) at every batch of 2 or more
 
 
-
 def stack_positions(context: int, steps: int, rows: int) -> int:
     """The positions a stack's request reaches: its context and `steps` steps of `rows` tokens, in whole FlashMLA
     pages."""
     return -(-(context + steps * rows) // PAGE_TOKENS) * PAGE_TOKENS
 
 
-
 class Stack:
     """L decode layers over one batch: the baseline's dense cache (buffer None) or ESS's cache with `buffer` slots.
     rows S query rows per request and step: 1 in decode, 1 + draft tokens in MTP verify (rows b*S .. b*S+S-1 are
-    request b's, at consecutive positions; one LRU step takes their union and S own tokens, as the plugin does)."""
+    request b's, at consecutive positions; one LRU step takes their union and S own tokens, as the plugin does).
+    tbo: the stack is one micro-batch of a TwoBatch (its ESS layers' dba is then ess.reference.overlap's TBO one)."""
 
     def __init__(self, s: Setup, batch: int, context: int, buffer: int | None, rows: int, topk_steps: torch.Tensor | None,
                  warm_sets: torch.Tensor | None, seed: int = 0, budget: float | None = None, rest=None,
