@@ -328,8 +328,12 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
     def sim_layer(tokens: int, context: int):
         return cost.layer_cost(spec, hw, cal, dep, tokens, tokens, context, moe=True)
 
-    def plan(per_layer, batch, context):
-        return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer, measured)
+    def plan(per_layer, batch, context):  # under --tbo, dba as the stack runs it there
+        # the stack's layers are MoE layers: the planner's first spec.dense_layers are dense, so they lead, unused
+        lead = [0.0] * spec.dense_layers
+        modes = plan_modes(spec, hw, cal, dep, batch, context, 0, lead + per_layer, measured,
+                           tbo_dba=s.tbo and batch >= 2)
+        return modes[len(lead):]
 
     rest = make_rest(s, spec, hw, cal, dataclasses.replace(dep, ep=s.ep)) if s.whole_layer else None
 
@@ -382,7 +386,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                 if ratio is not None or hisparse:
                     costs = cost.modelled(cal, spec)
                     h2d = cost.h2d_seconds(batch, m["misses"], costs)
-                    sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, costs, batch, m["misses"]))
+                    other = sim_layer(batch * S / 2, context) if s.tbo and batch >= 2 else None
+                    sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, costs, batch, m["misses"], other))
                                     for md in (m["modes"] or ["none" if hisparse else mode] * s.layers)) / s.layers
                 parts = m.get("rest")
                 if parts:  # measured: the L layers' whole step and the LM head; the model's dense layers' rest in

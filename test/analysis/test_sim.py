@@ -296,3 +296,25 @@ def test_the_measured_rest_of_a_layer_enters_every_arm(tmp_path):
         load_measured([KIT, str(path)])
     with pytest.raises(MeasuredError, match="second decode"):
         load_measured([KIT, str(path), str(path)])
+
+
+def test_dba_under_two_batch_overlap_hides_each_half_under_the_others_moe_and_all_to_all():
+    """The decode stack's dba under --tbo (plan_layers' tbo_dba): each micro-batch's half of the layer's H2D against
+    the other micro-batch's post-attention compute and all-to-all, one attention call (nothing added); plan then
+    takes dba wherever a layer misses, and none where nothing misses (ties go to the simpler mode)."""
+    from ess.analysis.sim.engine import plan_layers, plan_modes
+
+    cal, dep = load_calibration(), Deployment(ep=32, tbo=True)
+    costs = cost.modelled(cal, DSV32)
+    c = cost.layer_cost(DSV32, H200, cal, dep, 204, 204, 32768, moe=True)
+    other = cost.layer_cost(DSV32, H200, cal, dep, 102, 102, 32768, moe=True)
+    hide = other.post + other.comm
+    assert cost.exposed_transfer(c, 3 * hide, "dba", costs, 204, 300, other) == (pytest.approx(hide), 0.0)
+    assert cost.exposed_transfer(c, hide, "dba", costs, 204, 300, other) == (0.0, 0.0)
+    misses = [0.0] + [300.0] * 60
+    modes = plan_modes(DSV32, H200, cal, dep, 204, 32768, 0, misses, tbo_dba=True)
+    assert modes[0] == "none" and set(modes[1:]) == {"dba"}
+    # the indexer-halves dba otherwise: exposed where the other micro-batch hides all
+    hidden = plan_layers(DSV32, H200, cal, dep, 204, 32768, 0, misses, tbo_dba=True)
+    assert sum(e for _, e in hidden[DSV32.dense_layers:]) == 0.0  # MoE layers; a dense one has no all-to-all
+    assert sum(e for _, e in plan_layers(DSV32, H200, cal, dep, 204, 32768, 0, [0.0] + [3000.0] * 60)) > 0

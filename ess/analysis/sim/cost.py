@@ -198,9 +198,14 @@ def modelled(cal: Calibration, spec: ModelSpec) -> EssCosts:
 
 
 def exposed_transfer(c: LayerCost, h2d: float, mode: str, costs: EssCosts, batch: float,
-                     misses: float = 0.0) -> tuple[float, float]:
+                     misses: float = 0.0, other: LayerCost | None = None) -> tuple[float, float]:
     """(exposed H2D seconds, added compute seconds) of one layer's misses (`misses` per request) under an overlap mode.
-    A split mode costs its extra launches even when no row misses: a captured step cannot skip them."""
+    A split mode costs its extra launches even when no row misses: a captured step cannot skip them.
+    other: the decode stack's dba under two-batch overlap (benchmark/decode_gpu.py --tbo; docs/gpu.md): the other
+    micro-batch's layer (half the tokens); each micro-batch's half of the H2D hides under the other's post-attention
+    compute and all-to-all, and one attention call follows (nothing added)."""
+    if mode == "dba" and other is not None:
+        return 2 * max(0.0, h2d / 2 - (other.post + other.comm)), 0.0
     added = costs.split(mode, batch, misses)
     if mode == "none" or h2d <= 0:
         return h2d, added

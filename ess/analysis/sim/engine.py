@@ -67,25 +67,29 @@ def disk_rows(spec: ModelSpec, mtp: int, batch: float, misses: list[float], shar
 
 
 def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float],
-                costs: cost.EssCosts | None = None) -> list[tuple[str, float]]:
+                costs: cost.EssCosts | None = None, tbo_dba: bool = False) -> list[tuple[str, float]]:
     """Per layer (mode, exposed H2D seconds): the overlap mode with the least exposed transfer plus added compute
-    under the cost model (ties go to the simpler mode: none, then da, then dba)."""
+    under the cost model (ties go to the simpler mode: none, then da, then dba). tbo_dba: dba as the decode stack runs
+    it under two-batch overlap (cost.exposed_transfer's `other`)."""
     T = batch * (mtp + 1)
     order = ("none", "da", "dba")
     costs = costs or cost.modelled(cal, spec)
     chosen = []
     for i, m in enumerate(misses):
-        c = cost.layer_cost(spec, hw, cal, dep, T if i < spec.layers else batch, batch, context,
-                            moe=i >= spec.dense_layers, rest=costs.rest)
+        tokens, moe = T if i < spec.layers else batch, i >= spec.dense_layers
+        c = cost.layer_cost(spec, hw, cal, dep, tokens, batch, context, moe=moe, rest=costs.rest)
+        other = cost.layer_cost(spec, hw, cal, dep, tokens / 2, batch / 2, context, moe=moe, rest=costs.rest) \
+            if tbo_dba else None
         h = cost.h2d_seconds(batch, m, costs)
-        outcome = {mode: cost.exposed_transfer(c, h, mode, costs, batch, m) for mode in order}
+        outcome = {mode: cost.exposed_transfer(c, h, mode, costs, batch, m, other) for mode in order}
         best = min(order, key=lambda k: (round(sum(outcome[k]), 12), order.index(k)))
         chosen.append((best, outcome[best][0]))
     return chosen
 
 
-def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float], costs=None) -> list[str]:
-    return [mode for mode, _ in plan_layers(spec, hw, cal, dep, batch, context, mtp, misses, costs)]
+def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float], costs=None,
+               tbo_dba: bool = False) -> list[str]:
+    return [mode for mode, _ in plan_layers(spec, hw, cal, dep, batch, context, mtp, misses, costs, tbo_dba)]
 
 
 def ratio_for_batch(spec, hw, cal, dep, batch: int, context: int) -> float:
