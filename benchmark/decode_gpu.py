@@ -405,6 +405,8 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                        "attention_step_ms": round(attention_ms, 4), "step_ms": round(step_ms, 4),
                        "model_step_ms": round(model_ms, 4),
                        "tokens_per_s": round(batch * tokens / (model_ms + draft_ms) * 1e3, 2),
+                       "tokens_per_step": tokens, "draft_ms": round(draft_ms, 4),
+                       "draft": "modelled (the simulator's)" if S > 1 else None,
                        "exposed_transfer_ms": round(m["exposed_ms"], 4),
                        "misses_per_request_layer": None if m["misses"] is None else round(m["misses"], 2),
                        "simulator_step_ms": round(sim_attn * s.layers * 1e3, 4), "memory_wall_batch": wall}
@@ -427,15 +429,36 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                          f"{row['tokens_per_s']} tok/s")
             progress(f"  ({time.perf_counter() - t0:.1f} s)")
             checkpoint(rows, errors)
-    return {"rows": rows, "errors": errors, **summary(rows, s)}
+    return {"rows": measured_drafts(rows, s.layers), "errors": errors, **summary(rows, s)}
+
+
+MEASURED_DRAFT = "measured: a layer and the LM head of the decode row at this batch, mode and ratio, per draft pass"
+
+
+def measured_drafts(rows: list[dict], layers: int) -> list[dict]:
+    """Verify rows' MTP draft passes measured where the same run (or an --append-ed one) measured the whole layer of
+    a decode row at the same context, ratio, batch, mode and locality: each draft pass is one such layer (the MTP
+    module is one decoder layer) and the LM head; tokens_per_s follows. Rows without one keep the simulator's. In
+    place; returns rows."""
+    decode = {(r["context"], r["ratio"], r["batch"], r["mode"], r.get("locality")): r for r in rows
+              if r["query_rows"] == 1 and "rest_ms" in r}
+    for r in rows:
+        d = decode.get((r["context"], r["ratio"], r["batch"], r["mode"], r.get("locality")))
+        if r["query_rows"] > 1 and "rest_ms" in r and d is not None:
+            head = d["rest_ms"]["lm_head"]
+            r["draft_ms"] = round((r["query_rows"] - 1) * ((d["step_ms"] - head) / layers + head), 4)
+            r["draft"] = MEASURED_DRAFT
+            r["tokens_per_s"] = round(r["batch"] * r["tokens_per_step"] / (r["model_step_ms"] + r["draft_ms"]) * 1e3, 2)
+    return rows
 
 
 def modelled_parts(rows: list[dict], whole_layer: bool) -> list[str]:
     """What decode.json's figures still take from the simulator."""
     parts = (["the EP all-to-all (network): a one-SM spin of the simulator's length"] if whole_layer
              else ["w_vc, o_proj, the MoE, the dense FFN and the EP all-to-all: the simulator's"])
-    if any(r["query_rows"] > 1 for r in rows):
-        parts.append("the MTP draft passes (verify rows): the simulator's")
+    modelled = [r for r in rows if r["query_rows"] > 1 and r.get("draft") != MEASURED_DRAFT]
+    if modelled:
+        parts.append(f"the MTP draft passes of {len(modelled)} verify rows (no decode row of theirs): the simulator's")
     return parts
 
 
@@ -534,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(rows: list[dict], errors: list[dict], done: bool) -> dict:
         """decode.json with the earlier runs' rows (--append) and these; done False: a run still going (or cut)."""
-        every = earlier + rows
+        every = measured_drafts(earlier + rows, s.layers)
         doc = {"command": command, "commands": [*commands, command],
                "machine": torch.cuda.get_device_name() if s.device.type == "cuda" else f"CPU ({platform.machine()}), smoke",
                "date": time.strftime("%Y-%m-%d"), "layers": s.layers, "topk_source": args.topk_source,

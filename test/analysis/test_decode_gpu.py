@@ -53,6 +53,9 @@ def test_decode_gpu_smoke_run(tmp_path):
                 "modelled_rest"} <= set(rest) and rest["experts_gemm"] == "grouped" and rest["routed_pairs"] > 0, r
         assert r["step_ms"] >= r["attention_step_ms"] and r["model_step_ms"] > 0
     assert 0 <= doc["exposed_transfer_share"] < 1 and doc["exposed_transfer_mode"] == "plan"
+    verify = [r for r in doc["rows"] if r["query_rows"] > 1 and r["mode"] != "hisparse"]
+    assert verify and all(r["draft"].startswith("measured") and r["draft_ms"] > 0 for r in verify)
+    assert len(doc["modelled_parts"]) == 1  # the draft passes measured too: only the network is left
     # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
     for r in ess:
         assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r
