@@ -416,6 +416,11 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                     row["buffer_tokens"] = hisparse_slots(s)
                 if m.get("parts_ms") is not None:  # layer 0, part by part, beside the modelled rest of a layer
                     row["parts_ms"] = m["parts_ms"] | {"modelled_rest": round(rest_ms, 4)}
+                    # the indexer against reading its index-K once at the part's HBM bandwidth (parts: micro-batch
+                    # A's under two-batch overlap)
+                    floor_ms = (batch // 2 if row["tbo"] else batch) * context * layout.INDEX_ROW_BYTES \
+                        / (hw.hbm_tbps * 1e12) * 1e3
+                    row["indexer_over_floor"] = round(m["parts_ms"]["indexer_topk"] / floor_ms, 2)
                 if parts:
                     row["rest_ms"] = parts | {"modelled_rest": round(rest_ms, 4)}
                 if m.get("h2d_probe") is not None:

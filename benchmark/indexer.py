@@ -28,12 +28,14 @@ import torch
 from ess.analysis.sim.specs import get_hardware
 from ess.analysis.timing import graph_us
 from ess.core import dsa_math, flashtrans, layout
+from ess.core import indexer_kernel
 from ess.core.indexer_kernel import BLOCK_T, LOADS, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8, topk_from_keys
 from ess.core.topk_select import positions_from_keys, radix_keys
 
 HEADS, TOPK = 64, 2048  # DeepSeek-V3.2's indexer: 64 heads of 128, top-2048
 # (context, batch): batch 1, the baseline's memory wall and ESS's largest batch at ratio 0.1 (decode_gpu.py's)
 GPU_CASES = [(32768, 1), (32768, 52), (32768, 204), (131072, 1), (131072, 13), (131072, 51)]
+ESS_SHAPES = [(32768, 204), (131072, 51)]  # issue 48's two shapes: ESS's largest batches, for worst_over_floor
 # (positions per program, warps, row loads) at the largest case; "words": 4-byte loads unpacked in registers
 SWEEP = [(64, 4, "bytes"), (128, 4, "bytes"), (128, 8, "bytes"), (256, 8, "bytes"), (64, 2, "bytes"),
          (64, 4, "words"), (128, 4, "words"), (128, 8, "words"), (256, 8, "words")]
@@ -96,6 +98,18 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
     return row
 
 
+def worst_over_floor(cases: list[dict], select: str, shapes=ESS_SHAPES) -> dict:
+    """The larger of the served path's time over its byte floor at `shapes` (`select`: indexer_kernel.SELECT, the
+    path the stack and a GPU server run), and the same for the faster path at each shape; {} without them."""
+    served = "over_floor" if select == "keys" else "over_floor_radix"
+    at = [c for c in cases if (c["context"], c["batch"]) in shapes and served in c]
+    if not at:
+        return {}
+    best = [min(c[k] for k in ("over_floor", "over_floor_radix") if k in c) for c in at]
+    return {"worst_over_floor": max(c[served] for c in at), "worst_over_floor_select": select,
+            "worst_over_floor_faster_path": max(best), "worst_over_floor_shapes": [[c["context"], c["batch"]] for c in at]}
+
+
 def sweep(inputs, k, backend, iters) -> list[dict]:
     """The keys kernel under each of SWEEP's launch configurations, on one case's inputs."""
     q, w, rows, pos = inputs
@@ -151,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         log(json.dumps(doc["cases"][-1]))
         if (context, batch) == largest and backend != "torch":  # launch configurations belong to the kernel
             doc["sweep"] = sweep(inputs, min(k, context), backend, iters)
+        doc |= worst_over_floor(doc["cases"], indexer_kernel.SELECT)
         with open(path, "w") as f:  # after every case: a cut run keeps what it measured
             json.dump(doc, f, indent=1)
     log(f"wrote {path}")

@@ -28,9 +28,24 @@ def summary(rows: list[dict], s) -> dict:
     the rows with locality fitted to real traces, against the same baseline."""
     fit = [r for r in rows if r.get("locality") == "fit"]
     rows = [r for r in rows if r.get("locality") != "fit"]
-    out = summary_of(rows, s)
+    out = summary_of(rows, s) | indexer_floor(rows)
     fitted = summary_of([r for r in rows if r["mode"] == "baseline"] + fit, s) if fit else {}
     return out | ({"locality_fit": fitted} if fitted else {})
+
+
+def indexer_floor(rows: list[dict]) -> dict:
+    """The indexer (layer 0's, with its top-k) over its byte floor at ESS's largest decode batch of each context,
+    and worst_over_floor, the larger (issue 48's figure); {} where no row measured it."""
+    ess = [r for r in rows if r["mode"] not in ("baseline", "hisparse") and r["query_rows"] == 1
+           and "indexer_over_floor" in r]
+    by_context = {}
+    for ctx in sorted({r["context"] for r in ess}):
+        top = best_at_largest([r for r in ess if r["context"] == ctx])
+        by_context[str(ctx)] = {"batch": top["batch"], "indexer_over_floor": top["indexer_over_floor"]}
+    if not by_context:
+        return {}
+    return {"indexer_over_floor": by_context,
+            "worst_over_floor": max(v["indexer_over_floor"] for v in by_context.values())}
 
 
 def summary_of(rows: list[dict], s) -> dict:

@@ -56,6 +56,8 @@ def test_decode_gpu_smoke_run(tmp_path):
     verify = [r for r in doc["rows"] if r["query_rows"] > 1 and r["mode"] != "hisparse"]
     assert verify and all(r["draft"].startswith("measured") and r["draft_ms"] > 0 for r in verify)
     assert len(doc["modelled_parts"]) == 1  # the draft passes measured too: only the network is left
+    # the indexer against its byte floor at ESS's largest decode batch (CPU figures: the keys, not the values)
+    assert doc["worst_over_floor"] > 0 and set(doc["indexer_over_floor"]) == {"256"}
     # lossless: every ESS mode gives the baseline's attention outputs (the split modes up to their log-sum-exp merge)
     for r in ess:
         assert r["max_abs_diff_vs_baseline"] <= (0.0 if r["mode"] == "none" else 1e-4), r

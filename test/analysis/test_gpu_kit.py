@@ -60,3 +60,20 @@ def test_a_phase_the_budget_cuts_is_named_and_bad_arguments_are_refused(tmp_path
                           (["decode64k"], "unknown phase decode64k")):
         bad = subprocess.run([*run, str(tmp_path / "b"), *args], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr and not (tmp_path / "b").exists()
+
+
+def test_worst_over_floor_is_the_served_paths_larger_ratio_at_esss_two_shapes(monkeypatch):
+    """indexer.json's worst_over_floor (issue 48's figure): the larger of the served path's time over its byte floor
+    at 32K batch 204 and 128K batch 51, beside the faster path's; nothing where the run has neither shape."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("indexer_bench", ROOT / "benchmark" / "indexer.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cases = [{"context": 32768, "batch": 204, "over_floor": 9.5, "over_floor_radix": 3.0},
+             {"context": 131072, "batch": 51, "over_floor": 8.0, "over_floor_radix": 4.0},
+             {"context": 32768, "batch": 1, "over_floor": 50.0, "over_floor_radix": 40.0}]
+    keys = bench.worst_over_floor(cases, "keys")
+    assert keys["worst_over_floor"] == 9.5 and keys["worst_over_floor_faster_path"] == 4.0
+    assert bench.worst_over_floor(cases, "radix")["worst_over_floor"] == 4.0
+    assert bench.worst_over_floor(cases[2:], "keys") == {}
