@@ -73,7 +73,7 @@ from ess.reference import attention as A
 from ess.reference.config import get_config
 from ess.reference.decode_stack import Setup, Stack, make_stack
 from ess.reference.flashmla import sparse_decode
-from ess.reference.layer_rest import LayerRest, MoeShape, RestWeights, comm_wait, spin_cycles_per_us
+from ess.reference.layer_rest import EXPERTS, LayerRest, MoeShape, RestWeights, comm_wait, spin_cycles_per_us
 
 MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
 # The HiSparse arm: SGLang 0.5.23's --enable-hisparse at its defaults, as its source sets them (docs/gpu.md, "The
@@ -299,7 +299,7 @@ def make_rest(s: Setup, spec, hw, cal, dep):
     """The measured rest of each layer (the stack's `rest` argument: (attention weights, tokens) -> LayerRest), the
     all-to-all's length the simulator's for those tokens under `dep` (EP s.ep); the weights made once, shared."""
     shape = MoeShape.mini(s.cfg.hidden, s.cfg.vocab) if s.cfg.name == "mini" else MoeShape.dsv32()
-    weights = RestWeights.random(shape, s.ep, s.dtype, s.device)
+    weights = RestWeights.random(shape, s.ep, s.dtype, s.device, experts=s.experts)
     spin_cycles_per_us(s.device)  # the spin's clock, timed once before any graph captures a wait
 
     def rest(attn, tokens: int) -> LayerRest:
@@ -512,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=EP, choices=[1, 2, 4, 8, 16, 32, 64, 128, 256],
                    help="expert parallelism of the measured MoE share (256 / EP routed experts on this GPU) and of the "
                    "all-to-all's length; the cache budget stays the paper's deployment's (EP %(default)s)")
+    p.add_argument("--experts", choices=EXPERTS, default="fp8",
+                   help="the routed experts' precision in the measured rest: fp8 (the deployment's; row-wise scales, "
+                   "torch's scaled grouped GEMM, bf16 where the device refuses it, said in rest_ms.experts_gemm) or "
+                   "bf16")
     p.add_argument("--tbo", action="store_true",
                    help="two-batch overlap in every arm from batch 2: two micro-batches, one's all-to-all and H2D "
                    "beside the other's compute; mode dba is then each micro-batch's H2D under the other's stage, then "
@@ -532,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         s.dtype = DTYPES[args.dtype]
     s.attn1 = args.attn1
     s.residency = args.residency == "on"
-    s.whole_layer, s.ep, s.tbo = args.rest == "measured", args.ep, args.tbo
+    s.whole_layer, s.ep, s.tbo, s.experts = args.rest == "measured", args.ep, args.tbo, args.experts
     if s.tbo and not s.whole_layer:
         p.error("--tbo: two-batch overlap hides the all-to-all under the other micro-batch's compute: it needs the "
                 "rest of each layer measured (--rest measured)")
@@ -571,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                | ({"fit": f"fitted to real traces ({args.fit}), scaled to top-k and context"} if s.fitted else {}),
                "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "attn1": s.attn1,
                "residency": s.residency, "whole_layer": s.whole_layer, "ep": s.ep, "tbo": s.tbo,
+               "experts": s.experts if s.whole_layer else None,
                "modelled_parts": modelled_parts(every, s.whole_layer),
                "spin_cycles_per_us": spin_cycles_per_us(s.device) if s.whole_layer else None,
                "hardware_profile": args.hardware,

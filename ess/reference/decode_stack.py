@@ -51,6 +51,7 @@ class Setup:
     ep: int = EP  # the expert parallelism of the measured MoE share and of the all-to-all's modelled length
     fitted: SynthOptions | None = None  # locality fitted to real traces: ESS rows also with it (row "locality" fit)
     tbo: bool = False  # two-batch overlap (TwoBatch) at every batch of 2 or more
+    experts: str = "fp8"  # the routed experts' precision in the measured rest (ess.reference.layer_rest.EXPERTS)
 
 
 def stack_positions(context: int, steps: int, rows: int) -> int:

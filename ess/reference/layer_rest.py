@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ess.core import dsv32
+from ess.core import dsv32, layout
 from ess.core.streams import Streams
 from ess.reference import attention as A
 from ess.reference.stages import drain
@@ -68,6 +68,38 @@ def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torc
         out[start:start + n] = x[start:start + n] @ w[g]
         start += n
     return out
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP8: x [M, K] as (x8 [M, K] float8_e4m3fn, scale [M] float32), x ~ x8 * scale."""
+    scale = (x.float().abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)
+    return (x.float() / scale.unsqueeze(-1)).to(layout.FP8), scale
+
+
+def quantize_columns(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output column FP8 of weights w [G, K, N]: (wT8, scale [G, N]), wT8 a [G, K, N] column-major view of a
+    contiguous [G, N, K] (the layout the scaled grouped GEMM reads), w ~ wT8 * scale."""
+    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    stored = (w.float() / scale.unsqueeze(1)).transpose(1, 2).contiguous().to(layout.FP8)
+    return stored.transpose(1, 2), scale
+
+
+def fp8_grouped_mm(x8, sa, wT8, sb, offs: torch.Tensor) -> torch.Tensor:
+    """grouped_mm in FP8 with row-wise scales (sa per row of x, sb per group and column), bf16 out: one kernel."""
+    return torch._scaled_grouped_mm(x8, wT8, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+
+
+def fp8_grouped_mm_loop(x8, sa, wT8, sb, counts: list[int]) -> torch.Tensor:
+    """fp8_grouped_mm's oracle (and its CPU path): each group dequantized, one float32 GEMM each, bf16 out."""
+    x = x8.float() * sa.unsqueeze(-1)
+    out, start = x.new_empty(x.shape[0], wT8.shape[-1]), 0
+    for g, n in enumerate(counts):
+        out[start:start + n] = x[start:start + n] @ (wT8[g].float() * sb[g])
+        start += n
+    return out.to(torch.bfloat16)
 
 
 @functools.cache
@@ -134,9 +166,12 @@ class RestWeights:
     d13: torch.Tensor  # the dense FFN
     d2: torch.Tensor
     head: torch.Tensor  # the LM head [hidden, vocab]
+    fp8: dict | None = None  # the routed experts in FP8 (quantize_columns): {"w13": (wT8, scale), "w2": ...}
 
     @staticmethod
-    def random(shape: MoeShape, ep: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> "RestWeights":
+    def random(shape: MoeShape, ep: int, dtype: torch.dtype, device: torch.device, seed: int = 0,
+               experts: str = "bf16") -> "RestWeights":
+        """experts "fp8": the routed experts also in FP8 (the deployment's precision), beside the bf16 ones."""
         if ep < 1 or shape.experts % ep:
             raise ValueError(f"ep {ep}: must divide the {shape.experts} routed experts")
         g = torch.Generator(device=device).manual_seed(seed)
@@ -146,13 +181,23 @@ class RestWeights:
 
         H, I, here = shape.hidden, shape.moe_inter, shape.experts // ep
         shared, dense = shape.shared_experts * I, shape.dense_inter
-        return RestWeights(torch.ones(H, device=device, dtype=dtype), rand(H, H, shape.experts),
-                           rand(H, here, H, 2 * I), rand(I, here, I, H), rand(H, H, 2 * shared),
-                           rand(shared, shared, H), rand(H, H, 2 * dense), rand(dense, dense, H),
-                           rand(H, H, shape.vocab))
+        w = RestWeights(torch.ones(H, device=device, dtype=dtype), rand(H, H, shape.experts),
+                        rand(H, here, H, 2 * I), rand(I, here, I, H), rand(H, H, 2 * shared),
+                        rand(shared, shared, H), rand(H, H, 2 * dense), rand(dense, dense, H),
+                        rand(H, H, shape.vocab))
+        if experts not in EXPERTS:
+            raise ValueError(f"experts: one of {EXPERTS}, got {experts!r}")
+        if experts == "fp8":
+            w.fp8 = {"w13": quantize_columns(w.w13), "w2": quantize_columns(w.w2)}
+        return w
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in dataclasses.astuple(self))
+        tensors = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fp8"]
+        tensors += [t for pair in (self.fp8 or {}).values() for t in pair]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+EXPERTS = ("bf16", "fp8")  # the routed experts' precision
 
 
 class LayerRest:
@@ -172,21 +217,43 @@ class LayerRest:
         # what the network writes: the dispatched tokens, and the combine's result
         self.recv = torch.randn(pairs, shape.hidden, generator=g, device=device).to(dtype)
         self.combined = torch.randn(tokens, shape.hidden, generator=g, device=device).to(dtype)
-        self.gemm = "grouped"
-        few = min(pairs, 8)
-        try:  # the grouped kernel on this device (Hopper or newer on a GPU); else one GEMM per expert
-            grouped_mm(self.recv[:few], w.w13, self.offs.clamp(max=few))
-        except (RuntimeError, TypeError, ValueError) as e:
-            self.gemm = f"loop ({type(e).__name__}: {str(e)[:120]})"
+        self.gemm = self._kernel(pairs)
 
-    def experts(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.gemm == "grouped":
+    def _kernel(self, pairs: int) -> str:
+        """The experts' GEMMs on this device, tried on a few rows: FP8 grouped (with fp8 weights), else bf16 grouped
+        (Hopper or newer on a GPU), else one GEMM per expert; FP8 on the CPU runs its oracle, the same math."""
+        few, refused = min(pairs, 8), ""
+        offs = self.offs.clamp(max=few)
+        if self.w.fp8 is not None:
+            if self.device.type == "cpu":
+                return "fp8 loop (the CPU's)"
+            try:
+                fp8_grouped_mm(*quantize_rows(self.recv[:few]), *self.w.fp8["w13"], offs)
+                return "fp8 grouped"
+            except (RuntimeError, TypeError, ValueError) as e:
+                refused = f" (fp8 refused: {type(e).__name__}: {str(e)[:100]})"
+        try:
+            grouped_mm(self.recv[:few], self.w.w13, offs)
+            return "bf16 grouped" + refused
+        except (RuntimeError, TypeError, ValueError) as e:
+            return f"bf16 loop ({type(e).__name__}: {str(e)[:100]})" + refused
+
+    def experts(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """x through this GPU's experts' `which` ("w13" or "w2") GEMMs, each row by its expert."""
+        if self.gemm.startswith("fp8"):
+            x8, sa = quantize_rows(x)
+            wT8, sb = self.w.fp8[which]
+            if self.gemm == "fp8 grouped":
+                return fp8_grouped_mm(x8, sa, wT8, sb, self.offs)
+            return fp8_grouped_mm_loop(x8, sa, wT8, sb, self.counts)
+        w = getattr(self.w, which)
+        if self.gemm.startswith("bf16 grouped"):
             return grouped_mm(x, w, self.offs)
         return grouped_mm_loop(x, w, self.counts)
 
     def routed(self) -> torch.Tensor:
         """This GPU's routed experts over the dispatched tokens: [pairs, hidden], sent back by the combine."""
-        return self.experts(_silu_mul(self.experts(self.recv, self.w.w13)), self.w.w2)
+        return self.experts(_silu_mul(self.experts(self.recv, "w13")), "w2")
 
     def stages(self, o_latent: torch.Tensor, h: torch.Tensor, comm: Comm):
         """The MoE layer's rest for attention output o_latent [T, heads, 512] and layer input h [T, hidden], in the
