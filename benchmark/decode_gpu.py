@@ -71,7 +71,7 @@ from ess.core.pinned import pinned_zeros
 from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, WARMUP_WINDOWS
 from ess.reference import attention as A
 from ess.reference.config import get_config
-from ess.reference.decode_stack import Setup, Stack, make_stack
+from ess.reference.decode_stack import Setup, Stack, make_stack, two_batch
 from ess.reference.flashmla import sparse_decode
 from ess.reference.layer_rest import EXPERTS, LayerRest, MoeShape, RestWeights, comm_wait, spin_cycles_per_us
 
@@ -329,11 +329,9 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
         return cost.layer_cost(spec, hw, cal, dep, tokens, tokens, context, moe=True)
 
     def plan(per_layer, batch, context):  # under --tbo, dba as the stack runs it there
-        # the stack's layers are MoE layers: the planner's first spec.dense_layers are dense, so they lead, unused
-        lead = [0.0] * spec.dense_layers
-        modes = plan_modes(spec, hw, cal, dep, batch, context, 0, lead + per_layer, measured,
-                           tbo_dba=s.tbo and batch >= 2)
-        return modes[len(lead):]
+        # the stack's layers are MoE layers: the model's first after its dense ones
+        return plan_modes(spec, hw, cal, dep, batch, context, 0, per_layer, measured,
+                          tbo_dba=two_batch(s, batch), first_layer=spec.dense_layers)
 
     rest = make_rest(s, spec, hw, cal, dataclasses.replace(dep, ep=s.ep)) if s.whole_layer else None
 
@@ -386,7 +384,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                 if ratio is not None or hisparse:
                     costs = cost.modelled(cal, spec)
                     h2d = cost.h2d_seconds(batch, m["misses"], costs)
-                    other = sim_layer(batch * S / 2, context) if s.tbo and batch >= 2 else None
+                    other = sim_layer(batch * S / 2, context) if two_batch(s, batch) else None
                     sim_attn += sum(sum(cost.exposed_transfer(lc, h2d, md, costs, batch, m["misses"], other))
                                     for md in (m["modes"] or ["none" if hisparse else mode] * s.layers)) / s.layers
                 parts = m.get("rest")
@@ -401,7 +399,7 @@ def run(s: Setup, modes: list[str], source: str, hardware: str, progress=print, 
                     step_ms = attention_ms + s.layers * rest_ms
                     model_ms = step_ms / s.layers * MODEL_LAYERS
                 row = {"context": context, "mode": mode, "ratio": ratio, "batch": batch, "query_rows": S, "locality": loc,
-                       "tbo": s.tbo and batch >= 2,
+                       "tbo": two_batch(s, batch),
                        "attention_step_ms": round(attention_ms, 4), "step_ms": round(step_ms, 4),
                        "model_step_ms": round(model_ms, 4),
                        "tokens_per_s": round(batch * tokens / (model_ms + draft_ms) * 1e3, 2),

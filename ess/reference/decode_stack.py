@@ -282,10 +282,15 @@ class TwoBatch:
         return [(x * na + y * nb) / (na + nb) for x, y in zip(a, b)]
 
 
+def two_batch(s: Setup, batch: int) -> bool:
+    """A batch runs as two micro-batches: under `s.tbo`, from batch 2."""
+    return s.tbo and batch >= 2
+
+
 def make_stack(s: Setup, batch: int, context: int, buffer: int | None, rows: int, topk_steps, warm_sets,
                budget: float | None = None, rest=None):
-    """The stack a configuration runs: two micro-batches under `s.tbo` from batch 2, else one."""
-    if s.tbo and batch >= 2:
+    """The stack a configuration runs: two micro-batches where two_batch, else one."""
+    if two_batch(s, batch):
         return TwoBatch(s, batch, context, buffer, rows, topk_steps, warm_sets, budget, rest)
     return Stack(s, batch, context, buffer, rows, topk_steps, warm_sets, budget=budget, rest=rest)
 

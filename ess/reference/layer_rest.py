@@ -93,13 +93,9 @@ def fp8_grouped_mm(x8, sa, wT8, sb, offs: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_grouped_mm_loop(x8, sa, wT8, sb, counts: list[int]) -> torch.Tensor:
-    """fp8_grouped_mm's oracle (and its CPU path): each group dequantized, one float32 GEMM each, bf16 out."""
-    x = x8.float() * sa.unsqueeze(-1)
-    out, start = x.new_empty(x.shape[0], wT8.shape[-1]), 0
-    for g, n in enumerate(counts):
-        out[start:start + n] = x[start:start + n] @ (wT8[g].float() * sb[g])
-        start += n
-    return out.to(torch.bfloat16)
+    """fp8_grouped_mm's oracle (and its CPU path): grouped_mm_loop over the dequantized operands, bf16 out."""
+    x, w = x8.float() * sa.unsqueeze(-1), wT8.float() * sb.unsqueeze(1)
+    return grouped_mm_loop(x, w, counts).to(torch.bfloat16)
 
 
 @functools.cache

@@ -66,7 +66,8 @@ def ess_layer_stages(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lo
         raise ValueError(f"overlap mode must be one of {MODES}, got {mode!r}")
     if attn1 not in DA_ATTN1_KINDS:
         raise ValueError(f"Attn1 kind must be one of {DA_ATTN1_KINDS}, got {attn1!r}")
-    fused = mode != "none" and attn1 == "fused" and not (tbo and mode == "dba")
+    tbo_dba = tbo and mode == "dba"  # the whole H2D under the other micro-batch's stage, then one call
+    fused = mode != "none" and attn1 == "fused" and not tbo_dba
     streams = cache.streams
     own_rows = A.kv_latent_rows(w, cfg, h, pos)
 
@@ -74,7 +75,7 @@ def ess_layer_stages(mode: str, w: A.AttentionWeights, cfg: ModelConfig, h, q_lo
         topk = A.indexer_topk(w, cfg, h, q_lora, pos, index_k_layer, part)
         return topk if selected is None else selected[part]
 
-    one_call = mode == "none" or (tbo and mode == "dba")  # one attention call over every selected row
+    one_call = mode == "none" or tbo_dba  # one attention call over every selected row
     if mode == "none":  # the serial order, on the compute stream (ServingLatentCache.translate)
         topk = indexer()
         r = cache.translate(layer, topk, pos, own_rows)

@@ -71,6 +71,14 @@ def wait_ready_or_rebind(srv: "Server", timeout_s: float = START_TIMEOUT_S, trie
     return srv.wait_ready(timeout_s)
 
 
+def start_all(servers: list["Server"]) -> None:
+    """Start every server (they load together), then wait for each (wait_ready_or_rebind)."""
+    for srv in servers:
+        srv.start()
+    for srv in servers:
+        wait_ready_or_rebind(srv)
+
+
 @dataclasses.dataclass
 class Server:
     """One `python -m sglang.launch_server` process (and its scheduler processes), its output in log_path."""

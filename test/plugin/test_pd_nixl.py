@@ -31,10 +31,7 @@ def test_pd_over_nixl_gives_colocated_stock_tokens(tmp_path):
     procs = [stock, prefill, decode]
     try:
         with S.terminate_as_exit():
-            for srv in procs:
-                srv.start()
-            for srv in procs:
-                S.wait_ready_or_rebind(srv)
+            S.start_all(procs)
             # its ports picked now, not before the servers (and NIXL's listeners) took theirs
             router = PD.Router(model, [], str(tmp_path / "router.log"), prefill=(prefill.port, bootstrap),
                                decode=decode.port)

@@ -60,10 +60,7 @@ def deployment(tmp_path_factory):
     extra = EXTRA  # servers a fault test starts
     try:
         with S.terminate_as_exit():
-            for srv in servers:
-                srv.start()
-            for srv in servers:
-                S.wait_ready_or_rebind(srv)
+            S.start_all(servers)
             for name, dec in decodes.items():
                 routers[name] = PD.Router(model, [], str(tmp / f"router-{name}.log"), prefill=(prefill.port, bootstrap),
                                           decode=dec.port).start()

@@ -67,15 +67,17 @@ def disk_rows(spec: ModelSpec, mtp: int, batch: float, misses: list[float], shar
 
 
 def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float],
-                costs: cost.EssCosts | None = None, tbo_dba: bool = False) -> list[tuple[str, float]]:
+                costs: cost.EssCosts | None = None, tbo_dba: bool = False,
+                first_layer: int = 0) -> list[tuple[str, float]]:
     """Per layer (mode, exposed H2D seconds): the overlap mode with the least exposed transfer plus added compute
     under the cost model (ties go to the simpler mode: none, then da, then dba). tbo_dba: dba as the decode stack runs
-    it under two-batch overlap (cost.exposed_transfer's `other`)."""
+    it under two-batch overlap (cost.exposed_transfer's `other`). first_layer: the model's index of misses[0] (the
+    decode stack plans MoE layers only)."""
     T = batch * (mtp + 1)
     order = ("none", "da", "dba")
     costs = costs or cost.modelled(cal, spec)
     chosen = []
-    for i, m in enumerate(misses):
+    for i, m in enumerate(misses, first_layer):
         tokens, moe = T if i < spec.layers else batch, i >= spec.dense_layers
         c = cost.layer_cost(spec, hw, cal, dep, tokens, batch, context, moe=moe, rest=costs.rest)
         other = cost.layer_cost(spec, hw, cal, dep, tokens / 2, batch / 2, context, moe=moe, rest=costs.rest) \
@@ -88,8 +90,9 @@ def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float],
 
 
 def plan_modes(spec, hw, cal, dep, batch, context, mtp, misses: list[float], costs=None,
-               tbo_dba: bool = False) -> list[str]:
-    return [mode for mode, _ in plan_layers(spec, hw, cal, dep, batch, context, mtp, misses, costs, tbo_dba)]
+               tbo_dba: bool = False, first_layer: int = 0) -> list[str]:
+    return [mode for mode, _ in plan_layers(spec, hw, cal, dep, batch, context, mtp, misses, costs, tbo_dba,
+                                            first_layer)]
 
 
 def ratio_for_batch(spec, hw, cal, dep, batch: int, context: int) -> float:
