@@ -4,11 +4,14 @@ at the decode stack's shapes, against the byte floor of reading every token's in
 On the H200 (docs/gpu.md) the indexer and its top-k took 1.91 of about 3.2 ms per layer of ESS's step at 32K, batch
 204: about 10x the floor. This splits that time: the scores kernel (fp32 out), the same kernel writing the int64 keys
 the exact top-k ranks, torch.topk over those keys (what indexer_topk_fp8 runs), the radix select over the fp32 scores
-(ess.core.topk_select: its kernel, then the sort of the k it picked; indexer_topk_fp8's select="radix"), and, for
-comparison only, torch.topk over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys
-kernel under other launch configurations (positions per program, warps, and how rows are loaded: bytes, or 4-byte
-words unpacked in registers, since a 132-byte row is not 16-byte aligned) at the largest case. Each figure: the median of CUDA graph
-replays.
+(ess.core.topk_select, one program a request: its kernel, then the sort of the k it picked; select="radix"), the
+radix select split across programs (ess.core.topk_split) over the same scores, the fused path whole (select="fused":
+the scores kernel counting the split select's first histogram, the other passes, the sort), the scores kernel over
+the same rows in SGLang's own pages (the GPU rig's logits), and, for comparison only,
+torch.topk over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other
+launch configurations (positions per program, warps, and how rows are loaded: bytes, or 4-byte words unpacked in
+registers, since a 132-byte row is not 16-byte aligned) at the largest case. Each figure: the median of CUDA graph
+replays; each path's top-k is checked against select_topk over the kernel's scores (`*_exact`).
 
     python benchmark/indexer.py OUT_DIR            # on a GPU: OUT_DIR/indexer.json
     python benchmark/indexer.py --smoke OUT_DIR    # tiny shapes on the CPU (the kernel in Triton's interpreter where
@@ -29,8 +32,10 @@ from ess.analysis.sim.specs import get_hardware
 from ess.analysis.timing import graph_us
 from ess.core import dsa_math, flashtrans, layout
 from ess.core import indexer_kernel
-from ess.core.indexer_kernel import BLOCK_T, LOADS, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8, topk_from_keys
+from ess.core.indexer_kernel import (BLOCK_T, LOADS, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8,
+                                     indexer_scores_pages, indexer_topk_fp8, topk_from_keys)
 from ess.core.topk_select import positions_from_keys, radix_keys
+from ess.core.topk_split import CHUNK, split_keys
 
 HEADS, TOPK = 64, 2048  # DeepSeek-V3.2's indexer: 64 heads of 128, top-2048
 # (context, batch): batch 1, the baseline's memory wall and ESS's largest batch at ratio 0.1 (decode_gpu.py's)
@@ -39,6 +44,8 @@ ESS_SHAPES = [(32768, 204), (131072, 51)]  # issue 48's two shapes: ESS's larges
 # (positions per program, warps, row loads) at the largest case; "words": 4-byte loads unpacked in registers
 SWEEP = [(64, 4, "bytes"), (128, 4, "bytes"), (128, 8, "bytes"), (256, 8, "bytes"), (64, 2, "bytes"),
          (64, 4, "words"), (128, 4, "words"), (128, 8, "words"), (256, 8, "words")]
+# each of indexer_kernel.SELECTS: the row field of its whole time (scores and top-k)
+SERVED = {"keys": "indexer_topk_us", "radix": "indexer_radix_us", "fused": "indexer_fused_us"}
 SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK = [(300, 1), (300, 3)], 8, 64
 
 
@@ -60,6 +67,16 @@ def case_inputs(context: int, batch: int, heads: int, device: torch.device, seed
 def floor_us(rows: torch.Tensor, hbm_tbps: float | None) -> float | None:
     """Reading every index-K row once at the part's HBM bandwidth (its datasheet's, ess/analysis/sim/data)."""
     return round(rows.numel() / (hbm_tbps * 1e12) * 1e6, 1) if hbm_tbps else None
+
+
+def as_pages(rows: torch.Tensor):
+    """Index-K rows [N, T, 132] as SGLang's pages [N * P, 64 * 132] (zero rows past T) and the page table [N, P]."""
+    N, T, _ = rows.shape
+    P = -(-T // layout.INDEX_PAGE_TOKENS)
+    padded = torch.zeros(N, P * layout.INDEX_PAGE_TOKENS, layout.INDEX_ROW_BYTES, dtype=torch.uint8, device=rows.device)
+    padded[:, :T] = rows
+    table = torch.arange(N * P, dtype=torch.int32, device=rows.device).view(N, P)
+    return layout.index_k_rows_to_pages(padded.view(-1, layout.INDEX_ROW_BYTES)), table
 
 
 def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
@@ -85,27 +102,42 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
         row["radix_select_us"] = us(lambda: radix_keys(scores, pos, k, interpret=interpret))
         row["radix_sort_us"] = us(lambda: positions_from_keys(picked))
         row["indexer_radix_us"] = round(row["scores_kernel_us"] + row["radix_select_us"] + row["radix_sort_us"], 1)
+        # the split select (ess.core.topk_split) over the same scores, its own pass 0 included; then the fused path
+        # whole (select="fused": zeroed state, scores kernel counting pass 0, passes 1-7, write, sort), as it runs
+        row["split_select_us"] = us(lambda: split_keys(scores, pos, k, interpret=interpret))
+        row["indexer_fused_us"] = us(lambda: indexer_topk_fp8(q, w, rows, pos, k, backend=backend, select="fused"))
+        # the scores kernel over the same rows in SGLang's pages (what the GPU rig's logits read: 128-byte rows, their
+        # scales apart), against the 132-byte rows above
+        pages, table = as_pages(rows)
+        row["pages_scores_kernel_us"] = us(lambda: indexer_scores_pages(q, w, pages, pos, table, width=context,
+                                                                        backend=backend))
+        row["pages_exact"] = bool(torch.equal(indexer_scores_pages(q, w, pages, pos, table, width=context,
+                                                                   backend=backend), scores))
     row["indexer_topk_us"] = round(row["keys_kernel_us"] + row["topk_keys_us"], 1)
     if row["byte_floor_us"]:
-        row["over_floor"] = round(row["indexer_topk_us"] / row["byte_floor_us"], 2)
-        if "indexer_radix_us" in row:
-            row["over_floor_radix"] = round(row["indexer_radix_us"] / row["byte_floor_us"], 2)
+        for path, key in SERVED.items():
+            if key in row:
+                row[f"over_floor{'' if path == 'keys' else '_' + path}"] = round(row[key] / row["byte_floor_us"], 2)
     # exactness, untimed: each top-k is select_topk's over the kernel's own scores
     want = dsa_math.select_topk(scores, pos, k)
     row["topk_exact"] = bool(torch.equal(topk_from_keys(keys, k), want))
     if backend != "torch":
         row["radix_exact"] = bool(torch.equal(positions_from_keys(picked), want))
+        row["split_exact"] = bool(torch.equal(positions_from_keys(split_keys(scores, pos, k, interpret=interpret)), want))
+        fused = indexer_topk_fp8(q, w, rows, pos, k, backend=backend, select="fused")
+        row["fused_exact"] = bool(torch.equal(fused, want))  # its scores are the same kernel's: bit-equal
     return row
 
 
 def worst_over_floor(cases: list[dict], select: str, shapes=ESS_SHAPES) -> dict:
     """The larger of the served path's time over its byte floor at `shapes` (`select`: indexer_kernel.SELECT, the
     path the stack and a GPU server run), and the same for the faster path at each shape; {} without them."""
-    served = "over_floor" if select == "keys" else "over_floor_radix"
+    ratios = ["over_floor" if path == "keys" else f"over_floor_{path}" for path in SERVED]
+    served = ratios[list(SERVED).index(select)]
     at = [c for c in cases if (c["context"], c["batch"]) in shapes and served in c]
     if not at:
         return {}
-    best = [min(c[k] for k in ("over_floor", "over_floor_radix") if k in c) for c in at]
+    best = [min(c[k] for k in ratios if k in c) for c in at]
     return {"worst_over_floor": max(c[served] for c in at), "worst_over_floor_select": select,
             "worst_over_floor_faster_path": max(best), "worst_over_floor_shapes": [[c["context"], c["batch"]] for c in at]}
 
@@ -155,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "backend": backend,
            "command": " ".join(["python", "benchmark/indexer.py", *(argv if argv is not None else sys.argv[1:])]),
            "timing": "median of CUDA graph replays" if cuda else "wall clock (smoke)", "hbm_tbps": hbm,
-           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS}, "cases": [], "sweep": []}
+           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS, "split_chunk": CHUNK}, "cases": [], "sweep": []}
     path = os.path.join(args.out, "indexer.json")
     iters = 1 if args.smoke else args.iters
     largest = max(cases, key=lambda c: c[0] * c[1])  # where the launch configurations are swept

@@ -261,6 +261,7 @@ def main(argv=None) -> int:
 
         report["gpu"] = torch.cuda.get_device_name(0)
         report["torch"] = torch.__version__
+        report["rig_logits"] = os.environ.get("ESS_GPU_RIG_LOGITS", "ess")  # ess_gpu_rig.logits(): the indexer's
     if args.gain:
         with S.terminate_as_exit():
             report["gain"] = run_gain(args, say)

@@ -1,6 +1,8 @@
 """The decode Lightning Indexer over FP8 index-K rows in place, as one Triton kernel, and its top-k.
 
     indexer_scores_fp8(q, w, rows, pos, loc=None)     fp32 [N, T]: score[n, t] = sum_h w[n, h] * ReLU(q[n, h] . k[n, t])
+    indexer_scores_pages(q, w, pages, pos, page_table)
+                                                      the same over SGLang's own index-K pages, read in place
     indexer_topk_fp8(q, w, rows, pos, k, loc=None, select="keys")
                                                       int32 [N, k]: the best k positions, best first, -1 padded
     indexer_keys_fp8(q, w, rows, pos, loc=None)       int64 [N, T]: the score keys the top-k ranks (below)
@@ -9,10 +11,14 @@ order in the scores, and exactly in the top-k (tie rule below).
 
 What the kernel reads. Index-K rows (ess.core.layout: 128 FP8 e4m3 bytes, then one float32 scale; value = fp8 *
 scale) are read as the uint8 bytes they are: the kernel bitcasts each byte to FP8 in registers and multiplies the dot
-product by the row's scale, so no dequantised copy of the cache is ever made. Two layouts:
+product by the row's scale, so no dequantised copy of the cache is ever made. Three layouts:
     rows [N, T, 132]                 each request's rows (benchmark/decode_gpu.py's index_k, any strides but the last)
     rows [S, 132] + loc [N, T]       a flat row table and each request's row locations (a serving system's token
                                      table, read in place); loc -1: no row there, the position scores -inf
+    pages [S, 64 * 132] + page_table [N, P]
+                                     SGLang's index-K pages (64 rows of 128 FP8 bytes, then their 64 scales; 128-byte
+                                     aligned rows) and each request's pages (-1: none): the GPU rig's indexer logits
+                                     (python/ess_gpu_rig, in place of DeepGEMM's fp8_paged_mqa_logits)
 Positions t > pos[n] score -inf (the request's own token, at pos[n], is included).
 
 Tile. One program per (block of BLOCK_T = 128 positions, request n): it loads the request's queries [H, 128] once,
@@ -40,7 +46,9 @@ Timed on a GPU only inside the decode stack so far (docs/gpu.md: with the indexe
 32K, batch 204, on an H200, about 10x the byte floor); benchmark/indexer.py times the parts apart. BLOCK_T and
 NUM_WARPS are untuned first choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32
 bits), and the keys take 8 bytes a position ([N, T] int64; the rows read are 132); select="radix" writes fp32 scores
-instead and picks the k with ess.core.topk_select's radix select over 32-bit keys (same sets, untimed on a GPU). A
+instead and picks the k with ess.core.topk_select's radix select over 32-bit keys, one program a request;
+select="fused" writes fp32 scores and counts the first histogram of ess.core.topk_split's radix select as it does,
+whose other passes then spread each request over many programs (same sets; neither timed on a GPU yet). A
 132-byte row is 4-byte but not 16-byte aligned, so the FP8 values may be loaded byte by byte; LOADS = "words" reads
 them as 32 aligned 4-byte words unpacked in registers instead (equal keys, tested; which is faster waits for
 benchmark/indexer.py on a GPU).
@@ -52,17 +60,18 @@ import math
 
 import torch
 
-from ess.core import dsa_math, layout, topk_select
+from ess.core import dsa_math, layout, topk_select, topk_split
 from ess.core.flashtrans import compiled, kernel_backend, triton
 
 BLOCK_T = 128  # positions per program
 NUM_WARPS = 4  # per program (GPU only)
 LOADS = "bytes"  # how a program reads its rows' FP8 values: "bytes", or "words" (4-byte loads; untimed on a GPU)
-# How indexer_topk_fp8 selects: "keys" (int64 keys, torch.topk: the path timed in the decode stack) or "radix"
-# (fp32 scores, ess.core.topk_select's radix select: the same sets, 4 instead of 8 bytes a position written; untimed
-# on a GPU until benchmark/indexer.py runs there)
+# How indexer_topk_fp8 selects: "keys" (int64 keys, torch.topk: the path timed in the decode stack), "radix" (fp32
+# scores, ess.core.topk_select's radix select: the same sets, 4 instead of 8 bytes a position written) or "fused" (fp32
+# scores and the first histogram of ess.core.topk_split's split radix select in one kernel, then its passes); the two
+# last untimed on a GPU until benchmark/indexer.py runs there
 SELECT = "keys"
-SELECTS = ("keys", "radix")
+SELECTS = ("keys", "radix", "fused")
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 LOW_WORD = 0xFFFFFFFF
 NEG_INF_KEY = -2139095041  # the high word of -inf's key: int32 of 0xFF800000 ^ 0x7FFFFFFF
@@ -74,22 +83,29 @@ if triton is not None:
     # Triton's interpreter cannot call unless TRITON_INTERPRET was set at import.
     _ADD = tl.standard._sum_combine
 
-    def _scores_kernel(q_ptr, w_ptr, rows, loc, pos_ptr, out, T, H, row_n, row_t, loc_n, loc_t,
+    def _scores_kernel(q_ptr, w_ptr, rows, loc, pos_ptr, out, hist, T, H, row_n, row_t, loc_n, loc_t,
                        D: tl.constexpr, SCALE_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                        PAGED: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                       WORDS: tl.constexpr):
+                       WORDS: tl.constexpr, HIST: tl.constexpr, HIST_STRIDE: tl.constexpr, PAGE: tl.constexpr):
         n = tl.program_id(1).to(tl.int64)
         t0 = tl.program_id(0) * BLOCK_T
         t = t0 + tl.arange(0, BLOCK_T)
         last = tl.minimum(tl.load(pos_ptr + n).to(tl.int64), T - 1)  # the request's last scored position
         if t0 <= last:
             valid = t <= last
-            if PAGED:  # row locations from the request's map; -1: no row
+            if PAGE > 0:  # SGLang's pages (row_t bytes each: PAGE rows of D bytes, then PAGE scales); loc: page table
+                page = tl.load(loc + n * loc_n + (t // PAGE).to(tl.int64) * loc_t, mask=valid, other=-1).to(tl.int64)
+                valid = valid & (page >= 0)
+                base = page * row_t + (t % PAGE).to(tl.int64) * D
+                scale_at = page * row_t + PAGE * D + (t % PAGE).to(tl.int64) * 4
+            elif PAGED:  # row locations from the request's map; -1: no row
                 r = tl.load(loc + n * loc_n + t.to(tl.int64) * loc_t, mask=valid, other=-1).to(tl.int64)
                 valid = valid & (r >= 0)
                 base = r * row_t
+                scale_at = base + SCALE_OFFSET
             else:
                 base = n * row_n + t.to(tl.int64) * row_t
+                scale_at = base + SCALE_OFFSET
             h = tl.arange(0, BLOCK_H)
             d = tl.arange(0, D)
             q = tl.load(q_ptr + (n * H + h)[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
@@ -105,7 +121,7 @@ if triton is not None:
             else:
                 kb = tl.load(rows + base[:, None] + d[None, :], mask=valid[:, None], other=0)
             k = kb.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # exact: every e4m3 value is a bf16 / fp16 value
-            scale = tl.load((rows + base + SCALE_OFFSET).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+            scale = tl.load((rows + scale_at).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T], fp32 accumulation
             s = tl.maximum(s * scale[None, :], 0.0) * w[:, None]
             score = tl.where(valid, tl.reduce(s, 0, _ADD), float("-inf"))
@@ -119,6 +135,14 @@ if triton is not None:
             tl.store(out + n * T + t, key, mask=t < T)
         else:
             tl.store(out + n * T + t, score, mask=t < T)
+            if HIST:  # pass 0 of ess.core.topk_split: the finite scores' top 8 key bits, counted into hist[n]
+                bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
+                mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+                cand = score > float("-inf")  # positions beyond pos[n] and missing rows score -inf
+                digit = tl.where(cand, ((mono.to(tl.int64) + 2147483648) >> 24).to(tl.int32), 0)
+                bins = tl.arange(0, 256)
+                h = tl.histogram(digit, 256) - tl.where(bins == 0, BLOCK_T - tl.reduce(cand.to(tl.int32), 0, _ADD), 0)
+                tl.atomic_add(hist + n * HIST_STRIDE + bins, h, mask=h > 0)
 else:  # compiled() refuses these without triton, naming the caller
     _scores_kernel = None
 
@@ -131,8 +155,8 @@ def _is_int(x) -> bool:
     return isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
 
 
-def _check(q, w, rows, pos, loc) -> tuple[int, int, int]:
-    """Refuse bad inputs naming the argument; returns (N, H, T)."""
+def _check_queries(q, w, pos) -> tuple[int, int]:
+    """Refuse bad queries, head weights and positions naming the argument; returns (N, H)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[2] != layout.INDEX_DIM or q.dtype not in QUERY_DTYPES:
         raise ValueError(f"indexer: q must be [N, H, {layout.INDEX_DIM}] bf16, fp16 or fp32, got {_got(q)}")
     N, H, _ = q.shape
@@ -140,6 +164,28 @@ def _check(q, w, rows, pos, loc) -> tuple[int, int, int]:
         raise ValueError(f"indexer: w must be a float [N, H] = [{N}, {H}] tensor (q's), got {_got(w)}")
     if not _is_int(pos) or tuple(pos.shape) != (N,):
         raise ValueError(f"indexer: pos must be an integer [N] = [{N}] tensor, got {_got(pos)}")
+    return N, H
+
+
+def _check_table(table, name: str, N: int, entries: int, what: str) -> None:
+    """A [N, *] int32 / int64 map whose entries are -1 or below `entries` (checked on the CPU only: on a GPU it would
+    sync the stream)."""
+    if not _is_int(table) or table.dim() != 2 or table.shape[0] != N or table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indexer: {name} must be an int32 or int64 [N, {'T' if name == 'loc' else 'P'}] tensor "
+                         f"with N = {N}, got {_got(table)}")
+    if not table.is_cuda and table.numel() and not bool(((table >= -1) & (table < entries)).all()):
+        raise ValueError(f"indexer: {name} entries must be -1 or {what} numbers below {entries}")
+
+
+def _same_device(q, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"indexer: {name} is on {t.device}, q on {q.device}")
+
+
+def _check(q, w, rows, pos, loc) -> tuple[int, int, int]:
+    """Refuse bad inputs naming the argument; returns (N, H, T)."""
+    N, H = _check_queries(q, w, pos)
     paged = loc is not None
     want = f"[S, {layout.INDEX_ROW_BYTES}]" if paged else f"[N, T, {layout.INDEX_ROW_BYTES}] with N = {N}"
     if (not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != (2 if paged else 3)
@@ -151,16 +197,23 @@ def _check(q, w, rows, pos, loc) -> tuple[int, int, int]:
     if not paged:
         T = rows.shape[1]
     else:
-        if not _is_int(loc) or loc.dim() != 2 or loc.shape[0] != N or loc.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"indexer: loc must be an int32 or int64 [N, T] tensor with N = {N}, got {_got(loc)}")
+        _check_table(loc, "loc", N, rows.shape[0], "row")  # out-of-range locations would read outside rows
         T = loc.shape[1]
-        # Out-of-range locations would read outside rows. Checked on the CPU only: on a GPU it would sync the stream.
-        if not loc.is_cuda and loc.numel() and not bool(((loc >= -1) & (loc < rows.shape[0])).all()):
-            raise ValueError(f"indexer: loc entries must be -1 or row numbers below rows.shape[0] = {rows.shape[0]}")
-    for name, t in (("w", w), ("rows", rows), ("pos", pos), ("loc", loc)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"indexer: {name} is on {t.device}, q on {q.device}")
+    _same_device(q, w=w, rows=rows, pos=pos, loc=loc)
     return N, H, T
+
+
+def _check_pages(q, w, pages, pos, page_table) -> tuple[int, int, int]:
+    """indexer_scores_pages's inputs; returns (N, H, P)."""
+    N, H = _check_queries(q, w, pos)
+    page_bytes = layout.INDEX_PAGE_TOKENS * layout.INDEX_ROW_BYTES
+    if (not isinstance(pages, torch.Tensor) or pages.dtype != torch.uint8 or pages.dim() != 2
+            or pages.shape[1] != page_bytes or pages.stride(1) != 1 or pages.stride(0) % 4 or pages.data_ptr() % 4):
+        raise ValueError(f"indexer: pages must be uint8 [S, {page_bytes}] with contiguous, 4-byte aligned pages "
+                         f"(SGLang's index-K pages), got {_got(pages)}")
+    _check_table(page_table, "page_table", N, pages.shape[0], "page")
+    _same_device(q, w=w, pages=pages, pos=pos, page_table=page_table)
+    return N, H, page_table.shape[1]
 
 
 def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
@@ -178,24 +231,28 @@ def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
 
 
 def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t: int = BLOCK_T,
-            num_warps: int = NUM_WARPS, loads: str = LOADS) -> torch.Tensor:
-    """The kernel over [N, T] (block_t, num_warps, loads: the launch configuration, for benchmark/indexer.py)."""
+            num_warps: int = NUM_WARPS, loads: str = LOADS, hist: torch.Tensor | None = None,
+            page: int = 0) -> torch.Tensor:
+    """The kernel over [N, T] (block_t, num_warps, loads: the launch configuration, for benchmark/indexer.py; hist:
+    topk_split.new_work's state, whose pass-0 histograms the kernel counts as it writes fp32 scores; page: tokens a
+    page of SGLang's layout, rows then [pages, page * 132] and loc the page table)."""
     if loads not in ("bytes", "words"):
         raise ValueError(f"indexer: loads must be 'bytes' or 'words', got {loads!r}")
     out = torch.empty(N, T, dtype=torch.int64 if keys else torch.float32, device=q.device)
     if N * T == 0:
         return out
-    paged = loc is not None
-    loc_arg = loc if paged else pos  # unread when not paged
+    paged = loc is not None and not page
+    loc_arg = pos if loc is None else loc  # unread when neither paged nor in pages
     grid = (triton.cdiv(T, block_t), N)
     upcast = interpret and q.dtype == torch.bfloat16  # see the kernel
     compiled(_scores_kernel, interpret, "indexer")[grid](
-        q.contiguous(), w.contiguous(), rows, loc_arg, pos.contiguous(), out, T, H,
-        0 if paged else rows.stride(0), rows.stride(-2), loc.stride(0) if paged else 0, loc.stride(1) if paged else 0,
+        q.contiguous(), w.contiguous(), rows, loc_arg, pos.contiguous(), out, out if hist is None else hist, T, H,
+        0 if loc is not None else rows.stride(0), rows.stride(-2), 0 if loc is None else loc.stride(0),
+        0 if loc is None else loc.stride(1),
         D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=block_t,
         BLOCK_H=max(16, 1 << (H - 1).bit_length()), PAGED=paged, KEYS=keys,
         UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else None, WORDS=loads == "words",
-        **({} if interpret else {"num_warps": num_warps}),
+        HIST=hist is not None, HIST_STRIDE=topk_split.WORK, PAGE=page, **({} if interpret else {"num_warps": num_warps}),
     )
     return out
 
@@ -221,15 +278,44 @@ def topk_from_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def indexer_scores_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
-                       loc: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                       loc: torch.Tensor | None = None, backend: str = "auto",
+                       work: torch.Tensor | None = None) -> torch.Tensor:
     """Indexer scores fp32 [N, T] of queries q [N, H, 128] (bf16 / fp16 / fp32) with head weights w [N, H] over FP8
     index-K rows: rows [N, T, 132] uint8, or a row table rows [S, 132] with locations loc [N, T] (-1: no row).
-    Positions beyond pos [N], and missing rows, score -inf."""
+    Positions beyond pos [N], and missing rows, score -inf. work: topk_split.new_work(N)'s state, into which the
+    kernel also counts the split select's pass 0 (select="fused"; not with the torch backend)."""
     N, H, T = _check(q, w, rows, pos, loc)
     backend = kernel_backend(backend, rows.device, "indexer")
+    if work is not None and (not isinstance(work, torch.Tensor) or work.dtype != torch.int32
+                             or tuple(work.shape) != (N, topk_split.WORK) or work.device != q.device
+                             or not work.is_contiguous() or backend == "torch"):
+        raise ValueError(f"indexer: work must be topk_split.new_work({N}) on {q.device}, with the triton or interpret "
+                         f"backend, got {_got(work)} with {backend}")
     if backend == "torch":
         return _torch_scores(q, w, rows, pos, loc)
-    return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=False)
+    return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=False, hist=work)
+
+
+def indexer_scores_pages(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, pos: torch.Tensor,
+                         page_table: torch.Tensor, width: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """indexer_scores_fp8 over SGLang's own index-K pages, read in place: pages [S, 64 * 132] uint8 (a page: 64 rows
+    of 128 FP8 bytes, then their 64 float32 scales; layout.index_k_rows_to_pages), page_table [N, P] (-1: no page).
+    fp32 [N, width] (default P * 64); positions beyond pos [N], beyond the table, or in a missing page score -inf."""
+    N, H, P = _check_pages(q, w, pages, pos, page_table)
+    width = P * layout.INDEX_PAGE_TOKENS if width is None else width
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"indexer: width must be a non-negative int, got {width!r}")
+    pos = pos.clamp(max=P * layout.INDEX_PAGE_TOKENS - 1)  # the table's reach (a device op: no sync)
+    backend = kernel_backend(backend, pages.device, "indexer")
+    if backend == "torch":  # the pages as rows, and each position's row
+        if P == 0 or pages.shape[0] == 0:  # no page to read
+            return torch.full((N, width), -math.inf, device=q.device)
+        t = torch.arange(width, device=q.device)
+        page = page_table.long().gather(1, (t // layout.INDEX_PAGE_TOKENS).clamp(max=P - 1).expand(N, -1))
+        loc = torch.where(page >= 0, page * layout.INDEX_PAGE_TOKENS + t % layout.INDEX_PAGE_TOKENS, -1)
+        return _torch_scores(q, w, layout.index_k_pages_to_rows(pages), pos, loc)
+    return _launch(q, w, pages, pos, page_table, N, H, width, backend == "interpret", keys=False,
+                   page=layout.INDEX_PAGE_TOKENS)
 
 
 def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, k: int,
@@ -249,6 +335,10 @@ def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
     if select == "radix":
         scores = _launch(q, w, rows, pos, loc, N, H, T, interpret, keys=False)
         return topk_select.radix_topk(scores, pos, k, backend=backend)
+    if select == "fused":  # the scores kernel counts the split select's pass 0
+        work = topk_split.new_work(N, q.device)
+        scores = _launch(q, w, rows, pos, loc, N, H, T, interpret, keys=False, hist=work)
+        return topk_split.positions_from_keys(topk_split.split_keys(scores, pos, k, interpret, work, pass0_counted=True))
     return topk_from_keys(_launch(q, w, rows, pos, loc, N, H, T, interpret, keys=True), k)
 
 

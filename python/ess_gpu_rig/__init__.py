@@ -10,7 +10,9 @@ DeepGEMM build loads under torch 2.11. What stands in, with SGLang's own switche
                              it avoids)
     standin/sgl_kernel       sgl_kernel, importable: weak_ref_tensor given, every other kernel raises if called
     patches.py               SGLang's JIT kernels (tvm-ffi + nvcc at first call) on the DeepSeek-V3.2 path, each
-                             replaced by the torch it computes, and one torch-path fix shared with the CPU path
+                             replaced by the torch it computes; the indexer's decode logits by ESS's Triton kernel
+                             over SGLang's pages (DeepGEMM's stand-in; ESS_GPU_RIG_LOGITS=torch keeps SGLang's
+                             torch version); and one torch-path fix shared with the CPU path
 Both servers of a comparison, stock and --enable-ess, run on the same rig, so they compute with the same kernels.
 """
 
@@ -19,6 +21,17 @@ from __future__ import annotations
 import os
 
 ENV = "ESS_GPU_RIG"
+# The indexer's decode logits: "ess" (ESS's Triton kernel over SGLang's pages, patches.fp8_paged_mqa_logits) or
+# "torch" (SGLang's own torch version, SGLANG_FP8_PAGED_MQA_LOGITS_TORCH as it is)
+LOGITS_ENV, LOGITS = "ESS_GPU_RIG_LOGITS", ("ess", "torch")
+
+
+def logits() -> str:
+    """The logits the rig runs, from ESS_GPU_RIG_LOGITS (default "ess"); anything else is refused, naming it."""
+    value = os.environ.get(LOGITS_ENV, LOGITS[0])
+    if value not in LOGITS:
+        raise ValueError(f"{LOGITS_ENV} must be one of {LOGITS}, got {value!r}")
+    return value
 STANDIN_VERSION = "0+ess.gpu_rig.standin"
 
 # SGLang 0.5.23's own switches that keep a dense bf16 DeepSeek-V3.2 server off sgl_kernel and DeepGEMM on CUDA
@@ -29,8 +42,9 @@ SETTINGS = {
     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
     # RMSNorm, rotary, SiluAndMul, clamp_position, LayerNorm: torch (forward_native), not sgl_kernel or JIT kernels
     "SGLANG_FORCE_FUSED_OP_BACKEND": "torch",
-    # the indexer's logits and their schedule: SGLang's torch versions (fp8_paged_mqa_logits_torch, graph-safe) in
-    # place of DeepGEMM's, and no deep_gemm.get_num_sms at model load
+    # the indexer's logits and their schedule: SGLang's torch path (fp8_paged_mqa_logits_torch, graph-safe) in place
+    # of DeepGEMM's, and no deep_gemm.get_num_sms at model load; patches.py gives that path ESS's Triton kernel
+    # (LOGITS_ENV)
     "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
     "SGLANG_DSA_FUSE_TOPK": "0",  # the un-fused torch top-k (with --dsa-topk-backend torch), not sgl_kernel's
     # short prefills attend through FlashMLA's sparse kernel as long ones do, not sgl_kernel's FA3 varlen
@@ -58,7 +72,7 @@ def register() -> None:
 
     if not active() or not torch.cuda.is_available():
         return
-    from ess_gpu_rig.patches import PATCHES
+    from ess_gpu_rig.patches import patches_for
     from sglang_ess import hook_table
 
-    hook_table.register(PATCHES)
+    hook_table.register(patches_for(logits()))

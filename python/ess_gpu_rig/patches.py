@@ -1,12 +1,15 @@
 """The GPU rig's patch points: SGLang's JIT kernels (tvm-ffi modules compiled by nvcc at their first call) that a
-dense bf16 DeepSeek-V3.2 server still reaches on SGLang's torch paths, each replaced by the torch it computes, and
-the rotary fix the CPU path also needs. A table of sglang_ess.hook_table rows, as sglang_ess.cpu.patches's; the tests
-resolve every target in the installed SGLang and check the parameters each row names."""
+dense bf16 DeepSeek-V3.2 server still reaches on SGLang's torch paths, each replaced by the torch it computes; the
+rotary fix the CPU path also needs; and the indexer's decode logits, which SGLang's torch path computes by copying
+every page it reads to bf16, by ESS's Triton kernel over the pages in place (DeepGEMM's does not load here). A table
+of sglang_ess.hook_table rows, as sglang_ess.cpu.patches's; the tests resolve every target in the installed SGLang
+and check the parameters each row names."""
 
 from __future__ import annotations
 
 import torch
 
+from ess.core.indexer_kernel import indexer_scores_pages
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.cpu import kernels
 from sglang_ess.cpu.patches import ROTARY, around_rotary_native
@@ -44,7 +47,27 @@ def paged_mqa_logits_metadata(seq_lens: torch.Tensor, page_size: int, num_sm: in
     return torch.zeros(num_sm + 1, 2, dtype=torch.int32, device=seq_lens.device)
 
 
+def fp8_paged_mqa_logits(q_fp8: torch.Tensor, kv_cache_fp8: torch.Tensor, weights: torch.Tensor,
+                         context_lens: torch.Tensor, block_table: torch.Tensor, schedule_metadata, max_seq_len: int,
+                         clean_logits: bool = False, indices=None) -> torch.Tensor:
+    """The indexer's decode logits (DeepGEMM's fp8_paged_mqa_logits contract) by ESS's Triton indexer kernel over
+    SGLang's index-K pages in place (ess.core.indexer_kernel.indexer_scores_pages), in place of SGLang's torch
+    version, which dequantises every page the batch reaches into a bf16 copy. q_fp8 [B, next_n, H, 128] FP8,
+    weights [B * next_n, H], context_lens [B] or [B, next_n], block_table [B, P]: fp32 [B * next_n, max_seq_len],
+    -inf past each row's context (SGLang's top-k masks by length there; the torch version writes 0)."""
+    if indices is not None:
+        raise ValueError("fp8_paged_mqa_logits: the rig's logits take no index tensor (indices)")
+    B, next_n, H, D = q_fp8.shape
+    lens = context_lens.reshape(B * next_n)  # [B] with next_n 1, or one length a query row
+    table = block_table if next_n == 1 else block_table.repeat_interleave(next_n, dim=0)
+    pages = kv_cache_fp8.reshape(kv_cache_fp8.shape[0], -1).view(torch.uint8)
+    q = q_fp8.reshape(B * next_n, H, D).to(torch.bfloat16)  # every FP8 value is a bf16 value
+    return indexer_scores_pages(q, weights.reshape(B * next_n, H).float(), pages, lens.long() - 1, table,
+                                width=max_seq_len)
+
+
 INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
+LOGITS_TARGET = "sglang.srt.layers.attention.dsa.utils._fp8_paged_mqa_logits_torch"
 HADAMARD = "sglang.kernels.ops.quantization.hadamard.hadamard_transform"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
 FUSED_A = "sglang.kernels.ops.gemm.fused_a_gemm.dsv3_fused_a_gemm"
@@ -63,8 +86,18 @@ PATCHES = [
     Hook(f"{DSV4_OPS}.get_paged_mqa_logits_metadata", HookType.REPLACE, paged_mqa_logits_metadata,
          ("seq_lens", "page_size", "num_sm"),
          "the paged logits' schedule: a JIT kernel (paged_mqa_metadata.cuh) even on SGLang's torch logits path"),
+    Hook(LOGITS_TARGET, HookType.REPLACE, fp8_paged_mqa_logits,
+         ("q_fp8", "kv_cache_fp8", "weights", "context_lens", "block_table", "schedule_metadata", "max_seq_len",
+          "clean_logits", "indices"),
+         "the indexer's decode logits (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH): ESS's Triton kernel over the pages in "
+         "place of SGLang's torch, which copies them to bf16; DeepGEMM's does not load here"),
     Hook(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native, ("self", "positions", "query", "key"),
          "forward_native (SGLANG_FORCE_FUSED_OP_BACKEND=torch) broadcasts the indexer's 2-D key into [tokens, tokens, dim]"),
 ]
+
+def patches_for(logits: str) -> list[Hook]:
+    """The rows the rig registers: all of them with logits "ess", all but the logits row with "torch"."""
+    return [p for p in PATCHES if logits == "ess" or p.target != LOGITS_TARGET]
+
 
 EXPECTED_PARAMS = expected_params(PATCHES)  # the tests' view: target -> the parameters its hook reads

@@ -70,10 +70,11 @@ def test_worst_over_floor_is_the_served_paths_larger_ratio_at_esss_two_shapes(mo
     spec = importlib.util.spec_from_file_location("indexer_bench", ROOT / "benchmark" / "indexer.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    cases = [{"context": 32768, "batch": 204, "over_floor": 9.5, "over_floor_radix": 3.0},
-             {"context": 131072, "batch": 51, "over_floor": 8.0, "over_floor_radix": 4.0},
+    cases = [{"context": 32768, "batch": 204, "over_floor": 9.5, "over_floor_radix": 3.0, "over_floor_fused": 2.5},
+             {"context": 131072, "batch": 51, "over_floor": 8.0, "over_floor_radix": 4.0, "over_floor_fused": 1.5},
              {"context": 32768, "batch": 1, "over_floor": 50.0, "over_floor_radix": 40.0}]
     keys = bench.worst_over_floor(cases, "keys")
-    assert keys["worst_over_floor"] == 9.5 and keys["worst_over_floor_faster_path"] == 4.0
+    assert keys["worst_over_floor"] == 9.5 and keys["worst_over_floor_faster_path"] == 2.5
     assert bench.worst_over_floor(cases, "radix")["worst_over_floor"] == 4.0
+    assert bench.worst_over_floor(cases, "fused")["worst_over_floor"] == 2.5
     assert bench.worst_over_floor(cases[2:], "keys") == {}

@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from ess.core import dsa_math, flashtrans, layout
-from ess.core.indexer_kernel import indexer_keys_fp8, indexer_scores_fp8, indexer_topk_fp8, score_keys, topk_from_keys
+from ess.core import dsa_math, flashtrans, layout, topk_split
+from ess.core.indexer_kernel import (SELECTS, indexer_keys_fp8, indexer_scores_fp8, indexer_scores_pages,
+                                    indexer_topk_fp8, score_keys, topk_from_keys)
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -118,7 +119,7 @@ def test_rows_may_be_a_strided_view():
 
 
 @interpreter
-@pytest.mark.parametrize("select", ["keys", "radix"])
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("paged", [False, True])
 def test_topk_equals_select_topk_on_exact_scores(paged, select):
     q, w, rows = integer_case(3, 8, 290, seed=3)
@@ -132,6 +133,67 @@ def test_topk_equals_select_topk_on_exact_scores(paged, select):
     for k in (1, 16, 40):  # k = 40 > request 2's 21 positions: -1 padding
         got = indexer_topk_fp8(q, w, table, pos, k, loc=loc, backend="interpret", select=select)
         assert got.dtype == torch.int32 and torch.equal(got, dsa_math.select_topk(want, pos, k)), k
+
+
+def page_layout(rows, seed, missing=(1, 2)):
+    """The same rows in SGLang's index-K pages [S, 64 * 132], shuffled among pages nobody owns, and a page table
+    [N, P + 1] (one column past each request's reach; page `missing[1]` of request `missing[0]` set to -1)."""
+    N, T, _ = rows.shape
+    P = -(-T // layout.INDEX_PAGE_TOKENS)
+    g = torch.Generator().manual_seed(seed)
+    S = N * P + 3
+    pool = layout.quantize_index_k(torch.randn(S * layout.INDEX_PAGE_TOKENS, layout.INDEX_DIM, generator=g))
+    perm = torch.randperm(S, generator=g)[: N * P].view(N, P)
+    for n in range(N):
+        for p in range(P):
+            part = rows[n, p * layout.INDEX_PAGE_TOKENS : (p + 1) * layout.INDEX_PAGE_TOKENS]
+            at = int(perm[n, p]) * layout.INDEX_PAGE_TOKENS
+            pool[at : at + part.shape[0]] = part
+    table = torch.full((N, P + 1), -1, dtype=torch.int32)
+    table[:, :P] = perm.int()
+    table[missing] = -1
+    return layout.index_k_rows_to_pages(pool), table
+
+
+@interpreter
+def test_scores_over_sglangs_pages_equal_the_reference():
+    """indexer_scores_pages reads SGLang's own index-K pages (rows, then scales, a page) through its page table:
+    the reference's scores, exactly on integer-valued data, -inf in a missing page and beyond the table."""
+    q, w, rows = integer_case(3, 8, 200, seed=9)  # 200 positions: 4 pages, the last partly filled
+    pos = torch.tensor([199, 150, 63])
+    pages, table = page_layout(rows, seed=9)
+    want, whole = reference(q, w, rows, pos)[0], reference(q, w, rows, pos + 500)[0]
+    want[1, 128:192] = whole[1, 128:192] = -math.inf  # request 1's page 2 is missing
+    for backend in ("interpret", "torch"):
+        got = indexer_scores_pages(q, w, pages, pos, table, backend=backend)
+        assert got.shape == (3, 5 * 64) and torch.equal(got[:, :200], want), backend
+        assert bool((got[:, 200:] == -math.inf).all())
+        # positions past pos and the width past the 4-page table: scored up to the table's reach (256), then -inf
+        wide = indexer_scores_pages(q, w, pages, pos + 500, table[:, :4], width=300, backend=backend)
+        assert wide.shape == (3, 300) and torch.equal(wide[:, :200], whole), backend
+        assert bool(torch.isfinite(wide[[0, 2], 200:256]).all()) and bool((wide[:, 256:] == -math.inf).all())
+    for bad, name in ((dict(pages=pages[:, :100]), "pages"), (dict(page_table=table.float()), "page_table"),
+                      (dict(page_table=table + 100), "page_table"), (dict(width=-1), "width")):
+        with pytest.raises(ValueError, match=name):
+            indexer_scores_pages(**(dict(q=q, w=w, pages=pages, pos=pos, page_table=table) | bad))
+
+
+@interpreter
+@pytest.mark.parametrize("paged", [False, True])
+def test_the_fused_first_histogram_is_the_split_selects_pass_0(paged):
+    """select="fused": the scores kernel counts pass 0 of ess.core.topk_split as it scores (-inf beyond pos and at
+    missing rows counted nowhere); the counts equal the split select's own pass 0 over the same scores."""
+    q, w, rows = integer_case(3, 8, 290, seed=7)
+    pos = torch.tensor([289, 150, 20])
+    table, loc = table_layout(rows, seed=7) if paged else (rows, None)
+    work = topk_split.new_work(3, "cpu")
+    scores = indexer_scores_fp8(q, w, table, pos, loc=loc, backend="interpret", work=work)
+    own = topk_split.new_work(3, "cpu")
+    topk_split.split_keys(scores, pos, 16, interpret=True, work=own)
+    assert torch.equal(work[:, :256], own[:, :256]) and bool((work[:, 256:] == 0).all())
+    assert torch.equal(work[:, :256].sum(1), torch.isfinite(scores).sum(1).int())
+    with pytest.raises(ValueError, match="work"):
+        indexer_scores_fp8(q, w, table, pos, loc=loc, backend="interpret", work=work[:2])
 
 
 @interpreter
@@ -167,7 +229,7 @@ def test_topk_equals_select_topk_on_random_scores_with_a_gap():
 
 
 @interpreter
-@pytest.mark.parametrize("select", ["keys", "radix"])
+@pytest.mark.parametrize("select", SELECTS)
 @pytest.mark.parametrize("paged", [False, True])
 def test_ties_go_to_the_lower_position(paged, select):
     """Exact ties: one key repeated at several positions, and all-zero scores (ReLU of negative dots)."""
@@ -215,7 +277,7 @@ def test_torch_backend_is_the_reference():
 
 
 @interpreter
-@pytest.mark.parametrize("select", ["keys", "radix"])
+@pytest.mark.parametrize("select", SELECTS)
 def test_empty_inputs(select):
     q, w, rows = random_case(2, 4, 0, seed=8)
     pos = torch.tensor([5, 0])
@@ -282,7 +344,7 @@ def test_gpu_kernel_equals_the_reference(paged):
 
 
 @cuda
-@pytest.mark.parametrize("select", ["keys", "radix"])
+@pytest.mark.parametrize("select", SELECTS)
 def test_gpu_topk_equals_select_topk_at_k_2048(select):
     q, w, rows = integer_case(4, 64, 6000, seed=11)
     pos = torch.tensor([5999, 4000, 2100, 1000])  # the last request has fewer than k positions

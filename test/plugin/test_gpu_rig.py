@@ -6,6 +6,7 @@ sgl_kernel stand-in gives weak_ref_tensor and refuses the rest. The rig itself r
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 pytest.importorskip("sglang")
+
+from ess.core import flashtrans, layout  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RIG = os.path.join(ROOT, "python", "ess_gpu_rig")
@@ -72,6 +75,53 @@ def test_concat_gemm_metadata_and_store():
     meta = patches.paged_mqa_logits_metadata(torch.tensor([5, 9]), 64, 132)
     assert meta.shape == (133, 2) and meta.dtype == torch.int32
     assert patches.no_fused_store(torch.bfloat16, torch.int64, 64) is False
+
+
+@pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8's interpreter")
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_the_logits_patch_equals_sglangs_torch_logits_it_replaces(monkeypatch, next_n):
+    """ESS's kernel over SGLang's pages (Triton's interpreter here) against SGLang's own torch logits, called as the
+    rig's SGLang calls them: equal at every position within each row's context, on values every product and sum of
+    which is exact in bf16 and fp32; -inf past the context, where SGLang's writes 0 and its top-k masks by length."""
+    from sglang.srt.layers.attention.dsa import utils
+
+    from ess.core import indexer_kernel
+
+    monkeypatch.setattr(indexer_kernel, "kernel_backend", lambda backend, device, what: "interpret")
+    g = torch.Generator().manual_seed(0)
+    B, H, P, S = 3, 8, 3, 11
+    ternary = lambda *shape: (torch.randint(0, 3, shape, generator=g) - 1).float()  # noqa: E731
+    rows = torch.zeros(S * 64, 132, dtype=torch.uint8)
+    rows[:, :128] = ternary(S * 64, 128).to(torch.float8_e4m3fn).view(torch.uint8)
+    rows[:, 128:] = torch.ones(S * 64).view(torch.uint8).view(-1, 4)  # scale 1.0
+    kv_cache = layout.index_k_rows_to_pages(rows).view(S, 64, 1, 132)
+    q_fp8 = ternary(B, next_n, H, 128).to(torch.float8_e4m3fn)
+    weights = torch.randint(-2, 3, (B * next_n, H), generator=g).float()
+    block_table = torch.randperm(S, generator=g)[: B * P].view(B, P).int()
+    lens = torch.tensor([150, 64, 1])
+    context_lens = lens.view(B, 1) + torch.arange(next_n) - next_n + 1  # each query row's own context
+    got = patches.fp8_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_table, None, P * 64)
+    # SGLang's torch logits take one query row a request: the rows of each request given their own table row
+    flat_lens = context_lens.reshape(-1)
+    want = utils._fp8_paged_mqa_logits_torch(q_fp8.reshape(B * next_n, 1, H, 128), kv_cache, weights, flat_lens,
+                                             block_table.repeat_interleave(next_n, 0), None, P * 64)
+    inside = torch.arange(P * 64) < flat_lens[:, None]
+    assert got.shape == want.shape == (B * next_n, P * 64) and got.dtype == torch.float32
+    assert torch.equal(got[inside], want[inside]) and bool((got[~inside] == -math.inf).all())
+    with pytest.raises(ValueError, match="indices"):
+        patches.fp8_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_table, None, P * 64,
+                                     indices=torch.zeros(1))
+
+
+def test_the_logits_row_is_registered_unless_torch_logits_are_asked_for(monkeypatch):
+    ess_gpu_rig = sys.modules["ess_gpu_rig"]
+    assert patches.LOGITS_TARGET in {p.target for p in patches.patches_for("ess")}
+    assert set(patches.PATCHES) - set(patches.patches_for("torch")) == {
+        p for p in patches.PATCHES if p.target == patches.LOGITS_TARGET}
+    assert ess_gpu_rig.logits() == "ess"
+    monkeypatch.setenv(ess_gpu_rig.LOGITS_ENV, "deepgemm")
+    with pytest.raises(ValueError, match=ess_gpu_rig.LOGITS_ENV):
+        ess_gpu_rig.logits()
 
 
 STANDIN_CHECK = """
