@@ -12,7 +12,8 @@
 # --budget-min M (default 20): the phases share M minutes in order; each runs under what is left, and one the budget
 # cuts is named in OUT_DIR/phases.log (its results are whatever it wrote). PHASE:SECONDS caps that phase as well.
 # --tests (kit): all (default) runs test/core, test/reference and test/analysis; gpu only the files with CUDA paths
-# (the LRU kernels, the miss kernel, FlashTrans, the overlap layer); none skips them.
+# (the LRU kernels, the miss kernel, FlashTrans, the overlap layer, the whole layer's rest, the indexer and its top-k
+# selects); none skips them.
 # --decode-args: more arguments for decode_gpu.py (e.g. "--query-rows 1 --ratios 0.1,0.2").
 # --tar FILE: after every phase, OUT_DIR packed into FILE (the device tool brings back 8 files at most).
 # The device tool caps a command at 10 minutes: there, give the phases caps that fit (docs/gpu.md, "Running it", has
@@ -62,7 +63,8 @@ phase_kit() {
                  --ignore=test/analysis/test_decode_gpu.py)
     [ "$test_set" = gpu ] && files=(test/core/test_lru_cuda.py test/core/test_lru_kernel.py test/core/test_miss_attention.py
                                     test/core/test_flashtrans.py test/reference/test_overlap.py
-                                    test/reference/test_layer_rest.py)
+                                    test/reference/test_layer_rest.py test/core/test_indexer_kernel.py
+                                    test/core/test_topk_select.py)
     if [ "$test_set" != none ]; then
       "$PY" -m pytest -q -p no:cacheprovider --junitxml="$out/tests.xml" "${files[@]}" > "$out/tests.log" 2>&1 || true
       tail -n 3 "$out/tests.log"

@@ -344,6 +344,18 @@ def test_gpu_kernel_equals_the_reference(paged):
 
 
 @cuda
+def test_gpu_kernel_over_sglangs_pages_equals_the_reference():
+    q, w, rows = random_case(4, 64, 3000, seed=12, q_dtype=torch.bfloat16)
+    pos = torch.tensor([2999, 2048, 700, 5])
+    pages, table = page_layout(rows, seed=12)
+    want, magnitude = reference(q, w, rows, pos)
+    want[1, 128:192] = -math.inf  # request 1's page 2 is missing
+    got = indexer_scores_pages(q.cuda(), w.cuda(), pages.cuda(), pos.cuda(), table.cuda()).cpu()
+    assert_close_scores(got[:, :3000], want, magnitude, GPU_TOL)
+    assert bool((got[:, 3000:] == -math.inf).all())
+
+
+@cuda
 @pytest.mark.parametrize("select", SELECTS)
 def test_gpu_topk_equals_select_topk_at_k_2048(select):
     q, w, rows = integer_case(4, 64, 6000, seed=11)
