@@ -65,7 +65,7 @@ from ess.analysis.synth import SynthOptions, synth_trace
 from ess.analysis.synth_fit import load_fitted, scaled
 from ess.analysis.decode_report import plot, summary
 from ess.analysis.timing import graph_us, median_us
-from ess.core import flashtrans, layout
+from ess.core import flashtrans, indexer_kernel, layout
 from ess.core.memory import cache_bytes, hisparse_largest_batch, largest_batch
 from ess.core.pinned import pinned_zeros
 from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, WARMUP_WINDOWS
@@ -495,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="add the rows to OUT/decode.json (one context per run keeps each run short)")
     p.add_argument("--measured", nargs="+", metavar="FILE",
                    help="mode plan chooses each layer's overlap on ESS's terms measured on a GPU: a kit.json, then "
-                   "optionally a bookkeeping.json and a whole-layer decode.json (e.g. benchmark/results/gpu/h200/); "
+                   "optionally a bookkeeping.json, a whole-layer decode.json and an indexer.json (e.g. "
+                   "benchmark/results/gpu/h200/); "
                    "default: the simulator's "
                    "modelled terms, with which plan lost 6-10%% to none on the H200 (docs/gpu.md)")
     p.add_argument("--dtype", choices=sorted(DTYPES),
@@ -518,8 +519,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="two-batch overlap in every arm from batch 2: two micro-batches, one's all-to-all and H2D "
                    "beside the other's compute; mode dba is then each micro-batch's H2D under the other's stage, then "
                    "one attention call (docs/gpu.md, \"Two-batch overlap\")")
+    p.add_argument("--select", choices=indexer_kernel.SELECTS, default=indexer_kernel.SELECT,
+                   help="how the indexer picks its top-k (ess.core.indexer_kernel's SELECT, for this run): int64 keys "
+                   "and torch.topk, the radix select one program a request, or the split radix select fused with the "
+                   "scores kernel (the same sets; benchmark/indexer.py times each)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
     args = p.parse_args(argv)
+    indexer_kernel.SELECT = args.select  # every indexer_topk_fp8 call of the stack reads it
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {MODES}")
@@ -573,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                | ({"fit": f"fitted to real traces ({args.fit}), scaled to top-k and context"} if s.fitted else {}),
                "attention": s.attention, "dtype": str(s.dtype).removeprefix("torch."), "attn1": s.attn1,
                "residency": s.residency, "whole_layer": s.whole_layer, "ep": s.ep, "tbo": s.tbo,
+               "indexer_select": args.select,
                "experts": s.experts if s.whole_layer else None,
                "modelled_parts": modelled_parts(every, s.whole_layer),
                "spin_cycles_per_us": spin_cycles_per_us(s.device) if s.whole_layer else None,

@@ -319,12 +319,14 @@ def indexer_scores_pages(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, 
 
 
 def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, k: int,
-                     loc: torch.Tensor | None = None, backend: str = "auto", select: str = SELECT) -> torch.Tensor:
+                     loc: torch.Tensor | None = None, backend: str = "auto",
+                     select: str | None = None) -> torch.Tensor:
     """The indexer's top-k: int32 [N, k] positions, best first, ties to the lower position, -1 padded; equal to
-    select_topk(indexer_scores_fp8(...), pos, k). Arguments as indexer_scores_fp8; select: "keys" or "radix" (how the
-    kernels pick the k, module docstring; the same sets either way)."""
+    select_topk(indexer_scores_fp8(...), pos, k). Arguments as indexer_scores_fp8; select: one of SELECTS (how the
+    kernels pick the k, module docstring; the same sets either way), None: the module's SELECT at the call."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"indexer: k must be a positive int, got {k!r}")
+    select = SELECT if select is None else select
     if select not in SELECTS:
         raise ValueError(f"indexer: select must be one of {SELECTS}, got {select!r}")
     N, H, T = _check(q, w, rows, pos, loc)

@@ -47,6 +47,7 @@ def test_decode_gpu_smoke_run(tmp_path):
     assert [x["batch"] for x in doc["ratio_by_batch"]] == [1, 2, 3] and doc["residency"] is True
     # the whole layer measured (the network modelled): every row's rest, part by part, beside the simulator's
     assert doc["whole_layer"] is True and doc["ep"] == 32 and doc["modelled_parts"][0].startswith("the EP all-to-all")
+    assert doc["indexer_select"] == "keys"
     for r in doc["rows"]:
         rest = r["rest_ms"]
         assert {"moe_layer", "dense_layer", "comm_wait", "comm_modelled", "lm_head", "routed_experts", "attn_output",
@@ -150,11 +151,11 @@ def test_the_hybrid_figures_stay_a_flag_away(tmp_path):
     """--rest modelled: the attention path measured and the simulator's rest of each layer (the figures before the
     whole layer was measured), and decode.json says so."""
     run = subprocess.run([sys.executable, str(ROOT / "benchmark" / "decode_gpu.py"), "--smoke", "--rest", "modelled",
-                          "--modes", "baseline,none", "--out", str(tmp_path)],
+                          "--modes", "baseline,none", "--select", "fused", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     doc = json.loads((tmp_path / "decode.json").read_text())
-    assert doc["whole_layer"] is False
+    assert doc["whole_layer"] is False and doc["indexer_select"] == "fused"  # how the indexer picked (GPU runs)
     assert doc["modelled_parts"][0] == "w_vc, o_proj, the MoE, the dense FFN and the EP all-to-all: the simulator's"
     assert all("rest_ms" not in r for r in doc["rows"])
 

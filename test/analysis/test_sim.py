@@ -318,3 +318,34 @@ def test_dba_under_two_batch_overlap_hides_each_half_under_the_others_moe_and_al
     hidden = plan_layers(DSV32, H200, cal, dep, 204, 32768, 0, misses, tbo_dba=True)
     assert sum(e for _, e in hidden[DSV32.dense_layers:]) == 0.0  # MoE layers; a dense one has no all-to-all
     assert sum(e for _, e in plan_layers(DSV32, H200, cal, dep, 204, 32768, 0, [0.0] + [3000.0] * 60)) > 0
+
+
+def test_the_measured_indexer_enters_every_arm(tmp_path):
+    """benchmark/indexer.py's indexer.json as a further --measured file: the indexer's logits and top-k by query rows x
+    context, each case's fastest path whose top-k was exact (an inexact faster one is not served), in place of the
+    roofline's for the baseline and ESS alike; the projections stay modelled. A case with no exact path is refused."""
+    from ess.analysis.sim.measured import MeasuredError, load_measured
+
+    def case(batch, context, keys, fused, fused_exact=True):
+        return {"batch": batch, "context": context, "indexer_topk_us": keys, "topk_exact": True,
+                "indexer_fused_us": fused, "fused_exact": fused_exact}
+
+    doc = {"device": "NVIDIA H200", "default_launch": {}, "sweep": [],
+           "cases": [case(1, 32768, 100.0, 80.0), case(4, 32768, 300.0, 200.0, fused_exact=False)]}
+    path = tmp_path / "indexer.json"
+    path.write_text(json.dumps(doc))
+    m = load_measured([KIT, str(path)])
+    assert m.indexer.time(1, 32768) == pytest.approx(80e-6) and m.indexer.time(4, 32768) == pytest.approx(300e-6)
+    assert m.indexer.time(2, 32768) == pytest.approx((80 + (300 - 80) / 3) * 1e-6)  # linear in rows x context
+    assert "fused" in m.describe()["indexer"] and "keys" in m.describe()["indexer"]
+    assert load_measured([KIT, BOOK, str(path)]).indexer is not None and load_measured([KIT, BOOK]).indexer is None
+    spec, hw, cal = DSV32, get_hardware("H200"), load_calibration()
+    modelled = cost.layer_cost(spec, hw, cal, Deployment(), 52, 52, 32768, moe=True)
+    measured = cost.layer_cost(spec, hw, cal, Deployment(), 52, 52, 32768, moe=True, indexer=m.indexer)
+    assert measured.indexer != modelled.indexer and measured.indexer > m.indexer.time(52, 32768)  # plus projections
+    assert simulate(measured=m, context=32768, batch=52)["step_ms"] != simulate(context=32768, batch=52)["step_ms"]
+    doc["cases"][0]["topk_exact"] = False
+    doc["cases"][0]["fused_exact"] = False
+    path.write_text(json.dumps(doc))
+    with pytest.raises(MeasuredError, match="exact"):
+        load_measured([KIT, str(path)])

@@ -84,8 +84,9 @@ class LayerCost:
 
 
 def layer_cost(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment, T: float, B: float, L: float, moe: bool,
-               rest=None) -> LayerCost:
-    """rest: the measured rest of a layer (ess.analysis.sim.measured.MeasuredRest) in place of the roofline's post."""
+               rest=None, indexer=None) -> LayerCost:
+    """rest: the measured rest of a layer (ess.analysis.sim.measured.MeasuredRest) in place of the roofline's post;
+    indexer: the measured logits and top-k (MeasuredIndexer) in place of the roofline's."""
     fp8, bf16 = hw.fp8_tflops, hw.bf16_tflops
     p = spec.mla_params
     pre_indexer = _roofline(2 * T * (p["q_a"] + p["kv_a"]), p["q_a"] + p["kv_a"], fp8, hw, cal)
@@ -93,7 +94,7 @@ def layer_cost(spec: ModelSpec, hw: Hardware, cal: Calibration, dep: Deployment,
         idx_proj = _roofline(2 * T * spec.indexer_params, spec.indexer_params, fp8, hw, cal)
         logits = _roofline(2 * T * spec.index_heads * spec.index_dim * L, B * L * spec.index_row_bytes, fp8, hw, cal)
         topk = _roofline(0, 2 * 4 * T * L, fp8, hw, cal)
-        indexer = idx_proj + logits + topk
+        indexer = idx_proj + (logits + topk if indexer is None else indexer.time(T, L))
     else:
         indexer = 0.0
     pre_attn = _roofline(2 * T * p["q_b"], p["q_b"], fp8, hw, cal) + _roofline(2 * T * p["w_kc"], 2 * p["w_kc"], bf16, hw, cal)
@@ -161,6 +162,7 @@ class EssCosts:
     ess.analysis.sim.measured.MeasuredCosts reads them from a GPU run. `source` names where they come from."""
 
     rest = None  # the rest of a layer: modelled (the roofline); MeasuredCosts may hold a measured one
+    indexer = None  # the indexer's logits and top-k: the same
 
     def __init__(self, cal: Calibration, row_bytes: int):
         self.cal, self.row_bytes = cal, row_bytes
@@ -255,11 +257,11 @@ def step_time(
         raise ValueError(f"ESS setting needs {n_layers} per-layer misses and modes")
 
     ess_costs = costs or modelled(cal, spec)
-    rest = ess_costs.rest
+    rest, indexer = ess_costs.rest, ess_costs.indexer
 
     def layers_at(tokens: float) -> list[LayerCost]:
-        return [layer_cost(spec, hw, cal, dep, tokens, B, context, moe=i >= spec.dense_layers, rest=rest)
-                for i in range(spec.layers)]
+        return [layer_cost(spec, hw, cal, dep, tokens, B, context, moe=i >= spec.dense_layers, rest=rest,
+                           indexer=indexer) for i in range(spec.layers)]
 
     def head(tokens: float) -> float:
         return lm_head_time(spec, hw, cal, tokens) if rest is None else rest.lm_head(tokens)
@@ -269,7 +271,7 @@ def step_time(
     extra = [0.0] * spec.layers
     exposed = [0.0] * n_layers
     h2d_bytes = 0.0
-    draft_cost = layer_cost(spec, hw, cal, dep, B, B, context, moe=True, rest=rest) if mtp else None
+    draft_cost = layer_cost(spec, hw, cal, dep, B, B, context, moe=True, rest=rest, indexer=indexer) if mtp else None
     lru_s = split_s = 0.0
     if ess is not None:
         # The LRU step runs on the compute stream before the H2D, per micro-batch under TBO; verify layers track

@@ -79,8 +79,9 @@ def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float],
     chosen = []
     for i, m in enumerate(misses, first_layer):
         tokens, moe = T if i < spec.layers else batch, i >= spec.dense_layers
-        c = cost.layer_cost(spec, hw, cal, dep, tokens, batch, context, moe=moe, rest=costs.rest)
-        other = cost.layer_cost(spec, hw, cal, dep, tokens / 2, batch / 2, context, moe=moe, rest=costs.rest) \
+        terms = {"rest": costs.rest, "indexer": costs.indexer}
+        c = cost.layer_cost(spec, hw, cal, dep, tokens, batch, context, moe=moe, **terms)
+        other = cost.layer_cost(spec, hw, cal, dep, tokens / 2, batch / 2, context, moe=moe, **terms) \
             if tbo_dba else None
         h = cost.h2d_seconds(batch, m, costs)
         outcome = {mode: cost.exposed_transfer(c, h, mode, costs, batch, m, other) for mode in order}

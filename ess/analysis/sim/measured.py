@@ -20,6 +20,8 @@
     attention(batch)   one FlashMLA V3.2 sparse decode call, reported beside the modelled one
     rest               with a decode.json of the whole layer (benchmark/decode_gpu.py --rest measured): one layer's
                        compute after attention by tokens (MeasuredRest), for the baseline and ESS alike
+    indexer            with benchmark/indexer.py's indexer.json: the indexer's logits and top-k by query rows x
+                       context (MeasuredIndexer), for the baseline and ESS alike
 
 Linear interpolation between measured points and linear extrapolation past them (the two nearest points); what a
 file lacks, and had to be assumed, is listed in `assumed`.
@@ -97,6 +99,7 @@ class MeasuredCosts:
     """ess.analysis.sim.cost.EssCosts' terms from GPU measurements (seconds)."""
 
     rest: "MeasuredRest | None" = None  # the rest of a layer, from a whole-layer decode.json (load_measured)
+    indexer: "MeasuredIndexer | None" = None  # the indexer's logits and top-k, from an indexer.json (load_measured)
 
     def __init__(self, kit_path: str, bookkeeping_path: str | None = None):
         where = f"--measured {kit_path}"
@@ -258,7 +261,8 @@ class MeasuredCosts:
 
     def describe(self) -> dict:
         return {"source": self.source, "device": self.device, "date": self.date, "da_cost": self.da_cost,
-                "rest": None if self.rest is None else self.rest.source, "assumed": list(self.assumed)}
+                "rest": None if self.rest is None else self.rest.source,
+                "indexer": None if self.indexer is None else self.indexer.source, "assumed": list(self.assumed)}
 
 
 class MeasuredRest:
@@ -300,15 +304,55 @@ class MeasuredRest:
         return max(0.0, _interp(tokens, *self._head)) * 1e-3
 
 
+class MeasuredIndexer:
+    """The indexer's logits and top-k measured on a GPU by benchmark/indexer.py (indexer.json's `cases`), by the
+    index-K positions a layer scores (query rows x context: every query row reads its request's rows): time(tokens,
+    context) in seconds. Per case the fastest path whose top-k equalled select_topk's (keys, radix or fused: what
+    ess.core.indexer_kernel.SELECT would be set to), as the LRU step's fastest exact kernel; the indexer's projections
+    stay the roofline's. Linear between the measured products and past them (the two nearest)."""
+
+    PATHS = (("keys", "indexer_topk_us", "topk_exact"), ("radix", "indexer_radix_us", "radix_exact"),
+             ("fused", "indexer_fused_us", "fused_exact"))
+
+    def __init__(self, path: str):
+        where = f"--measured {path}"
+        doc = _read(path)
+        xs, ys, served = [], [], set()
+        for i, case in enumerate(_field(doc, "cases", where)):
+            exact = [(_number(case[us], f"cases[{i}].{us}", where), name) for name, us, ok in self.PATHS
+                     if us in case and case.get(ok) is True]
+            if not exact:
+                raise MeasuredError(f"{where}: cases[{i}] has no indexer path whose top-k was exact ('topk_exact')")
+            best_us, name = min(exact)
+            xs.append(_number(case.get("batch"), f"cases[{i}].batch", where)
+                      * _number(case.get("context"), f"cases[{i}].context", where))
+            ys.append(best_us)
+            served.add(name)
+        self._pts = _points(xs, ys, "cases", where)
+        self.device = str(doc.get("device", "unknown"))
+        self.source = f"{path} ({self.device}, {len(xs)} cases, fastest exact path: {'/'.join(sorted(served))})"
+
+    def time(self, tokens: float, context: float) -> float:
+        return max(0.0, _interp(tokens * context, *self._pts)) * 1e-6
+
+
+def _kind(path: str) -> str:
+    """A further --measured file's kind, by its content."""
+    doc = _read(path)
+    if "rows" in doc:
+        return "decode"
+    return "indexer" if "default_launch" in doc else "bookkeeping"
+
+
 def load_measured(paths: list[str]) -> MeasuredCosts:
-    """`--measured KIT [BOOKKEEPING] [DECODE]`: a kit.json first, then a bookkeeping.json and a whole-layer
-    decode.json, each optional, told apart by their content."""
-    if not 1 <= len(paths) <= 3:
-        raise MeasuredError(f"--measured takes a kit.json and optionally a bookkeeping.json and a decode.json, got "
-                            f"{len(paths)} files")
-    kinds = {"bookkeeping": None, "decode": None}
+    """`--measured KIT [BOOKKEEPING] [DECODE] [INDEXER]`: a kit.json first, then a bookkeeping.json, a whole-layer
+    decode.json and an indexer.json, each optional, told apart by their content."""
+    if not 1 <= len(paths) <= 4:
+        raise MeasuredError(f"--measured takes a kit.json and optionally a bookkeeping.json, a decode.json and an "
+                            f"indexer.json, got {len(paths)} files")
+    kinds = {"bookkeeping": None, "decode": None, "indexer": None}
     for path in paths[1:]:
-        kind = "decode" if "rows" in _read(path) else "bookkeeping"
+        kind = _kind(path)
         if kinds[kind] is not None:
             raise MeasuredError(f"--measured {path}: a second {kind} file")
         kinds[kind] = path
@@ -316,4 +360,7 @@ def load_measured(paths: list[str]) -> MeasuredCosts:
     if kinds["decode"] is not None:
         m.rest = MeasuredRest(kinds["decode"])
         m.source += f"; the rest of a layer: {m.rest.source}"
+    if kinds["indexer"] is not None:
+        m.indexer = MeasuredIndexer(kinds["indexer"])
+        m.source += f"; the indexer: {m.indexer.source}"
     return m
