@@ -123,7 +123,8 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
     row["topk_exact"] = bool(torch.equal(topk_from_keys(keys, k), want))
     if backend != "torch":
         row["radix_exact"] = bool(torch.equal(positions_from_keys(picked), want))
-        row["split_exact"] = bool(torch.equal(positions_from_keys(split_keys(scores, pos, k, interpret=interpret)), want))
+        split = positions_from_keys(split_keys(scores, pos, k, interpret=interpret))
+        row["split_exact"] = bool(torch.equal(split, want))
         fused = indexer_topk_fp8(q, w, rows, pos, k, backend=backend, select="fused")
         row["fused_exact"] = bool(torch.equal(fused, want))  # its scores are the same kernel's: bit-equal
     return row
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "backend": backend,
            "command": " ".join(["python", "benchmark/indexer.py", *(argv if argv is not None else sys.argv[1:])]),
            "timing": "median of CUDA graph replays" if cuda else "wall clock (smoke)", "hbm_tbps": hbm,
-           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS, "split_chunk": CHUNK}, "cases": [], "sweep": []}
+           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS, "split_chunk": CHUNK},
+           "cases": [], "sweep": []}
     path = os.path.join(args.out, "indexer.json")
     iters = 1 if args.smoke else args.iters
     largest = max(cases, key=lambda c: c[0] * c[1])  # where the launch configurations are swept

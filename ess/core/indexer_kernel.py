@@ -3,6 +3,7 @@
     indexer_scores_fp8(q, w, rows, pos, loc=None)     fp32 [N, T]: score[n, t] = sum_h w[n, h] * ReLU(q[n, h] . k[n, t])
     indexer_scores_pages(q, w, pages, pos, page_table)
                                                       the same over SGLang's own index-K pages, read in place
+    indexer_scores_ragged(q, w, keys, starts, ends)   prefill's: each query row over its window of one key table
     indexer_topk_fp8(q, w, rows, pos, k, loc=None, select="keys")
                                                       int32 [N, k]: the best k positions, best first, -1 padded
     indexer_keys_fp8(q, w, rows, pos, loc=None)       int64 [N, T]: the score keys the top-k ranks (below)
@@ -11,15 +12,17 @@ order in the scores, and exactly in the top-k (tie rule below).
 
 What the kernel reads. Index-K rows (ess.core.layout: 128 FP8 e4m3 bytes, then one float32 scale; value = fp8 *
 scale) are read as the uint8 bytes they are: the kernel bitcasts each byte to FP8 in registers and multiplies the dot
-product by the row's scale, so no dequantised copy of the cache is ever made. Three layouts:
+product by the row's scale, so no dequantised copy of the cache is ever made. Four layouts:
     rows [N, T, 132]                 each request's rows (benchmark/decode_gpu.py's index_k, any strides but the last)
     rows [S, 132] + loc [N, T]       a flat row table and each request's row locations (a serving system's token
                                      table, read in place); loc -1: no row there, the position scores -inf
     pages [S, 64 * 132] + page_table [N, P]
                                      SGLang's index-K pages (64 rows of 128 FP8 bytes, then their 64 scales; 128-byte
-                                     aligned rows) and each request's pages (-1: none): the GPU rig's indexer logits
+                                     aligned rows) and each request's pages (-1: none): the GPU rig's decode logits
                                      (python/ess_gpu_rig, in place of DeepGEMM's fp8_paged_mqa_logits)
-Positions t > pos[n] score -inf (the request's own token, at pos[n], is included).
+    keys [S, 132] + starts, ends [M] prefill's ragged windows: query row m over keys[starts[m]:ends[m]] of one table
+                                     (indexer_scores_ragged; the rig's prefill logits, for fp8_mqa_logits)
+Positions t > pos[n] score -inf (the request's own token, at pos[n], is included); with starts, so do t < starts[n].
 
 Tile. One program per (block of BLOCK_T = 128 positions, request n): it loads the request's queries [H, 128] once,
 the block's rows [128, 128] bytes and scales, computes q . k^T with tl.dot (H padded to a power of two >= 16, the
@@ -86,13 +89,15 @@ if triton is not None:
     def _scores_kernel(q_ptr, w_ptr, rows, loc, pos_ptr, out, hist, T, H, row_n, row_t, loc_n, loc_t,
                        D: tl.constexpr, SCALE_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                        PAGED: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                       WORDS: tl.constexpr, HIST: tl.constexpr, HIST_STRIDE: tl.constexpr, PAGE: tl.constexpr):
+                       WORDS: tl.constexpr, HIST: tl.constexpr, HIST_STRIDE: tl.constexpr, PAGE: tl.constexpr,
+                       STARTS: tl.constexpr):
         n = tl.program_id(1).to(tl.int64)
         t0 = tl.program_id(0) * BLOCK_T
         t = t0 + tl.arange(0, BLOCK_T)
         last = tl.minimum(tl.load(pos_ptr + n).to(tl.int64), T - 1)  # the request's last scored position
-        if t0 <= last:
-            valid = t <= last
+        first = tl.load(loc + n).to(tl.int64) if STARTS else 0  # STARTS: loc holds each row's first position
+        if (t0 <= last) & (t0 + BLOCK_T > first):
+            valid = (t <= last) & (t >= first)
             if PAGE > 0:  # SGLang's pages (row_t bytes each: PAGE rows of D bytes, then PAGE scales); loc: page table
                 page = tl.load(loc + n * loc_n + (t // PAGE).to(tl.int64) * loc_t, mask=valid, other=-1).to(tl.int64)
                 valid = valid & (page >= 0)
@@ -125,7 +130,7 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T], fp32 accumulation
             s = tl.maximum(s * scale[None, :], 0.0) * w[:, None]
             score = tl.where(valid, tl.reduce(s, 0, _ADD), float("-inf"))
-        else:  # the whole block is beyond pos[n]: nothing to read
+        else:  # the whole block is outside the row's positions: nothing to read
             score = tl.full([BLOCK_T], float("-inf"), tl.float32)
         if KEYS:
             bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)  # -0.0 ties with +0.0
@@ -232,17 +237,18 @@ def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
 
 def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t: int = BLOCK_T,
             num_warps: int = NUM_WARPS, loads: str = LOADS, hist: torch.Tensor | None = None,
-            page: int = 0) -> torch.Tensor:
+            page: int = 0, starts: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel over [N, T] (block_t, num_warps, loads: the launch configuration, for benchmark/indexer.py; hist:
     topk_split.new_work's state, whose pass-0 histograms the kernel counts as it writes fp32 scores; page: tokens a
-    page of SGLang's layout, rows then [pages, page * 132] and loc the page table)."""
+    page of SGLang's layout, rows then [pages, page * 132] and loc the page table; starts: each row's first scored
+    position)."""
     if loads not in ("bytes", "words"):
         raise ValueError(f"indexer: loads must be 'bytes' or 'words', got {loads!r}")
     out = torch.empty(N, T, dtype=torch.int64 if keys else torch.float32, device=q.device)
     if N * T == 0:
         return out
     paged = loc is not None and not page
-    loc_arg = pos if loc is None else loc  # unread when neither paged nor in pages
+    loc_arg = starts if starts is not None else pos if loc is None else loc  # unread without a map or starts
     grid = (triton.cdiv(T, block_t), N)
     upcast = interpret and q.dtype == torch.bfloat16  # see the kernel
     compiled(_scores_kernel, interpret, "indexer")[grid](
@@ -252,7 +258,8 @@ def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t:
         D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=block_t,
         BLOCK_H=max(16, 1 << (H - 1).bit_length()), PAGED=paged, KEYS=keys,
         UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else None, WORDS=loads == "words",
-        HIST=hist is not None, HIST_STRIDE=topk_split.WORK, PAGE=page, **({} if interpret else {"num_warps": num_warps}),
+        HIST=hist is not None, HIST_STRIDE=topk_split.WORK, PAGE=page, STARTS=starts is not None,
+        **({} if interpret else {"num_warps": num_warps}),
     )
     return out
 
@@ -318,6 +325,29 @@ def indexer_scores_pages(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, 
                    page=layout.INDEX_PAGE_TOKENS)
 
 
+def indexer_scores_ragged(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, starts: torch.Tensor,
+                          ends: torch.Tensor, width: int | None = None, backend: str = "auto") -> torch.Tensor:
+    """Prefill's ragged scores: query row m over the rows keys[starts[m]:ends[m]] of one table keys [S, 132] (the
+    batch's gathered index-K), fp32 [M, width] (default S) by absolute row; -inf outside each row's window."""
+    if not _is_int(starts) or not _is_int(ends) or starts.dim() != 1 or tuple(ends.shape) != tuple(starts.shape):
+        raise ValueError(f"indexer: starts and ends must be integer [M] tensors, got {_got(starts)} and {_got(ends)}")
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 2:
+        raise ValueError(f"indexer: keys must be uint8 [S, {layout.INDEX_ROW_BYTES}], got {_got(keys)}")
+    width = keys.shape[0] if width is None else width
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"indexer: width must be a non-negative int, got {width!r}")
+    rows = keys.unsqueeze(0).expand(starts.shape[0], -1, -1)  # every query row reads the one table in place
+    pos = ends.clamp(max=min(width, keys.shape[0])) - 1
+    N, H, T = _check(q, w, rows, pos, None)
+    _same_device(q, starts=starts)
+    backend = kernel_backend(backend, keys.device, "indexer")
+    if backend == "torch":
+        scores = _torch_scores(q, w, rows, pos, None)
+        scores = scores.masked_fill(torch.arange(T, device=q.device) < starts[:, None], -math.inf)
+        return torch.nn.functional.pad(scores, (0, width - T), value=-math.inf) if width > T else scores[:, :width]
+    return _launch(q, w, rows, pos, None, N, H, width, backend == "interpret", keys=False, starts=starts)
+
+
 def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, k: int,
                      loc: torch.Tensor | None = None, backend: str = "auto",
                      select: str | None = None) -> torch.Tensor:
@@ -340,7 +370,8 @@ def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
     if select == "fused":  # the scores kernel counts the split select's pass 0
         work = topk_split.new_work(N, q.device)
         scores = _launch(q, w, rows, pos, loc, N, H, T, interpret, keys=False, hist=work)
-        return topk_split.positions_from_keys(topk_split.split_keys(scores, pos, k, interpret, work, pass0_counted=True))
+        keys = topk_split.split_keys(scores, pos, k, interpret, work, pass0_counted=True)
+        return topk_split.positions_from_keys(keys)
     return topk_from_keys(_launch(q, w, rows, pos, loc, N, H, T, interpret, keys=True), k)
 
 

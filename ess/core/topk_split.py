@@ -112,7 +112,8 @@ if triton is not None:
                         digit = (lw >> (56 - 8 * PASS)) & 255
                     digit = tl.where(cand, digit, 0).to(tl.int32)
                     # the lanes that are not candidates were counted in bin 0: take them out again
-                    acc += tl.histogram(digit, 256) - tl.where(bins == 0, BLOCK - tl.reduce(cand.to(tl.int32), 0, _ADD), 0)
+                    outside = BLOCK - tl.reduce(cand.to(tl.int32), 0, _ADD)
+                    acc += tl.histogram(digit, 256) - tl.where(bins == 0, outside, 0)
             if not WRITE:
                 tl.atomic_add(hist + PASS * 256 + bins, acc, mask=acc > 0)
 else:  # compiled() refuses these without triton, naming the caller

@@ -10,9 +10,9 @@ DeepGEMM build loads under torch 2.11. What stands in, with SGLang's own switche
                              it avoids)
     standin/sgl_kernel       sgl_kernel, importable: weak_ref_tensor given, every other kernel raises if called
     patches.py               SGLang's JIT kernels (tvm-ffi + nvcc at first call) on the DeepSeek-V3.2 path, each
-                             replaced by the torch it computes; the indexer's decode logits by ESS's Triton kernel
-                             over SGLang's pages (DeepGEMM's stand-in; ESS_GPU_RIG_LOGITS=torch keeps SGLang's
-                             torch version); and one torch-path fix shared with the CPU path
+                             replaced by the torch it computes; the indexer's logits by ESS's Triton kernel,
+                             decode and prefill (DeepGEMM's stand-in; ESS_GPU_RIG_LOGITS=torch keeps SGLang's torch
+                             versions); and one torch-path fix shared with the CPU path
 Both servers of a comparison, stock and --enable-ess, run on the same rig, so they compute with the same kernels.
 """
 
@@ -21,8 +21,9 @@ from __future__ import annotations
 import os
 
 ENV = "ESS_GPU_RIG"
-# The indexer's decode logits: "ess" (ESS's Triton kernel over SGLang's pages, patches.fp8_paged_mqa_logits) or
-# "torch" (SGLang's own torch version, SGLANG_FP8_PAGED_MQA_LOGITS_TORCH as it is)
+# The indexer's logits: "ess" (ESS's Triton kernel: over SGLang's pages in decode, patches.fp8_paged_mqa_logits, and
+# over each query row's window in prefill, patches.fp8_mqa_logits) or "torch" (SGLang's own torch versions, as
+# SGLANG_FP8_PAGED_MQA_LOGITS_TORCH gives them)
 LOGITS_ENV, LOGITS = "ESS_GPU_RIG_LOGITS", ("ess", "torch")
 
 

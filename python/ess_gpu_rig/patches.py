@@ -1,15 +1,17 @@
 """The GPU rig's patch points: SGLang's JIT kernels (tvm-ffi modules compiled by nvcc at their first call) that a
 dense bf16 DeepSeek-V3.2 server still reaches on SGLang's torch paths, each replaced by the torch it computes; the
-rotary fix the CPU path also needs; and the indexer's decode logits, which SGLang's torch path computes by copying
-every page it reads to bf16, by ESS's Triton kernel over the pages in place (DeepGEMM's does not load here). A table
-of sglang_ess.hook_table rows, as sglang_ess.cpu.patches's; the tests resolve every target in the installed SGLang
-and check the parameters each row names."""
+rotary fix the CPU path also needs; and the indexer's logits, which SGLang's torch path computes by copying every
+page it reads to bf16 (decode) and by multiplying every query row by every key, head by head (prefill), by ESS's
+Triton kernel over the pages in place and over each query row's window (DeepGEMM's does not load here). A table of
+sglang_ess.hook_table rows, as sglang_ess.cpu.patches's; the tests resolve every target in the installed SGLang and
+check the parameters each row names."""
 
 from __future__ import annotations
 
 import torch
 
-from ess.core.indexer_kernel import indexer_scores_pages
+from ess.core import layout
+from ess.core.indexer_kernel import indexer_scores_pages, indexer_scores_ragged
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.cpu import kernels
 from sglang_ess.cpu.patches import ROTARY, around_rotary_native
@@ -66,8 +68,29 @@ def fp8_paged_mqa_logits(q_fp8: torch.Tensor, kv_cache_fp8: torch.Tensor, weight
                                 width=max_seq_len)
 
 
+def fp8_mqa_logits(q_fp8: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], weights: torch.Tensor,
+                   ks: torch.Tensor, ke: torch.Tensor, clean_logits: bool = False,
+                   max_seqlen_k: int = 0) -> torch.Tensor:
+    """The indexer's prefill logits (DeepGEMM's fp8_mqa_logits contract): query row m of q_fp8 [M, H, 128] FP8 over
+    rows ks[m]:ke[m] of the batch's gathered index-K kv = (k_fp8 [N, 128], k_scale [N]), by ESS's Triton kernel
+    (ess.core.indexer_kernel.indexer_scores_ragged), in place of SGLang's torch version, which multiplies every query
+    row by every key, head by head. fp32 [M, N] in a row stride padded to 4 as SGLang's; -inf outside each window
+    (SGLang's top-k masks by window; the torch version writes 0)."""
+    if clean_logits:
+        raise ValueError("fp8_mqa_logits: the rig's prefill logits, as SGLang's torch ones, leave the logits uncleaned "
+                         "(clean_logits=False)")
+    k_fp8, k_scale = kv
+    N = k_fp8.shape[0]
+    rows = torch.empty(N, layout.INDEX_ROW_BYTES, dtype=torch.uint8, device=k_fp8.device)  # ESS's 132-byte rows
+    rows[:, : layout.INDEX_DIM] = k_fp8.reshape(N, layout.INDEX_DIM).view(torch.uint8)
+    rows[:, layout.INDEX_SCALE_OFFSET :] = k_scale.float().reshape(N, 1).view(torch.uint8)
+    return indexer_scores_ragged(q_fp8.to(torch.bfloat16), weights.float(), rows, ks, ke,
+                                 width=(N + 3) // 4 * 4)[:, :N]
+
+
 INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
-LOGITS_TARGET = "sglang.srt.layers.attention.dsa.utils._fp8_paged_mqa_logits_torch"
+DSA_UTILS = "sglang.srt.layers.attention.dsa.utils"
+LOGITS_TARGETS = (f"{DSA_UTILS}._fp8_paged_mqa_logits_torch", f"{DSA_UTILS}._fp8_mqa_logits_torch")
 HADAMARD = "sglang.kernels.ops.quantization.hadamard.hadamard_transform"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
 FUSED_A = "sglang.kernels.ops.gemm.fused_a_gemm.dsv3_fused_a_gemm"
@@ -86,18 +109,22 @@ PATCHES = [
     Hook(f"{DSV4_OPS}.get_paged_mqa_logits_metadata", HookType.REPLACE, paged_mqa_logits_metadata,
          ("seq_lens", "page_size", "num_sm"),
          "the paged logits' schedule: a JIT kernel (paged_mqa_metadata.cuh) even on SGLang's torch logits path"),
-    Hook(LOGITS_TARGET, HookType.REPLACE, fp8_paged_mqa_logits,
+    Hook(LOGITS_TARGETS[0], HookType.REPLACE, fp8_paged_mqa_logits,
          ("q_fp8", "kv_cache_fp8", "weights", "context_lens", "block_table", "schedule_metadata", "max_seq_len",
           "clean_logits", "indices"),
          "the indexer's decode logits (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH): ESS's Triton kernel over the pages in "
          "place of SGLang's torch, which copies them to bf16; DeepGEMM's does not load here"),
+    Hook(LOGITS_TARGETS[1], HookType.REPLACE, fp8_mqa_logits,
+         ("q_fp8", "kv", "weights", "ks", "ke", "clean_logits", "max_seqlen_k"),
+         "the indexer's prefill logits (the same switch): ESS's Triton kernel over each row's window in place of "
+         "SGLang's torch, every query by every key head by head, quadratic in the context"),
     Hook(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native, ("self", "positions", "query", "key"),
          "forward_native (SGLANG_FORCE_FUSED_OP_BACKEND=torch) broadcasts the indexer's 2-D key into [tokens, tokens, dim]"),
 ]
 
 def patches_for(logits: str) -> list[Hook]:
-    """The rows the rig registers: all of them with logits "ess", all but the logits row with "torch"."""
-    return [p for p in PATCHES if logits == "ess" or p.target != LOGITS_TARGET]
+    """The rows the rig registers: all of them with logits "ess", all but the two logits rows with "torch"."""
+    return [p for p in PATCHES if logits == "ess" or p.target not in LOGITS_TARGETS]
 
 
 EXPECTED_PARAMS = expected_params(PATCHES)  # the tests' view: target -> the parameters its hook reads

@@ -16,7 +16,7 @@ import torch
 
 from ess.core import dsa_math, flashtrans, layout, topk_split
 from ess.core.indexer_kernel import (SELECTS, indexer_keys_fp8, indexer_scores_fp8, indexer_scores_pages,
-                                    indexer_topk_fp8, score_keys, topk_from_keys)
+                                    indexer_scores_ragged, indexer_topk_fp8, score_keys, topk_from_keys)
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -176,6 +176,25 @@ def test_scores_over_sglangs_pages_equal_the_reference():
                       (dict(page_table=table + 100), "page_table"), (dict(width=-1), "width")):
         with pytest.raises(ValueError, match=name):
             indexer_scores_pages(**(dict(q=q, w=w, pages=pages, pos=pos, page_table=table) | bad))
+
+
+@interpreter
+def test_ragged_scores_over_one_table_equal_the_reference():
+    """indexer_scores_ragged (prefill: each query row over its window [start, end) of the batch's one key table):
+    the reference's scores inside each window, exactly on integer-valued data, -inf outside it and past the table."""
+    q, w, rows = integer_case(4, 8, 300, seed=13)
+    keys = rows[0]  # one table of 300 rows for every query row
+    starts, ends = torch.tensor([0, 100, 130, 299]), torch.tensor([300, 230, 131, 300])
+    full = reference(q, w, keys.expand(4, -1, -1), torch.full((4,), 299))[0]
+    t = torch.arange(300)
+    want = full.masked_fill((t < starts[:, None]) | (t >= ends[:, None]), -math.inf)
+    for backend in ("interpret", "torch"):
+        got = indexer_scores_ragged(q, w, keys, starts, ends, backend=backend)
+        assert torch.equal(got, want), backend
+        wide = indexer_scores_ragged(q, w, keys, starts, ends, width=304, backend=backend)
+        assert wide.shape == (4, 304) and torch.equal(wide[:, :300], want) and bool((wide[:, 300:] == -math.inf).all())
+    with pytest.raises(ValueError, match="starts"):
+        indexer_scores_ragged(q, w, keys, starts.float(), ends)
 
 
 @interpreter

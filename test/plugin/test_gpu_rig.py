@@ -113,11 +113,36 @@ def test_the_logits_patch_equals_sglangs_torch_logits_it_replaces(monkeypatch, n
                                      indices=torch.zeros(1))
 
 
-def test_the_logits_row_is_registered_unless_torch_logits_are_asked_for(monkeypatch):
+@pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8's interpreter")
+def test_the_prefill_logits_patch_equals_sglangs_torch_logits_it_replaces(monkeypatch):
+    """Prefill: each query row over its window [ks, ke) of the batch's gathered index-K, against SGLang's own torch
+    prefill logits on exact values: equal inside every window, -inf outside (SGLang's: 0), its padded row stride."""
+    from sglang.srt.layers.attention.dsa import utils
+
+    from ess.core import indexer_kernel
+
+    monkeypatch.setattr(indexer_kernel, "kernel_backend", lambda backend, device, what: "interpret")
+    g = torch.Generator().manual_seed(1)
+    M, H, N = 6, 8, 202
+    ternary = lambda *shape: (torch.randint(0, 3, shape, generator=g) - 1).float()  # noqa: E731
+    k_fp8, k_scale = ternary(N, 128).to(torch.float8_e4m3fn), torch.ones(N)
+    q_fp8, weights = ternary(M, H, 128).to(torch.float8_e4m3fn), torch.randint(-2, 3, (M, H), generator=g).float()
+    ks, ke = torch.tensor([0, 0, 0, 120, 120, 120], dtype=torch.int32), torch.tensor([1, 60, 120, 121, 170, 202],
+                                                                                   dtype=torch.int32)
+    got = patches.fp8_mqa_logits(q_fp8, (k_fp8, k_scale), weights, ks, ke)
+    want = utils._fp8_mqa_logits_torch(q_fp8, (k_fp8, k_scale), weights, ks, ke)
+    inside = (torch.arange(N) >= ks[:, None]) & (torch.arange(N) < ke[:, None])
+    assert got.shape == want.shape == (M, N) and got.stride(0) == want.stride(0) == 204
+    assert torch.equal(got[inside], want[inside]) and bool((got[~inside] == -math.inf).all())
+    with pytest.raises(ValueError, match="clean_logits"):
+        patches.fp8_mqa_logits(q_fp8, (k_fp8, k_scale), weights, ks, ke, clean_logits=True)
+
+
+def test_the_logits_rows_are_registered_unless_torch_logits_are_asked_for(monkeypatch):
     ess_gpu_rig = sys.modules["ess_gpu_rig"]
-    assert patches.LOGITS_TARGET in {p.target for p in patches.patches_for("ess")}
+    assert set(patches.LOGITS_TARGETS) <= {p.target for p in patches.patches_for("ess")}
     assert set(patches.PATCHES) - set(patches.patches_for("torch")) == {
-        p for p in patches.PATCHES if p.target == patches.LOGITS_TARGET}
+        p for p in patches.PATCHES if p.target in patches.LOGITS_TARGETS}
     assert ess_gpu_rig.logits() == "ess"
     monkeypatch.setenv(ess_gpu_rig.LOGITS_ENV, "deepgemm")
     with pytest.raises(ValueError, match=ess_gpu_rig.LOGITS_ENV):
