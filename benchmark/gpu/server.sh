@@ -9,18 +9,12 @@ cd "$(dirname "$0")/../.."
 OUT=${1:?usage: bash benchmark/gpu/server.sh OUT [server.py arguments]}
 shift
 PY=${PYTHON:-python3}
-SITE=${ESS_SITE:-/tmp/ess-site}
 MODEL=${ESS_MODEL:-/tmp/dsv32-full}
 DEVICE=${ESS_DEVICE:-cuda}
-CARRY=.whl/site.tar.xz
 t0=$(date +%s)
 say() { echo "[server.sh +$(( $(date +%s) - t0 ))s] $*"; }
 mkdir -p "$OUT"
-if [ ! -f "$SITE/.unpacked" ]; then
-  [ -f "$CARRY" ] || { echo "server.sh: $CARRY is missing: run bash scripts/gpu_carry.sh here first, and carry .whl/site.tar.xz" >&2; exit 2; }
-  mkdir -p "$SITE" && tar -xJf "$CARRY" -C "$SITE" && touch "$SITE/.unpacked" || exit 2
-  say "unpacked $CARRY into $SITE"
-fi
+source benchmark/gpu/site.sh || exit 2  # SITE: the carried packages, unpacked
 # SGLang finds plugins by entry point: the ESS plugin and the rig, from the source tree
 dist="$SITE/ess_gpu_server-0.dist-info"
 mkdir -p "$dist"

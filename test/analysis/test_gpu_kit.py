@@ -22,8 +22,9 @@ def test_kit_smoke_run_writes_every_key(tmp_path):
     indexer = json.loads((tmp_path / "indexer.json").read_text())
     want = {"scores_kernel_us", "keys_kernel_us", "topk_keys_us", "topk_float_sorted_us", "indexer_topk_us"}
     assert indexer["cases"] and all(want <= set(c) and c["topk_exact"] for c in indexer["cases"])
-    if indexer["backend"] == "interpret":  # the radix select beside the keys path, where the kernels run
-        assert all(c["radix_exact"] and "indexer_radix_us" in c for c in indexer["cases"])
+    if indexer["backend"] == "interpret":  # the radix selects and the pages layout beside the keys path
+        assert all(c["radix_exact"] and c["split_exact"] and c["fused_exact"] and c["pages_exact"]
+                   and "indexer_fused_us" in c for c in indexer["cases"])
     kit = json.loads((tmp_path / "kit.json").read_text())
     for key in ("device", "torch", "date", "flashtrans", "flashmla", "da_split", "cuda_graph",
                 "bookkeeping_us_per_layer", "overlap"):
@@ -78,3 +79,24 @@ def test_worst_over_floor_is_the_served_paths_larger_ratio_at_esss_two_shapes(mo
     assert bench.worst_over_floor(cases, "radix")["worst_over_floor"] == 4.0
     assert bench.worst_over_floor(cases, "fused")["worst_over_floor"] == 2.5
     assert bench.worst_over_floor(cases[2:], "keys") == {}
+
+
+def test_a_leases_first_call_rehearsed(tmp_path):
+    """benchmark/gpu/lease.sh --smoke: the prepared first device call's steps on the CPU (the server step is
+    scripts/gpu_rehearsal.sh's), each logged, everything in OUT/gpu.tgz alone at OUT's top; bad flags refused."""
+    import tarfile
+
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="")
+    lease = ["bash", str(ROOT / "benchmark" / "gpu" / "lease.sh")]
+    subprocess.run([*lease, str(tmp_path), "--smoke"], check=True, env=env, timeout=600)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.tgz", "lease"]
+    steps = (tmp_path / "lease" / "steps.log").read_text().splitlines()
+    assert steps[0].startswith("server: not run with --smoke")
+    assert [s.split(":")[0] for s in steps[1:]] == ["decode47", "indexer"] and all("exit 0" in s for s in steps[1:])
+    names = tarfile.open(tmp_path / "gpu.tgz").getnames()
+    assert {"lease/decode47/decode.json", "lease/indexer/indexer.json", "lease/steps.log"} <= set(names)
+    decode = json.loads((tmp_path / "lease" / "decode47" / "decode.json").read_text())
+    assert len(decode["commands"]) == 2 and {r["mode"] for r in decode["rows"]} == {"baseline", "none"}
+    for args, message in ((["--budget-min", "0"], "--budget-min must be a positive"), (["--fast"], "unknown flag")):
+        bad = subprocess.run([*lease, str(tmp_path / "b"), *args], capture_output=True, text=True, env=env, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr and not (tmp_path / "b").exists()

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# A lease's first device call, prepared (docs/gpu.md, "The next GPU run"): what waits for a GPU, most valuable
+# first, in one command under the device tool's 10-minute cap, each step under what is left of the budget and OUT
+# packed into OUT/gpu.tgz after each (the device tool brings back 8 files at most).
+#   bash benchmark/gpu/lease.sh OUT [--budget-min M] [--smoke]
+# Steps, in order:
+#   server    the real server's gain with residency on (benchmark/gpu/server.sh --gain --gain-modes none; ~350 s)
+#   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
+#             (benchmark/decode_gpu.py --rest modelled, one decode.json; ~150 s)
+#   indexer   the indexer's parts and its top-k paths (benchmark/indexer.py; what is left)
+# Carry .whl/site.tar.xz and .whl/kernels (bash scripts/gpu_carry.sh): the site holds SGLang and sgl-flash-mla for
+# every step. --budget-min (default 9.5) shares the minutes; --smoke runs the decode and indexer steps on the CPU at
+# tiny sizes (the server step is rehearsed by scripts/gpu_rehearsal.sh), as CI checks this script.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="" budget=9.5 smoke=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget-min) budget=${2:?--budget-min needs minutes}; shift ;;
+    --smoke) smoke="--smoke" ;;
+    -*) echo "lease.sh: unknown flag $1" >&2; exit 2 ;;
+    *) [ -z "$OUT" ] || { echo "lease.sh: one OUT, got $OUT and $1" >&2; exit 2; }; OUT=$1 ;;
+  esac
+  shift
+done
+[ -n "$OUT" ] || { echo "usage: bash benchmark/gpu/lease.sh OUT [--budget-min M] [--smoke]" >&2; exit 2; }
+[[ "$budget" =~ ^[0-9]+([.][0-9]+)?$ ]] && awk "BEGIN{exit !($budget > 0)}" \
+  || { echo "lease.sh: --budget-min must be a positive number of minutes, got $budget" >&2; exit 2; }
+PY=${PYTHON:-python3}
+RUN="$OUT/lease"  # everything but the archive, which alone sits at OUT's top
+mkdir -p "$RUN"
+deadline=$(awk "BEGIN{printf \"%d\", $(date +%s) + $budget * 60}")
+if [ -z "$smoke" ]; then
+  source benchmark/gpu/site.sh || exit 2
+  export PYTHONPATH=".:python:$SITE" ESS_KERNEL_CACHE="$PWD/.whl/kernels"  # flash_mla from the site
+else
+  export PYTHONPATH=".:python"
+fi
+export PYTHONUNBUFFERED=1
+status=0
+
+# step NAME CAP_SECONDS COMMAND...: the command under min(CAP, what is left), its output in RUN/NAME.log
+step() {
+  local name=$1 cap=$2 left rc start
+  shift 2
+  left=$(( deadline - $(date +%s) ))
+  if [ "$left" -le 10 ]; then
+    echo "$name: not run (the budget of $budget min was spent)" | tee -a "$RUN/steps.log"
+    status=1
+    return
+  fi
+  [ "$cap" -ge "$left" ] || left=$cap
+  start=$(date +%s)
+  timeout "$left" "$@" > "$RUN/$name.log" 2>&1
+  rc=$?
+  tail -n 3 "$RUN/$name.log"
+  if [ "$rc" -eq 124 ]; then
+    echo "$name: cut after $(( $(date +%s) - start )) s (its share: $left s)" | tee -a "$RUN/steps.log"
+  else
+    echo "$name: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$RUN/steps.log"
+  fi
+  [ "$rc" -eq 0 ] || status=1
+  tar czf "$OUT/gpu.tgz" -C "$OUT" lease
+}
+
+decode47() {  # 32K MTP verify, then 128K decode appended: baseline and none, as call 3 of 2026-11-27 ran them
+  local common=(--modes baseline,none --rest modelled --out "$RUN/decode47")
+  if [ -n "$smoke" ]; then
+    "$PY" benchmark/decode_gpu.py --smoke "${common[@]}" && "$PY" benchmark/decode_gpu.py --smoke --append "${common[@]}"
+  else
+    "$PY" benchmark/decode_gpu.py --contexts 32768 --ratios 0.2 --query-rows 3 "${common[@]}" \
+      && "$PY" benchmark/decode_gpu.py --contexts 131072 --ratios 0.1 --query-rows 1 --append "${common[@]}"
+  fi
+}
+
+if [ -z "$smoke" ]; then
+  step server 400 env PYTHON="$PY" bash benchmark/gpu/server.sh "$RUN/server" --gain --gain-modes none
+else
+  echo "server: not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)" | tee -a "$RUN/steps.log"
+fi
+export -f decode47
+export PY smoke RUN
+step decode47 200 bash -c "set -o pipefail; decode47"
+step indexer 600 "$PY" benchmark/indexer.py $smoke "$RUN/indexer"
+exit $status
