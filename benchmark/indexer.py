@@ -9,8 +9,9 @@ radix select split across programs (ess.core.topk_split) over the same scores, t
 the scores kernel counting the split select's first histogram, the other passes, the sort), the scores kernel over
 the same rows in SGLang's own pages (the GPU rig's logits), and, for comparison only,
 torch.topk over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other
-launch configurations (positions per program, warps, and how rows are loaded: bytes, or 4-byte words unpacked in
-registers, since a 132-byte row is not 16-byte aligned) at the largest case. Each figure: the median of CUDA graph
+launch configurations (positions per block, warps, how rows are loaded: bytes, or 4-byte words unpacked in
+registers, since a 132-byte row is not 16-byte aligned; and blocks per program, the queries loaded once for them) at
+the largest case. Each figure: the median of CUDA graph
 replays; each path's top-k is checked against select_topk over the kernel's scores (`*_exact`).
 
     python benchmark/indexer.py OUT_DIR            # on a GPU: OUT_DIR/indexer.json
@@ -32,7 +33,7 @@ from ess.analysis.sim.specs import get_hardware
 from ess.analysis.timing import graph_us
 from ess.core import dsa_math, flashtrans, layout
 from ess.core import indexer_kernel
-from ess.core.indexer_kernel import (BLOCK_T, LOADS, NUM_WARPS, indexer_keys_fp8, indexer_scores_fp8,
+from ess.core.indexer_kernel import (BLOCK_T, LOADS, NUM_WARPS, SPAN, indexer_keys_fp8, indexer_scores_fp8,
                                      indexer_scores_pages, indexer_topk_fp8, topk_from_keys)
 from ess.core.topk_select import positions_from_keys, radix_keys
 from ess.core.topk_split import CHUNK, split_keys
@@ -41,9 +42,11 @@ HEADS, TOPK = 64, 2048  # DeepSeek-V3.2's indexer: 64 heads of 128, top-2048
 # (context, batch): batch 1, the baseline's memory wall and ESS's largest batch at ratio 0.1 (decode_gpu.py's)
 GPU_CASES = [(32768, 1), (32768, 52), (32768, 204), (131072, 1), (131072, 13), (131072, 51)]
 ESS_SHAPES = [(32768, 204), (131072, 51)]  # issue 48's two shapes: ESS's largest batches, for worst_over_floor
-# (positions per program, warps, row loads) at the largest case; "words": 4-byte loads unpacked in registers
-SWEEP = [(64, 4, "bytes"), (128, 4, "bytes"), (128, 8, "bytes"), (256, 8, "bytes"), (64, 2, "bytes"),
-         (64, 4, "words"), (128, 4, "words"), (128, 8, "words"), (256, 8, "words")]
+# (positions per block, warps, row loads, blocks per program) at the largest case; "words": 4-byte loads unpacked in
+# registers; blocks per program > 1: the queries loaded once for them
+SWEEP = [(64, 4, "bytes", 1), (128, 4, "bytes", 1), (128, 8, "bytes", 1), (256, 8, "bytes", 1), (64, 2, "bytes", 1),
+         (64, 4, "words", 1), (128, 4, "words", 1), (128, 8, "words", 1), (256, 8, "words", 1),
+         (128, 4, "bytes", 4), (128, 4, "words", 4), (64, 4, "words", 8)]
 # each of indexer_kernel.SELECTS: the row field of its whole time (scores and top-k)
 SERVED = {"keys": "indexer_topk_us", "radix": "indexer_radix_us", "fused": "indexer_fused_us"}
 SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK = [(300, 1), (300, 3)], 8, 64
@@ -148,10 +151,11 @@ def sweep(inputs, k, backend, iters) -> list[dict]:
     q, w, rows, pos = inputs
     want = topk_from_keys(indexer_keys_fp8(q, w, rows, pos, backend=backend), k)
     out = []
-    for block_t, warps, loads in SWEEP:
+    for block_t, warps, loads, span in SWEEP:
         def run():
-            return indexer_keys_fp8(q, w, rows, pos, backend=backend, block_t=block_t, num_warps=warps, loads=loads)
-        row = {"block_t": block_t, "num_warps": warps, "loads": loads}
+            return indexer_keys_fp8(q, w, rows, pos, backend=backend, block_t=block_t, num_warps=warps, loads=loads,
+                                    span=span)
+        row = {"block_t": block_t, "num_warps": warps, "loads": loads, "span": span}
         try:  # a configuration that fails to compile or run is recorded, and the others still run
             row |= {"keys_kernel_us": round(graph_us(run, iters), 1),
                     "same_topk": bool(torch.equal(topk_from_keys(run(), k), want))}  # fp32 sums may differ
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "backend": backend,
            "command": " ".join(["python", "benchmark/indexer.py", *(argv if argv is not None else sys.argv[1:])]),
            "timing": "median of CUDA graph replays" if cuda else "wall clock (smoke)", "hbm_tbps": hbm,
-           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS, "split_chunk": CHUNK},
+           "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS, "span": SPAN,
+                              "split_chunk": CHUNK},
            "cases": [], "sweep": []}
     path = os.path.join(args.out, "indexer.json")
     iters = 1 if args.smoke else args.iters

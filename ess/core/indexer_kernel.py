@@ -24,10 +24,11 @@ product by the row's scale, so no dequantised copy of the cache is ever made. Fo
                                      (indexer_scores_ragged; the rig's prefill logits, for fp8_mqa_logits)
 Positions t > pos[n] score -inf (the request's own token, at pos[n], is included); with starts, so do t < starts[n].
 
-Tile. One program per (block of BLOCK_T = 128 positions, request n): it loads the request's queries [H, 128] once,
-the block's rows [128, 128] bytes and scales, computes q . k^T with tl.dot (H padded to a power of two >= 16, the
-dot's minimum; padded heads have weight 0), scales, ReLU, weights and reduces over the heads in registers. A block
-wholly beyond pos[n] reads nothing and writes -inf. The dot runs in the queries' dtype: bf16 / fp16 queries on the
+Tile. One program per (SPAN blocks of BLOCK_T = 128 positions, request n): it loads the request's queries [H, 128]
+once (SPAN > 1 reads them less often: with one block they cost as many bytes as the block's rows), then for each
+block the rows [128, 128] bytes and scales, computes q . k^T with tl.dot (H padded to a power of two >= 16, the dot's
+minimum; padded heads have weight 0), scales, ReLU, weights and reduces over the heads in registers. A program whose
+positions are all beyond pos[n] reads nothing and writes -inf. The dot runs in the queries' dtype: bf16 / fp16 queries on the
 tensor cores (an FP8 value is exact in either), fp32 queries in full fp32 ("ieee", not TF32). The model's queries
 have been through FP8 (ess.reference's index_query), so bf16 holds them exactly: pass bf16 for speed.
 
@@ -66,7 +67,8 @@ import torch
 from ess.core import dsa_math, layout, topk_select, topk_split
 from ess.core.flashtrans import compiled, kernel_backend, triton
 
-BLOCK_T = 128  # positions per program
+BLOCK_T = 128  # positions per block
+SPAN = 1  # blocks per program, the queries loaded once for them (> 1: untimed on a GPU, benchmark/indexer.py sweeps)
 NUM_WARPS = 4  # per program (GPU only)
 LOADS = "bytes"  # how a program reads its rows' FP8 values: "bytes", or "words" (4-byte loads; untimed on a GPU)
 # How indexer_topk_fp8 selects: "keys" (int64 keys, torch.topk: the path timed in the decode stack), "radix" (fp32
@@ -90,64 +92,73 @@ if triton is not None:
                        D: tl.constexpr, SCALE_OFFSET: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                        PAGED: tl.constexpr, KEYS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                        WORDS: tl.constexpr, HIST: tl.constexpr, HIST_STRIDE: tl.constexpr, PAGE: tl.constexpr,
-                       STARTS: tl.constexpr):
+                       STARTS: tl.constexpr, SPAN: tl.constexpr):
         n = tl.program_id(1).to(tl.int64)
-        t0 = tl.program_id(0) * BLOCK_T
-        t = t0 + tl.arange(0, BLOCK_T)
+        p0 = tl.program_id(0) * (BLOCK_T * SPAN)  # the program's SPAN blocks of BLOCK_T positions
         last = tl.minimum(tl.load(pos_ptr + n).to(tl.int64), T - 1)  # the request's last scored position
         first = tl.load(loc + n).to(tl.int64) if STARTS else 0  # STARTS: loc holds each row's first position
-        if (t0 <= last) & (t0 + BLOCK_T > first):
-            valid = (t <= last) & (t >= first)
-            if PAGE > 0:  # SGLang's pages (row_t bytes each: PAGE rows of D bytes, then PAGE scales); loc: page table
-                page = tl.load(loc + n * loc_n + (t // PAGE).to(tl.int64) * loc_t, mask=valid, other=-1).to(tl.int64)
-                valid = valid & (page >= 0)
-                base = page * row_t + (t % PAGE).to(tl.int64) * D
-                scale_at = page * row_t + PAGE * D + (t % PAGE).to(tl.int64) * 4
-            elif PAGED:  # row locations from the request's map; -1: no row
-                r = tl.load(loc + n * loc_n + t.to(tl.int64) * loc_t, mask=valid, other=-1).to(tl.int64)
-                valid = valid & (r >= 0)
-                base = r * row_t
-                scale_at = base + SCALE_OFFSET
-            else:
-                base = n * row_n + t.to(tl.int64) * row_t
-                scale_at = base + SCALE_OFFSET
+        bins = tl.arange(0, 256)
+        counts = tl.full([256], 0, tl.int32)  # HIST: pass 0's counts over the program's positions
+        if (p0 <= last) & (p0 + BLOCK_T * SPAN > first):
             h = tl.arange(0, BLOCK_H)
             d = tl.arange(0, D)
             q = tl.load(q_ptr + (n * H + h)[:, None] * D + d[None, :], mask=(h < H)[:, None], other=0.0)
             if UPCAST:  # the interpreter's tl.dot multiplies bf16 as raw integers; in fp32 the products are the same
                 q = q.to(tl.float32)
             w = tl.load(w_ptr + n * H + h, mask=h < H, other=0.0).to(tl.float32)
-            if WORDS:  # the 128 FP8 bytes as 32 aligned 4-byte words (a 132-byte row is 4-, not 16-byte aligned)
-                wi = tl.arange(0, D // 4)
-                kw = tl.load((rows + base).to(tl.pointer_type(tl.int32))[:, None] + wi[None, :], mask=valid[:, None],
-                             other=0)
-                shift = tl.arange(0, 4) * 8  # little-endian: byte j of word i is value 4 i + j
-                kb = tl.reshape(((kw[:, :, None] >> shift[None, None, :]) & 0xFF).to(tl.uint8), (BLOCK_T, D))
-            else:
-                kb = tl.load(rows + base[:, None] + d[None, :], mask=valid[:, None], other=0)
-            k = kb.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # exact: every e4m3 value is a bf16 / fp16 value
-            scale = tl.load((rows + scale_at).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T], fp32 accumulation
-            s = tl.maximum(s * scale[None, :], 0.0) * w[:, None]
-            score = tl.where(valid, tl.reduce(s, 0, _ADD), float("-inf"))
-        else:  # the whole block is outside the row's positions: nothing to read
-            score = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        if KEYS:
-            bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)  # -0.0 ties with +0.0
-            mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order = float order
-            low = tl.full([BLOCK_T], 4294967295, tl.int64) - t  # an int64 literal (a bare 2^32 - 1 is uint32)
-            key = (mono.to(tl.int64) << 32) | low
-            tl.store(out + n * T + t, key, mask=t < T)
-        else:
-            tl.store(out + n * T + t, score, mask=t < T)
-            if HIST:  # pass 0 of ess.core.topk_split: the finite scores' top 8 key bits, counted into hist[n]
-                bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)
-                mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-                cand = score > float("-inf")  # positions beyond pos[n] and missing rows score -inf
-                digit = tl.where(cand, ((mono.to(tl.int64) + 2147483648) >> 24).to(tl.int32), 0)
-                bins = tl.arange(0, 256)
-                h = tl.histogram(digit, 256) - tl.where(bins == 0, BLOCK_T - tl.reduce(cand.to(tl.int32), 0, _ADD), 0)
-                tl.atomic_add(hist + n * HIST_STRIDE + bins, h, mask=h > 0)
+            for i in range(SPAN):  # the queries stay in registers across the program's blocks
+                t = p0 + i * BLOCK_T + tl.arange(0, BLOCK_T)
+                valid = (t <= last) & (t >= first)
+                if PAGE > 0:  # SGLang's pages (row_t bytes: PAGE rows of D bytes, then PAGE scales); loc: page table
+                    page = tl.load(loc + n * loc_n + (t // PAGE).to(tl.int64) * loc_t, mask=valid,
+                                   other=-1).to(tl.int64)
+                    valid = valid & (page >= 0)
+                    base = page * row_t + (t % PAGE).to(tl.int64) * D
+                    scale_at = page * row_t + PAGE * D + (t % PAGE).to(tl.int64) * 4
+                elif PAGED:  # row locations from the request's map; -1: no row
+                    r = tl.load(loc + n * loc_n + t.to(tl.int64) * loc_t, mask=valid, other=-1).to(tl.int64)
+                    valid = valid & (r >= 0)
+                    base = r * row_t
+                    scale_at = base + SCALE_OFFSET
+                else:
+                    base = n * row_n + t.to(tl.int64) * row_t
+                    scale_at = base + SCALE_OFFSET
+                if WORDS:  # the 128 FP8 bytes as 32 aligned 4-byte words (a 132-byte row is 4-, not 16-byte aligned)
+                    wi = tl.arange(0, D // 4)
+                    kw = tl.load((rows + base).to(tl.pointer_type(tl.int32))[:, None] + wi[None, :],
+                                 mask=valid[:, None], other=0)
+                    shift = tl.arange(0, 4) * 8  # little-endian: byte j of word i is value 4 i + j
+                    kb = tl.reshape(((kw[:, :, None] >> shift[None, None, :]) & 0xFF).to(tl.uint8), (BLOCK_T, D))
+                else:
+                    kb = tl.load(rows + base[:, None] + d[None, :], mask=valid[:, None], other=0)
+                k = kb.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # exact: every e4m3 value is a bf16 / fp16 value
+                scale = tl.load((rows + scale_at).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_H, BLOCK_T], fp32 accumulation
+                s = tl.maximum(s * scale[None, :], 0.0) * w[:, None]
+                score = tl.where(valid, tl.reduce(s, 0, _ADD), float("-inf"))
+                bits = tl.where(score == 0.0, 0.0, score).to(tl.int32, bitcast=True)  # -0.0 ties with +0.0
+                mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order = float order
+                if KEYS:
+                    low = tl.full([BLOCK_T], 4294967295, tl.int64) - t  # an int64 literal (a bare 2^32 - 1 is uint32)
+                    tl.store(out + n * T + t, (mono.to(tl.int64) << 32) | low, mask=t < T)
+                else:
+                    tl.store(out + n * T + t, score, mask=t < T)
+                if HIST:  # pass 0 of ess.core.topk_split: the finite scores' top 8 key bits
+                    cand = score > float("-inf")  # positions beyond pos[n] and missing rows score -inf
+                    digit = tl.where(cand, ((mono.to(tl.int64) + 2147483648) >> 24).to(tl.int32), 0)
+                    outside = BLOCK_T - tl.reduce(cand.to(tl.int32), 0, _ADD)  # counted in bin 0: taken out again
+                    counts += tl.histogram(digit, 256) - tl.where(bins == 0, outside, 0)
+        else:  # every position of the program is outside the row's: nothing to read, -inf written
+            for i in range(SPAN):
+                t = p0 + i * BLOCK_T + tl.arange(0, BLOCK_T)
+                if KEYS:
+                    low = tl.full([BLOCK_T], 4294967295, tl.int64) - t
+                    mono = tl.full([BLOCK_T], -2139095041, tl.int64)  # -inf's (NEG_INF_KEY)
+                    tl.store(out + n * T + t, (mono << 32) | low, mask=t < T)
+                else:
+                    tl.store(out + n * T + t, tl.full([BLOCK_T], float("-inf"), tl.float32), mask=t < T)
+        if HIST:
+            tl.atomic_add(hist + n * HIST_STRIDE + bins, counts, mask=counts > 0)
 else:  # compiled() refuses these without triton, naming the caller
     _scores_kernel = None
 
@@ -237,8 +248,8 @@ def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
 
 def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t: int = BLOCK_T,
             num_warps: int = NUM_WARPS, loads: str = LOADS, hist: torch.Tensor | None = None,
-            page: int = 0, starts: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel over [N, T] (block_t, num_warps, loads: the launch configuration, for benchmark/indexer.py; hist:
+            page: int = 0, starts: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
+    """The kernel over [N, T] (block_t, num_warps, loads, span: the launch configuration, for benchmark/indexer.py; hist:
     topk_split.new_work's state, whose pass-0 histograms the kernel counts as it writes fp32 scores; page: tokens a
     page of SGLang's layout, rows then [pages, page * 132] and loc the page table; starts: each row's first scored
     position)."""
@@ -249,7 +260,10 @@ def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t:
         return out
     paged = loc is not None and not page
     loc_arg = starts if starts is not None else pos if loc is None else loc  # unread without a map or starts
-    grid = (triton.cdiv(T, block_t), N)
+    span = SPAN if span is None else span  # the module's, read at the call
+    if isinstance(span, bool) or not isinstance(span, int) or span < 1:
+        raise ValueError(f"indexer: span must be a positive int (blocks a program scores), got {span!r}")
+    grid = (triton.cdiv(T, block_t * span), N)
     upcast = interpret and q.dtype == torch.bfloat16  # see the kernel
     compiled(_scores_kernel, interpret, "indexer")[grid](
         q.contiguous(), w.contiguous(), rows, loc_arg, pos.contiguous(), out, out if hist is None else hist, T, H,
@@ -258,7 +272,7 @@ def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t:
         D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=block_t,
         BLOCK_H=max(16, 1 << (H - 1).bit_length()), PAGED=paged, KEYS=keys,
         UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 or upcast else None, WORDS=loads == "words",
-        HIST=hist is not None, HIST_STRIDE=topk_split.WORK, PAGE=page, STARTS=starts is not None,
+        HIST=hist is not None, HIST_STRIDE=topk_split.WORK, PAGE=page, STARTS=starts is not None, SPAN=span,
         **({} if interpret else {"num_warps": num_warps}),
     )
     return out
@@ -377,7 +391,7 @@ def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
 
 def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor,
                      loc: torch.Tensor | None = None, backend: str = "auto", block_t: int = BLOCK_T,
-                     num_warps: int = NUM_WARPS, loads: str = LOADS) -> torch.Tensor:
+                     num_warps: int = NUM_WARPS, loads: str = LOADS, span: int | None = None) -> torch.Tensor:
     """The kernel's int64 score keys [N, T] (score_keys of indexer_scores_fp8's scores), under a given launch
     configuration: what indexer_topk_fp8 hands topk_from_keys (benchmark/indexer.py times the two apart)."""
     N, H, T = _check(q, w, rows, pos, loc)
@@ -385,4 +399,4 @@ def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
     if backend == "torch":
         return score_keys(_torch_scores(q, w, rows, pos, loc))
     return _launch(q, w, rows, pos, loc, N, H, T, backend == "interpret", keys=True, block_t=block_t,
-                   num_warps=num_warps, loads=loads)
+                   num_warps=num_warps, loads=loads, span=span)

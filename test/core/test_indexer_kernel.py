@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from ess.core import dsa_math, flashtrans, layout, topk_split
+from ess.core import dsa_math, flashtrans, indexer_kernel, layout, topk_split
 from ess.core.indexer_kernel import (SELECTS, indexer_keys_fp8, indexer_scores_fp8, indexer_scores_pages,
                                     indexer_scores_ragged, indexer_topk_fp8, score_keys, topk_from_keys)
 
@@ -198,10 +198,12 @@ def test_ragged_scores_over_one_table_equal_the_reference():
 
 
 @interpreter
-@pytest.mark.parametrize("paged", [False, True])
-def test_the_fused_first_histogram_is_the_split_selects_pass_0(paged):
+@pytest.mark.parametrize("paged,span", [(False, 1), (True, 1), (False, 3)])
+def test_the_fused_first_histogram_is_the_split_selects_pass_0(paged, span, monkeypatch):
     """select="fused": the scores kernel counts pass 0 of ess.core.topk_split as it scores (-inf beyond pos and at
-    missing rows counted nowhere); the counts equal the split select's own pass 0 over the same scores."""
+    missing rows counted nowhere), a program's blocks together (SPAN); the counts equal the split select's own pass 0
+    over the same scores, and the fused top-k is select_topk's."""
+    monkeypatch.setattr(indexer_kernel, "SPAN", span)
     q, w, rows = integer_case(3, 8, 290, seed=7)
     pos = torch.tensor([289, 150, 20])
     table, loc = table_layout(rows, seed=7) if paged else (rows, None)
@@ -211,14 +213,17 @@ def test_the_fused_first_histogram_is_the_split_selects_pass_0(paged):
     topk_split.split_keys(scores, pos, 16, interpret=True, work=own)
     assert torch.equal(work[:, :256], own[:, :256]) and bool((work[:, 256:] == 0).all())
     assert torch.equal(work[:, :256].sum(1), torch.isfinite(scores).sum(1).int())
+    got = indexer_topk_fp8(q, w, table, pos, 16, loc=loc, backend="interpret", select="fused")
+    assert torch.equal(got, dsa_math.select_topk(scores, pos, 16))
     with pytest.raises(ValueError, match="work"):
         indexer_scores_fp8(q, w, table, pos, loc=loc, backend="interpret", work=work[:2])
 
 
 @interpreter
-@pytest.mark.parametrize("block_t,loads", [(16, "bytes"), (64, "bytes"), (256, "bytes"), (16, "words"), (128, "words")])
+@pytest.mark.parametrize("block_t,loads,span", [(16, "bytes", 1), (64, "bytes", 1), (256, "bytes", 1), (16, "words", 1),
+                                              (128, "words", 1), (16, "bytes", 4), (64, "words", 3)])
 @pytest.mark.parametrize("paged", [False, True])
-def test_every_launch_configuration_gives_the_same_keys(block_t, loads, paged):
+def test_every_launch_configuration_gives_the_same_keys(block_t, loads, span, paged):
     """benchmark/indexer.py sweeps the kernel's block of positions and how it loads the rows (bytes, or 4-byte
     words unpacked in registers): each gives the reference's keys, bit for bit on integer-valued scores, and the torch
     backend's keys are score_keys of the reference."""
@@ -226,7 +231,7 @@ def test_every_launch_configuration_gives_the_same_keys(block_t, loads, paged):
     pos = torch.tensor([299, 40, 150])
     table, loc = table_layout(rows, seed=5) if paged else (rows, None)
     want = score_keys(reference(q, w, table, pos, loc)[0])
-    got = indexer_keys_fp8(q, w, table, pos, loc=loc, backend="interpret", block_t=block_t, loads=loads)
+    got = indexer_keys_fp8(q, w, table, pos, loc=loc, backend="interpret", block_t=block_t, loads=loads, span=span)
     assert torch.equal(got, want)
     assert torch.equal(indexer_keys_fp8(q, w, table, pos, loc=loc, backend="torch"), want)
     with pytest.raises(ValueError, match="loads"):

@@ -15,7 +15,7 @@ SCORES_SIG = {"q_ptr": "*bf16", "w_ptr": "*fp32", "rows": "*u8", "loc": "*i32", 
               "hist": "*i32", "T": "i32", "H": "i32", "row_n": "i64", "row_t": "i64", "loc_n": "i32", "loc_t": "i32"}
 SCORES = dict(D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=indexer_kernel.BLOCK_T, BLOCK_H=64,
               PAGED=False, KEYS=False, UPCAST=False, PRECISION=None, WORDS=False, HIST=False,
-              HIST_STRIDE=topk_split.WORK, PAGE=0, STARTS=False)
+              HIST_STRIDE=topk_split.WORK, PAGE=0, STARTS=False, SPAN=indexer_kernel.SPAN)
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
@@ -33,6 +33,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
     ("rows, int64 keys", {"KEYS": True}),
     ("token table, 4-byte word loads", {"PAGED": True, "WORDS": True}),
     ("fused first histogram", {"HIST": True}),
+    ("four blocks a program, fused histogram", {"SPAN": 4, "HIST": True}),
+    ("four blocks a program, int64 keys", {"SPAN": 4, "KEYS": True}),
     ("SGLang's pages", {"PAGE": layout.INDEX_PAGE_TOKENS}),
     ("prefill's windows", {"STARTS": True}),
 ])
