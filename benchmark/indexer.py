@@ -47,8 +47,9 @@ ESS_SHAPES = [(32768, 204), (131072, 51)]  # issue 48's two shapes: ESS's larges
 SWEEP = [(64, 4, "bytes", 1), (128, 4, "bytes", 1), (128, 8, "bytes", 1), (256, 8, "bytes", 1), (64, 2, "bytes", 1),
          (64, 4, "words", 1), (128, 4, "words", 1), (128, 8, "words", 1), (256, 8, "words", 1),
          (128, 4, "bytes", 4), (128, 4, "words", 4), (64, 4, "words", 8)]
-# each of indexer_kernel.SELECTS: the row field of its whole time (scores and top-k)
+# each of indexer_kernel.SELECTS: the row field of its whole time (scores and top-k), and of that over the byte floor
 SERVED = {"keys": "indexer_topk_us", "radix": "indexer_radix_us", "fused": "indexer_fused_us"}
+OVER_FLOOR = {"keys": "over_floor", "radix": "over_floor_radix", "fused": "over_floor_fused"}
 SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK = [(300, 1), (300, 3)], 8, 64
 
 
@@ -120,7 +121,7 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
     if row["byte_floor_us"]:
         for path, key in SERVED.items():
             if key in row:
-                row[f"over_floor{'' if path == 'keys' else '_' + path}"] = round(row[key] / row["byte_floor_us"], 2)
+                row[OVER_FLOOR[path]] = round(row[key] / row["byte_floor_us"], 2)
     # exactness, untimed: each top-k is select_topk's over the kernel's own scores
     want = dsa_math.select_topk(scores, pos, k)
     row["topk_exact"] = bool(torch.equal(topk_from_keys(keys, k), want))
@@ -136,12 +137,11 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
 def worst_over_floor(cases: list[dict], select: str, shapes=ESS_SHAPES) -> dict:
     """The larger of the served path's time over its byte floor at `shapes` (`select`: indexer_kernel.SELECT, the
     path the stack and a GPU server run), and the same for the faster path at each shape; {} without them."""
-    ratios = ["over_floor" if path == "keys" else f"over_floor_{path}" for path in SERVED]
-    served = ratios[list(SERVED).index(select)]
+    served = OVER_FLOOR[select]
     at = [c for c in cases if (c["context"], c["batch"]) in shapes and served in c]
     if not at:
         return {}
-    best = [min(c[k] for k in ratios if k in c) for c in at]
+    best = [min(c[k] for k in OVER_FLOOR.values() if k in c) for c in at]
     return {"worst_over_floor": max(c[served] for c in at), "worst_over_floor_select": select,
             "worst_over_floor_faster_path": max(best), "worst_over_floor_shapes": [[c["context"], c["batch"]] for c in at]}
 

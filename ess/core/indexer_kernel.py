@@ -385,7 +385,7 @@ def indexer_topk_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
         work = topk_split.new_work(N, q.device)
         scores = _launch(q, w, rows, pos, loc, N, H, T, interpret, keys=False, hist=work)
         keys = topk_split.split_keys(scores, pos, k, interpret, work, pass0_counted=True)
-        return topk_split.positions_from_keys(keys)
+        return topk_select.positions_from_keys(keys)
     return topk_from_keys(_launch(q, w, rows, pos, loc, N, H, T, interpret, keys=True), k)
 
 

@@ -108,17 +108,23 @@ def positions_from_keys(keys: torch.Tensor) -> torch.Tensor:
     return torch.where((top >> 32) > NEG_INF_KEY, LOW_WORD - (top & LOW_WORD), -1).to(torch.int32)
 
 
-def radix_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
-    """select_topk(scores, pos, k) by a radix select: int32 [N, k] positions, best first, ties to the lower position,
-    -1 padded. scores fp32 [N, T], pos integer [N]."""
+def check_inputs(scores, pos, k, what: str) -> None:
+    """A select's inputs (scores fp32 [N, T], pos integer [N] on the same device, k a positive int), refused naming
+    the argument and the caller `what`."""
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"radix_topk: scores must be float32 [N, T], got {getattr(scores, 'dtype', type(scores))} "
+        raise ValueError(f"{what}: scores must be float32 [N, T], got {getattr(scores, 'dtype', type(scores))} "
                          f"{tuple(getattr(scores, 'shape', ()))}")
     if (not isinstance(pos, torch.Tensor) or pos.is_floating_point() or tuple(pos.shape) != (scores.shape[0],)
             or pos.device != scores.device):
-        raise ValueError(f"radix_topk: pos must be an integer [N] = [{scores.shape[0]}] tensor on {scores.device}")
+        raise ValueError(f"{what}: pos must be an integer [N] = [{scores.shape[0]}] tensor on {scores.device}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"radix_topk: k must be a positive int, got {k!r}")
+        raise ValueError(f"{what}: k must be a positive int, got {k!r}")
+
+
+def radix_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
+    """select_topk(scores, pos, k) by a radix select: int32 [N, k] positions, best first, ties to the lower position,
+    -1 padded. scores fp32 [N, T], pos integer [N]."""
+    check_inputs(scores, pos, k, "radix_topk")
     backend = kernel_backend(backend, scores.device, "radix_topk")
     if backend == "torch":
         return dsa_math.select_topk(scores, pos, k)

@@ -38,7 +38,7 @@ import torch
 
 from ess.core import dsa_math
 from ess.core.flashtrans import compiled, kernel_backend, triton
-from ess.core.topk_select import PAD_KEY, positions_from_keys
+from ess.core.topk_select import PAD_KEY, check_inputs, positions_from_keys
 
 CHUNK = 4096  # positions a program covers in a pass
 BLOCK = 1024  # positions a program reads a loop step
@@ -150,14 +150,7 @@ def split_keys(scores: torch.Tensor, pos: torch.Tensor, k: int, interpret: bool 
 def split_topk(scores: torch.Tensor, pos: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
     """select_topk(scores, pos, k) by the split radix select: int32 [N, k] positions, best first, ties to the lower
     position, -1 padded. scores fp32 [N, T], pos integer [N]."""
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"split_topk: scores must be float32 [N, T], got {getattr(scores, 'dtype', type(scores))} "
-                         f"{tuple(getattr(scores, 'shape', ()))}")
-    if (not isinstance(pos, torch.Tensor) or pos.is_floating_point() or tuple(pos.shape) != (scores.shape[0],)
-            or pos.device != scores.device):
-        raise ValueError(f"split_topk: pos must be an integer [N] = [{scores.shape[0]}] tensor on {scores.device}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"split_topk: k must be a positive int, got {k!r}")
+    check_inputs(scores, pos, k, "split_topk")
     backend = kernel_backend(backend, scores.device, "split_topk")
     if backend == "torch":
         return dsa_math.select_topk(scores, pos, k)

@@ -76,10 +76,10 @@ def plan_layers(spec, hw, cal, dep, batch, context, mtp, misses: list[float],
     T = batch * (mtp + 1)
     order = ("none", "da", "dba")
     costs = costs or cost.modelled(cal, spec)
+    terms = {"rest": costs.rest, "indexer": costs.indexer}  # measured terms, where costs holds them
     chosen = []
     for i, m in enumerate(misses, first_layer):
         tokens, moe = T if i < spec.layers else batch, i >= spec.dense_layers
-        terms = {"rest": costs.rest, "indexer": costs.indexer}
         c = cost.layer_cost(spec, hw, cal, dep, tokens, batch, context, moe=moe, **terms)
         other = cost.layer_cost(spec, hw, cal, dep, tokens / 2, batch / 2, context, moe=moe, **terms) \
             if tbo_dba else None
