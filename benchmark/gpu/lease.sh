@@ -4,9 +4,10 @@
 # packed into OUT/gpu.tgz after each (the device tool brings back 8 files at most).
 #   bash benchmark/gpu/lease.sh OUT [--budget-min M] [--smoke]
 # Steps, in order:
-#   server    the real server's gain with residency on (benchmark/gpu/server.sh --gain --gain-modes none; ~350 s)
+#   server    the real server's gain with residency on (benchmark/gpu/server.sh --gain --gain-modes none; about
+#             350 s on the H200 before the rig ran ESS's logits)
 #   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
-#             (benchmark/decode_gpu.py --rest modelled, one decode.json; ~150 s)
+#             (benchmark/decode_gpu.py --rest modelled, one decode.json; about 150 s on the H200)
 #   indexer   the indexer's parts and its top-k paths (benchmark/indexer.py; what is left)
 # Carry .whl/site.tar.xz and .whl/kernels (bash scripts/gpu_carry.sh): the site holds SGLang and sgl-flash-mla for
 # every step. --budget-min (default 9.5) shares the minutes; --smoke runs the decode and indexer steps on the CPU at
