@@ -282,6 +282,16 @@ class ServingLatentCache:
         if self.tier is not None:
             raise NotImplementedError("a disk tier does not take a PD warm-up (the plugin refuses --ess-disk-dir on PD nodes)")
         self.sparse.load(req, pos, stamps)
+        self.fill_held(req, token_table)
+
+    def fill_held(self, req: int, token_table: torch.Tensor) -> None:
+        """Every row request slot req's LRU tables hold, on every layer, from the host pool in one gather: after
+        load_warm's state, or once a request's KV lands in the host pool after its tables were set (a PD request
+        demoted before its KV arrived holds rows never written to its slots). A held position not written yet gets
+        whatever its table entry points at, as after a demotion (see `demote`)."""
+        if self.tier is not None:
+            raise NotImplementedError("fill_held reads host rows by token location; a disk tier's are frames (the plugin "
+                                      "refuses --ess-disk-dir on PD nodes)")
         L, slots = self.gpu.shape[:2]
         C = self.capacity
         held = self.sparse.slot_pos[:, req, :C].long()  # [L, C]
@@ -385,11 +395,13 @@ class ServingLatentCache:
         if self.regions is not None:
             if slots is None:
                 slots = [int(x) for x in req.reshape(-1).tolist()] if isinstance(req, torch.Tensor) else [req]
-            for r in slots:
-                if r in self.region:
-                    self.regions.free(*self.region.pop(r))
-                    self.offloaded.discard(r)
-                    self.moved.discard(r)
+            freed = [r for r in dict.fromkeys(slots) if r in self.region]  # (a row reset twice is freed once)
+            for r in freed:
+                self.regions.free(*self.region.pop(r))
+                self.offloaded.discard(r)
+                self.moved.discard(r)
+            if freed:  # a freed slot is no one's region: nothing reads it as resident
+                self.is_resident[torch.tensor(freed, device=self.is_resident.device)] = False
 
     def device_bytes(self) -> int:
         return self.gpu.numel() + self.sparse.table_bytes()

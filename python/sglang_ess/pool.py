@@ -263,6 +263,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         return {"kv": kv, "index_k": self.index_key_cache.cpu_copy(indices)}
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+        """Rows back from get_cpu_copy: SGLang restoring a retracted PD request's backup (cpu_tensor) into its new
+        request row, whose first len(indices) positions have then landed (EssRuntime.kv_landed)."""
         idx = indices.long()
         if self.ess_tier is None:
             self.ess_host[:, idx.cpu()] = kv_cache_cpu["kv"]
@@ -272,6 +274,8 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
                 self.ess_host[i][self._frame_rows(i, idx, dirty=True)] = kv_cache_cpu["kv"][i]
                 self._rewritten(i, idx, *lost[i])
         self.index_key_cache.load_cpu_copy(kv_cache_cpu["index_k"], indices)
+        if self.ess_runtime is not None and req_pool_index is not None:
+            self.ess_runtime.kv_landed(int(req_pool_index), idx.numel())
 
 
 def pool_class(scratch_rows: int, stage_rows: int, backend: str = "auto", tier: DiskTierSpec | None = None) -> type:

@@ -378,9 +378,13 @@ class EssRuntime:
         if got is not None:
             self.cache.warmup(layer_id - self.start_layer, got[0], self.token_table, got[1])
 
-    def transferred(self, req_slot: int, length: int) -> None:
-        """PD decode with residency: a request's KV (its first `length` positions) landed in the host pool; at the next
-        forward a resident request's region is filled from there (an offloaded one warms up from its entries)."""
+    def kv_landed(self, req_slot: int, length: int) -> None:
+        """With residency, a request's KV (its first `length` positions) landed in the host pool without a prefill
+        forward: a PD transfer's commit, or SGLang restoring a retracted request's backup (the pool's load_cpu_copy).
+        At the next forward, whatever happened to the request since its row was given (demoted, promoted, both), the
+        rows it holds become true: a resident one's region is filled from the host pool; an offloaded one loads its
+        warm-up entries if they came, else the rows its LRU tables hold are fetched (a demotion before the KV landed
+        held rows never written; docs/plugin.md, "Residency first on a PD decode node")."""
         if self.cache.regions is not None:
             self._landed[req_slot] = length
 
@@ -407,6 +411,7 @@ class EssRuntime:
         self._resets.extend(rows)
         for r in rows:
             self._loads.pop(r, None)  # a state loaded for the row's previous request does not carry over
+            self._landed.pop(r, None)  # nor its KV's landing: the new request's comes after this
             if self.cache.tier is not None:  # nor a lost row that request read (hooks.forward.after_run_batch)
                 self.cache.tier.lost_reads.pop(r, None)
 
@@ -420,13 +425,19 @@ class EssRuntime:
             self.cache.release(torch.tensor(resets, dtype=torch.int64, device=self.cache.gpu.device), resets)
         if self.cache.regions is not None:  # new requests' rows (a finished request's row waits for its next one)
             finished, self._finished = self._finished, set()
-            self._admit_regions([r for r in dict.fromkeys(resets) if r in self._positions or r not in finished],
-                                bool(resets))
+            given = dict.fromkeys(resets)
+            # first come, first resident: in the order the rows were given (plan_positions notes each as it is given; a
+            # row reset without a reach, for tests and rows SGLang frees outside its release, after those)
+            new = [r for r in self._positions if r in given] + [r for r in given if r not in self._positions
+                                                               and r not in finished]
+            self._admit_regions(new, bool(resets))
         resident = set(self.cache.resident_requests()) if self.cache.regions is not None else set()
         for slot, length in landed.items():
             if slot in resident:  # its whole KV, from the host pool where the transfer wrote it
                 self.cache.fill_from_host(slot, length, self.token_table)
                 self.filled_from_host += 1
+            elif slot in self.cache.offloaded and slot not in loads:  # the rows its tables hold (kv_landed)
+                self.cache.fill_held(slot, self.token_table)
         for slot, entries in loads.items():
             if slot in resident:
                 continue  # every row of it is on the GPU already: no warm-up to load
@@ -507,7 +518,8 @@ class EssRuntime:
         out = {"device_bytes": self.cache.device_bytes(), "modes": self.modes,
                "pd": {"warm_states_loaded": self.warm_loaded, "resident_regions_filled": self.filled_from_host}}
         if self.cache.regions is not None:
-            out |= {"residency": {"resident_requests": len(self.cache.resident_requests()),
+            out |= {"residency": {"device_rows": self.cache.regions.rows,
+                                  "resident_requests": len(self.cache.resident_requests()),
                                   "offloaded_requests": len(self.cache.offloaded), "demoted": self.demoted,
                                   "promoted": self.promoted, "fixed_path": self.cache.fixed_path}}
         if tier is None:

@@ -1,8 +1,9 @@
 """PD for real over NIXL (docs/plugin.md, "PD on one machine"): a prefill server and an ESS decode server (every
-request offloaded: the warm-up state path) with `--disaggregation-transfer-backend nixl`, KV and ESS's warm-up
-metadata moved by NIXL's UCX backend on this host, SGLang's router in front; greedy tokens equal to a co-located stock
-server's, each request sent alone. A module of its own: NIXL's progress threads keep the CPU busy while its servers
-live, so they live only for these requests (test_pd_servers.py runs the Mooncake pairs and the faults)."""
+request offloaded: the warm-up state path; or residency first: each request's region filled from the host pool NIXL
+wrote) with `--disaggregation-transfer-backend nixl`, KV and ESS's warm-up metadata moved by NIXL's UCX backend on
+this host, SGLang's router in front; greedy tokens equal to a co-located stock server's, each request sent alone. A
+module of its own, one deployment at a time: NIXL's progress threads keep the CPU busy while its servers live, so they
+live only for these requests (test_pd_servers.py runs the Mooncake pairs and the faults)."""
 
 import pytest
 
@@ -18,7 +19,8 @@ TIMEOUTS = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGAT
             "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
 
 
-def test_pd_over_nixl_gives_colocated_stock_tokens(tmp_path):
+@pytest.mark.parametrize("decode_flags", [S.ESS_FLAGS, S.ESS_RESIDENT_FLAGS], ids=["offloaded", "resident"])
+def test_pd_over_nixl_gives_colocated_stock_tokens(tmp_path, decode_flags):
     model = str(tmp_path / "model")
     checkpoint.write(model, seed=0)
     env = PD.engine_env() | TIMEOUTS
@@ -26,7 +28,7 @@ def test_pd_over_nixl_gives_colocated_stock_tokens(tmp_path):
     stock = S.Server(model, S.CPU_FLAGS, str(tmp_path / "stock.log"))
     prefill = S.Server(model, S.CPU_FLAGS + PD.prefill_flags(bootstrap, "nixl") + PD.PREFILL_ESS,
                        str(tmp_path / "prefill.log"), env=env)
-    decode = S.Server(model, S.CPU_FLAGS + PD.decode_flags("nixl") + S.ESS_FLAGS, str(tmp_path / "decode.log"),
+    decode = S.Server(model, S.CPU_FLAGS + PD.decode_flags("nixl") + decode_flags, str(tmp_path / "decode.log"),
                       env=env)
     procs = [stock, prefill, decode]
     try:
@@ -45,5 +47,8 @@ def test_pd_over_nixl_gives_colocated_stock_tokens(tmp_path):
         for proc in procs:
             proc.stop()
     assert got == want
-    assert state["pd"]["warm_states_loaded"] >= 4 and state["missed_rows"] > 0, state
+    if decode_flags is S.ESS_FLAGS:
+        assert state["pd"]["warm_states_loaded"] >= 4 and state["missed_rows"] > 0, state
+    else:
+        assert state["pd"]["resident_regions_filled"] >= 4 and state["missed_rows"] == 0, state
     assert not [line for srv in (prefill, decode) for line in srv.log_lines("memory leak detected")]

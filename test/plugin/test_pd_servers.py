@@ -37,6 +37,10 @@ DECODES = {  # name -> the decode server's ESS flags
     "offloaded": ESS_DECODE + ["--ess-residency", "off"],  # 96 slots: the prefill node's warm-up state, then misses
     "progressive": ESS_DECODE + ["--ess-progressive-pd"],  # decoding starts before every page has landed
 }
+# A pair whose prefill node sends no warm-up state, and whose decode node has 4 request rows (2 running, 1 in transfer,
+# SGLang's padding row): 4 x 96 device rows, so one long request fills them and the next one's admission demotes it
+NO_WARMUP = ["--ess-warmup-windows", "0"]
+DEMOTING = ESS_DECODE + NO_WARMUP + ["--max-running-requests", "2", "--disaggregation-decode-extra-slots", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,11 @@ def deployment(tmp_path_factory):
                        env=env)
     decodes = {name: S.Server(model, S.CPU_FLAGS + PD.DECODE_FLAGS + flags, str(tmp / f"decode-{name}.log"), env=env)
                for name, flags in DECODES.items()}
-    servers = [stock, prefill, *decodes.values()]
+    cold_bootstrap = S.free_port()
+    cold = S.Server(model, S.CPU_FLAGS + PD.prefill_flags(cold_bootstrap) + PD.PREFILL_ESS + NO_WARMUP,
+                    str(tmp / "prefill-no-warmup.log"), env=env)
+    demoting = S.Server(model, S.CPU_FLAGS + PD.DECODE_FLAGS + DEMOTING, str(tmp / "decode-demoting.log"), env=env)
+    servers = [stock, prefill, *decodes.values(), cold, demoting]
     routers = {}
     extra = EXTRA  # servers a fault test starts
     try:
@@ -64,16 +72,19 @@ def deployment(tmp_path_factory):
             for name, dec in decodes.items():
                 routers[name] = PD.Router(model, [], str(tmp / f"router-{name}.log"), prefill=(prefill.port, bootstrap),
                                           decode=dec.port).start()
+            routers["demoting"] = PD.Router(model, [], str(tmp / "router-demoting.log"),
+                                            prefill=(cold.port, cold_bootstrap), decode=demoting.port).start()
             for router in routers.values():
                 router.wait_ready()
             prompts = S.prompts(8, (200, 420), seed=0)
             out = {"stock": [stock.generate([p], NEW_TOKENS)[0] for p in prompts]}
-            for name, router in routers.items():
-                out[name] = [router.generate([p], NEW_TOKENS)[0] for p in prompts]
+            for name in DECODES:
+                out[name] = [routers[name].generate([p], NEW_TOKENS)[0] for p in prompts]
                 out[f"{name}_state"] = decodes[name].state()["ess"]
             # the fault tests (last in this file) stop servers of this deployment
             out["live"] = {"stock": stock, "prefill": prefill, "decodes": decodes, "routers": routers, "tmp": tmp,
-                           "model": model, "bootstrap": bootstrap, "env": env}
+                           "model": model, "bootstrap": bootstrap, "env": env,
+                           "demoting": (cold, cold_bootstrap, demoting)}
             yield out
     finally:
         for proc in [*routers.values(), *servers, *extra]:
@@ -129,12 +140,12 @@ def scheduler_paused(srv):
                 proc.resume()
 
 
-def wait_for_transfer(decode, timeout_s=60):
-    """Until the decode server holds a request's slots, waiting for its KV."""
+def wait_for_transfer(decode, timeout_s=60, requests=1):
+    """Until the decode server holds the slots of `requests` requests, waiting for their KV."""
     deadline = time.monotonic() + timeout_s
     while True:
         loads = decode.get("/v1/loads?include=disagg")["loads"]
-        if sum(load["disaggregation"]["decode_transfer_queue_reqs"] for load in loads) >= 1:
+        if sum(load["disaggregation"]["decode_transfer_queue_reqs"] for load in loads) >= requests:
             return
         assert time.monotonic() < deadline, f"no request waiting for its KV on {decode.log_path}: {loads}"
         time.sleep(0.05)
@@ -172,6 +183,37 @@ def fault_in_flight(live, pair, body, fault):
     return result
 
 
+def test_a_request_demoted_before_its_kv_lands_gives_stock_tokens(deployment):
+    """Residency first on a decode node, no warm-up state: request A is given its rows (the prefill paused), then a
+    request B that never lands (posted to the decode node alone: no prefill node has it). The forward that takes A's
+    KV admits both: A's region fills the device rows, so B's admission demotes A before its KV is in its slots. A alone
+    through the pair gives stock's tokens; B, aborted while waiting, costs only itself."""
+    live = deployment["live"]
+    cold, cold_bootstrap, decode = live["demoting"]
+    router = live["routers"]["demoting"]
+    rows = decode.state()["ess"]["residency"]["device_rows"]
+    # A's reach (prompt, new tokens, the verify row) takes every device row: less than C short of them
+    prompt = S.prompts(1, (rows - 96 + 8 - NEW_TOKENS - 1,) * 2, seed=21)[0]
+    held = {"input_ids": S.prompts(1, (60, 60), seed=22)[0], "rid": "ess-pd-never-lands",
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": cold_bootstrap, "bootstrap_room": 7_777_777}
+    with scheduler_paused(cold):
+        thread_a, result_a = in_flight(router, {"input_ids": prompt, "sampling_params": held["sampling_params"]})
+        wait_for_transfer(decode)
+        thread_b, result_b = in_flight(decode, held)
+        wait_for_transfer(decode, requests=2)
+    thread_a.join(120)
+    state = decode.state()["ess"]
+    decode.post("/abort_request", {"rid": held["rid"]})
+    thread_b.join(60)
+    assert state["residency"]["demoted"] >= 1, state
+    assert result_a["answer"]["output_ids"] == live["stock"].generate([prompt], NEW_TOKENS)[0]["output_ids"]
+    answer_b = result_b.get("answer", {})
+    assert "error" in result_b or answer_b.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort"
+    got, want = stock_tokens_through(router, live["stock"], seed=23)
+    assert got == want and not leaks(cold, decode)
+
+
 def stock_tokens_through(router, stock, seed):
     prompts = S.prompts(2, (200, 300), seed=seed)
     return (tokens([router.generate([p], NEW_TOKENS)[0] for p in prompts]),
@@ -183,17 +225,19 @@ def leaks(*servers):
     return [line for srv in servers for line in srv.log_lines("memory leak detected")]
 
 
-def test_a_request_aborted_in_flight_costs_only_itself(deployment):
+@pytest.mark.parametrize("pair,seed", [("resident", 15), ("offloaded", 35)])
+def test_a_request_aborted_in_flight_costs_only_itself(deployment, pair, seed):
     """A request aborted by its client while in flight (SGLang's /abort_request with its rid, on both servers, while
     the decode node holds its slots): it ends with an abort, and both servers serve on, the next requests through the
-    same pair giving stock's tokens."""
+    same pair giving stock's tokens; with residency first and without."""
     live = deployment["live"]
-    prefill, decode, router = live["prefill"], live["decodes"]["resident"], live["routers"]["resident"]
-    result = fault_in_flight(live, "resident", long_request(15, rid="ess-pd-abort"),
-                             lambda: [srv.post("/abort_request", {"rid": "ess-pd-abort"}) for srv in (prefill, decode)])
+    prefill, decode, router = live["prefill"], live["decodes"][pair], live["routers"][pair]
+    rid = f"ess-pd-abort-{pair}"
+    result = fault_in_flight(live, pair, long_request(seed, rid=rid),
+                             lambda: [srv.post("/abort_request", {"rid": rid}) for srv in (prefill, decode)])
     answer = result.get("answer", {})
     assert "error" in result or answer.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort", result
-    got, want = stock_tokens_through(router, live["stock"], seed=16)
+    got, want = stock_tokens_through(router, live["stock"], seed=seed + 1)
     assert got == want and prefill.process.poll() is None and decode.process.poll() is None
     assert not leaks(prefill, decode)
 
@@ -211,22 +255,30 @@ def test_a_decode_server_killed_with_a_request_in_flight_costs_only_that_request
 
 
 def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_request(deployment):
-    """The prefill server is killed while a request is in flight to the offloaded decode server (the decode node holds
-    its slots, waiting for the KV): the client gets an error, and the decode server, paired with a new prefill server,
-    serves the next requests with stock's tokens (its slots of the lost request were freed: SGLang's own leak check
-    runs on idle)."""
+    """The prefill server is killed while a request is in flight to the offloaded decode server and one to the resident
+    one (each decode node holds its slots, waiting for the KV): each client gets an error, and each decode server,
+    paired with a new prefill server, serves the next requests with stock's tokens (its slots of the lost request were
+    freed: SGLang's own leak check runs on idle)."""
     live = deployment["live"]
-    prefill, decode = live["prefill"], live["decodes"]["offloaded"]
-    result = fault_in_flight(live, "offloaded", long_request(13), prefill.stop)
-    assert "error" in result, result
+    prefill, pairs = live["prefill"], ("offloaded", "resident")
+    with scheduler_paused(prefill):
+        flights = [in_flight(live["routers"][pair], long_request(13 + 20 * i)) for i, pair in enumerate(pairs)]
+        for pair in pairs:
+            wait_for_transfer(live["decodes"][pair])
+        prefill.stop()
+    for thread, result in flights:
+        thread.join(120)
+        assert "error" in result, result
     bootstrap = S.free_port()
     fresh = S.Server(live["model"], S.CPU_FLAGS + PD.prefill_flags(bootstrap) + PD.PREFILL_ESS,
                      str(live["tmp"] / "prefill-2.log"), env=live["env"])
     EXTRA.append(fresh.start())
     S.wait_ready_or_rebind(fresh)
-    router = PD.Router(live["model"], [], str(live["tmp"] / "router-2.log"), prefill=(fresh.port, bootstrap),
-                       decode=decode.port)
-    EXTRA.append(router.start())
-    router.wait_ready()
-    got, want = stock_tokens_through(router, live["stock"], seed=14)
-    assert got == want and decode.process.poll() is None and not leaks(decode)
+    for i, pair in enumerate(pairs):
+        decode = live["decodes"][pair]
+        router = PD.Router(live["model"], [], str(live["tmp"] / f"router-2-{pair}.log"), prefill=(fresh.port, bootstrap),
+                           decode=decode.port)
+        EXTRA.append(router.start())
+        router.wait_ready()
+        got, want = stock_tokens_through(router, live["stock"], seed=14 + 20 * i)
+        assert got == want and decode.process.poll() is None and not leaks(decode), pair

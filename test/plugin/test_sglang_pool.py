@@ -162,13 +162,19 @@ def test_device_bytes_exclude_the_latent_cache(pools):
     assert not ess.ess_host.is_cuda and ess.ess_host.shape == (L, SIZE + 65, 656)
 
 
-def test_move_and_cpu_copy_keep_the_host_rows(pools, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # SGLang's index-K copy syncs the GPU
-    stock, ess, tokens = pools
+def prefilled(stock, ess, tokens):
+    """The first request's first 10 tokens written through both pools as a prefill writes them: their locations."""
     loc = tokens.req_to_token[REQ[0], :10]
     ess.ess_phase = EXTEND
     ess.stage_extend(tokens.req_to_token, torch.tensor([REQ[0]]), [10], [0])
     write(stock, ess, 0, loc)
+    return loc
+
+
+def test_move_and_cpu_copy_keep_the_host_rows(pools, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # SGLang's index-K copy syncs the GPU
+    stock, ess, tokens = pools
+    loc = prefilled(stock, ess, tokens)
     free = torch.arange(SIZE - 10, SIZE)
     rows = stock.kv_buffer[0][loc.long(), 0].view(torch.uint8)  # the rows SGLang's writer made
     ess.move_kv_cache(free, loc)
@@ -177,6 +183,30 @@ def test_move_and_cpu_copy_keep_the_host_rows(pools, monkeypatch):
     ess.ess_host[:, free] = 0
     ess.load_cpu_copy(copy, free)
     assert torch.equal(ess.ess_host[0, free], rows)
+
+
+def test_a_retraction_restore_lands_the_request_s_rows_in_its_region(pools, monkeypatch):
+    """SGLang's PD decode retraction (cpu_tensor) restores a request's backup through its allocator's load_cpu_copy with
+    the request's new row: with residency, that row's region then holds the restored rows (EssRuntime.kv_landed)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # SGLang's index-K copy syncs the GPU
+    stock, ess, tokens = pools
+    loc = prefilled(stock, ess, tokens)
+    copy = ess.get_cpu_copy(loc)  # the retraction's backup
+    ess.ess_host.zero_()
+    facts = EssFacts("pd-decode", K, L, tokens.req_to_token.shape[1], C, residency=True)
+    rt = EssRuntime(EssArgs(enable=True, buffer_tokens=C), facts, tokens.req_to_token, host=ess.ess_host,
+                    device="cpu", backend="torch")
+    ess.ess_runtime = rt
+    rt.plan_positions(REQ[0], 20)
+    rt.reset_rows([REQ[0]])  # its new row
+    allocator = PagedTokenToKVPoolAllocator(SIZE, 64, torch.float8_e4m3fn, "cpu", ess, need_sort=False)
+    allocator.load_cpu_copy(copy, loc, req_pool_index=REQ[0])
+    rt.start_forward()
+    start = rt.cache.region[REQ[0]][0]
+    assert rt.cache.resident_requests() == [REQ[0]]
+    assert torch.equal(rt.cache.gpu[0, start:start + 10], stock.kv_buffer[0][loc.long(), 0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("backend", ["torch", "interpret"])

@@ -153,7 +153,7 @@ def test_residency_on_a_pd_decode_node_fills_a_resident_request_once_its_kv_land
     assert rt.cache.resident_requests() == [3] and rt.cache.offloaded == {1}
     entries = pd_warmup.compact(pd_warmup.encode(torch.arange(CTX - 8, CTX).expand(L, 1, 8)), 8)  # [L, 8]
     for slot in SLOTS:  # SGLang's transfer commit (sglang_ess.hooks.pd.after_commit_transfer)
-        rt.transferred(slot, CTX)
+        rt.kv_landed(slot, CTX)
         rt.admit_transferred(slot, entries)
     rt.apply_admissions()
     assert int((rt.cache.sparse.slot_pos[:, 1] >= 0).sum()) > 0  # the offloaded one's warm-up, loaded

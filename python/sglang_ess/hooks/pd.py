@@ -51,7 +51,7 @@ def after_commit_transfer(result, queue, decode_req, *a, **kw):
         return
     prompt = getattr(req, "origin_input_ids", None)
     if prompt:  # residency first: a resident request's region is filled from the host pool at the next forward
-        state.runtime.transferred(int(request_slot(req)), len(prompt))
+        state.runtime.kv_landed(int(request_slot(req)), len(prompt))
     if buf is None:
         return
     entries = pd_warmup.read_row(buf[decode_req.metadata_buffer_index], req.bootstrap_room, *state.pd.wire)
