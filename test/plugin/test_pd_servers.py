@@ -183,35 +183,86 @@ def fault_in_flight(live, pair, body, fault):
     return result
 
 
-def test_a_request_demoted_before_its_kv_lands_gives_stock_tokens(deployment):
-    """Residency first on a decode node, no warm-up state: request A is given its rows (the prefill paused), then a
-    request B that never lands (posted to the decode node alone: no prefill node has it). The forward that takes A's
-    KV admits both: A's region fills the device rows, so B's admission demotes A before its KV is in its slots. A alone
-    through the pair gives stock's tokens; B, aborted while waiting, costs only itself."""
-    live = deployment["live"]
-    cold, cold_bootstrap, decode = live["demoting"]
+def greedy(new_tokens):
+    return {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def loads(decode, key, part=None):
+    """One figure of SGLang's /v1/loads (of its disaggregation part), summed over the ranks."""
+    return sum((load[part] if part else load)[key] for load in decode.get("/v1/loads?include=disagg")["loads"])
+
+
+def wait_until(check, what, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.05)
+
+
+def demotion_then_landing(live, a_prompt, b_length, room, while_paused=lambda: None):
+    """Through the demoting pair, residency first and no warm-up state: with its prefill server paused, request A is
+    given its decode rows, then request B (posted to the decode server alone, with a room no prefill server has: it
+    never lands); while_paused() runs; the prefill resumes and A decodes alone. B is then aborted. Returns A's answer
+    and the decode server's ESS state after A, having checked that B cost only itself and the pair serves on."""
+    cold, _, decode = live["demoting"]
     router = live["routers"]["demoting"]
-    rows = decode.state()["ess"]["residency"]["device_rows"]
-    # A's reach (prompt, new tokens, the verify row) takes every device row: less than C short of them
-    prompt = S.prompts(1, (rows - 96 + 8 - NEW_TOKENS - 1,) * 2, seed=21)[0]
-    held = {"input_ids": S.prompts(1, (60, 60), seed=22)[0], "rid": "ess-pd-never-lands",
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": cold_bootstrap, "bootstrap_room": 7_777_777}
+    held = {"input_ids": S.prompts(1, (b_length, b_length), seed=room)[0], "rid": f"ess-pd-never-lands-{room}",
+            "sampling_params": greedy(NEW_TOKENS), "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": live["demoting"][1], "bootstrap_room": room}
     with scheduler_paused(cold):
-        thread_a, result_a = in_flight(router, {"input_ids": prompt, "sampling_params": held["sampling_params"]})
+        thread_a, result_a = in_flight(router, {"input_ids": a_prompt, "sampling_params": greedy(NEW_TOKENS)})
         wait_for_transfer(decode)
         thread_b, result_b = in_flight(decode, held)
         wait_for_transfer(decode, requests=2)
+        while_paused()
     thread_a.join(120)
     state = decode.state()["ess"]
     decode.post("/abort_request", {"rid": held["rid"]})
     thread_b.join(60)
-    assert state["residency"]["demoted"] >= 1, state
-    assert result_a["answer"]["output_ids"] == live["stock"].generate([prompt], NEW_TOKENS)[0]["output_ids"]
     answer_b = result_b.get("answer", {})
     assert "error" in result_b or answer_b.get("meta_info", {}).get("finish_reason", {}).get("type") == "abort"
-    got, want = stock_tokens_through(router, live["stock"], seed=23)
+    got, want = stock_tokens_through(router, live["stock"], seed=room + 1)
     assert got == want and not leaks(cold, decode)
+    return result_a["answer"], state
+
+
+def test_a_request_demoted_while_its_transfer_waits_gives_stock_tokens(deployment):
+    """Request D decodes (offloaded: its reach passes the device rows). A is given its rows, then B, the prefill
+    paused; D's next forward admits A resident (A's reach takes every row D's C slots leave) and B, which demotes A
+    while A's transfer has not begun. D is aborted, and once the decode server runs nothing the prefill resumes: A
+    lands, decodes alone, and gives stock's tokens (its held slots fetched when it landed)."""
+    live = deployment["live"]
+    decode, router, C = live["demoting"][2], live["routers"]["demoting"], 96
+    before = decode.state()["ess"]
+    rows = before["residency"]["device_rows"]
+    a_prompt = S.prompts(1, (rows - 2 * C + 8 - NEW_TOKENS - 1,) * 2, seed=24)[0]
+    long = {"input_ids": S.prompts(1, (200, 200), seed=25)[0], "rid": "ess-pd-decoding", "sampling_params": greedy(1000)}
+    thread_d, _ = in_flight(router, long)
+    wait_until(lambda: loads(decode, "num_running_reqs") >= 1, "request D to decode")
+
+    def demote_then_drain():
+        wait_until(lambda: decode.state()["ess"]["residency"]["demoted"] > before["residency"]["demoted"],
+                   "D's forward to demote A")
+        decode.post("/abort_request", {"rid": long["rid"]})
+        wait_until(lambda: loads(decode, "num_running_reqs") == 0, "D to be let go")
+
+    answer, state = demotion_then_landing(live, a_prompt, 150, 7_777_701, demote_then_drain)
+    thread_d.join(60)
+    assert answer["output_ids"] == live["stock"].generate([a_prompt], NEW_TOKENS)[0]["output_ids"]
+    # A was not promoted back before it landed (its region would then be filled whole)
+    assert state["pd"]["resident_regions_filled"] == before["pd"]["resident_regions_filled"], state
+
+
+def test_a_request_demoted_in_the_forward_its_kv_lands_gives_stock_tokens(deployment):
+    """Nothing decodes: the forward that takes A's landing admits A first (its reach takes every device row) and then
+    B, whose admission demotes A before its region was filled; A gives stock's tokens."""
+    live = deployment["live"]
+    rows = live["demoting"][2].state()["ess"]["residency"]["device_rows"]
+    a_prompt = S.prompts(1, (rows - 96 + 8 - NEW_TOKENS - 1,) * 2, seed=21)[0]  # reach: every row, less than C short
+    before = live["demoting"][2].state()["ess"]["residency"]["demoted"]
+    answer, state = demotion_then_landing(live, a_prompt, 60, 7_777_711)
+    assert answer["output_ids"] == live["stock"].generate([a_prompt], NEW_TOKENS)[0]["output_ids"]
+    assert state["residency"]["demoted"] > before, state
 
 
 def stock_tokens_through(router, stock, seed):
