@@ -164,16 +164,16 @@ def generate(srv: S.Server, prompts, new_tokens) -> tuple[list[dict], float]:
 def bench(srv: S.Server, args, prompts: int, length: int, output: int) -> dict:
     """SGLang's serving benchmark against srv: `prompts` random token prompts of `length`, all at once."""
     out_file = os.path.join("/tmp", f"ess-bench-{srv.port}.jsonl")
-    extra = ("--max-concurrency", str(prompts), "--seed", str(args.seed),
-             "--tokenize-prompt")  # token ids as drawn: the byte tokenizer would re-encode them to twice the length
+    # token ids as drawn (the checkpoint's character-level tokenizer would re-encode their text to several ids each)
+    extra = ("--max-concurrency", str(prompts), "--seed", str(args.seed), "--tokenize-prompt")
     t0 = time.monotonic()
     try:
         result = srv.benchmark(args.model, prompts, length, output, out_file, extra)
     except S.ServerError as e:
         return {"error": str(e)[-3000:]}
     os.unlink(out_file)
-    keys = ("completed", "output_throughput", "input_throughput", "mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
-            "mean_itl_ms", "p99_itl_ms", "duration")
+    keys = ("completed", "total_output_tokens", "output_throughput", "input_throughput", "mean_ttft_ms", "p99_ttft_ms",
+            "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "duration")
     return {"seconds": round(time.monotonic() - t0, 1), "num_prompts": prompts, "input_len": length,
             "output_len": output} | {k: result.get(k) for k in keys}
 
@@ -217,13 +217,30 @@ def decode_throughput(log: str, requests: int) -> dict:
             "gen_throughputs": rates}
 
 
-def run_gain(args, say) -> dict:
+def ess_counters(srv: S.Server, before: dict | None) -> dict | None:
+    """ESS's step counters over a run (the state readout's, after less before) with the share of selected rows that
+    missed, and the pool's device bytes and residency; None for a stock server or one that no longer answers."""
+    try:
+        after = srv.state().get("ess")
+    except (OSError, S.ServerError):
+        return None
+    if after is None or before is None:
+        return None
+    sizes = ("device_bytes", "host_bytes")  # the pool's, not counts
+    out = {k: after[k] - before[k] for k in after if isinstance(after[k], int) and k not in sizes}
+    out["miss_share"] = round(out["missed_rows"] / out["selected_rows"], 4) if out.get("selected_rows") else None
+    return out | {k: after.get(k) for k in (*sizes, "residency")}
+
+
+def run_gain(args, say, save) -> dict:
     """Each server alone on the GPU in turn (all started together, then benchmarked one after the other):
     SGLang's serving benchmark with as many prompts as the server admits, all at once; decode throughput from
-    SGLang's own log lines once every request decodes."""
+    SGLang's own log lines once every request decodes; ESS's counters over the run. save(out) after each server, so a
+    run cut at its deadline keeps the servers that ran."""
     plan = gain_plan(args)
     say(f"gain plan: {plan}")
     out = {"plan": plan, "servers": {}}
+    save(out)
     names = ["stock"] + [f"ess-{m}" for m in args.gain_modes]
     named_flags = {name: gain_flags(name, plan, args) for name in names}
     started = start_all(named_flags, "gain-", args)
@@ -235,10 +252,14 @@ def run_gain(args, say) -> dict:
                 say(f"gain {name}: did not start: {got['error'][-800:]}")
                 continue
             n = plan["stock_requests"] if name == "stock" else plan["ess_requests"]
-            entry["bench"] = bench(got["server"], args, n, args.gain_input, args.gain_output)
-            entry["decode"] = decode_throughput(got["server"].log(), n)
+            srv = got["server"]
+            before = srv.state().get("ess")
+            entry["bench"] = bench(srv, args, n, args.gain_input, args.gain_output)
+            entry["decode"] = decode_throughput(srv.log(), n)
+            entry["ess"] = ess_counters(srv, before)
             say(f"gain {name} ({n} requests): {json.dumps(entry['bench'])[-400:]} "
-                f"decode {entry['decode']['median_gen_throughput']}")
+                f"decode {entry['decode']['median_gen_throughput']}; ESS {entry['ess']}")
+            save(out)
     finally:
         stop_all(started)
     stock = out["servers"]["stock"].get("decode", {}).get("median_gen_throughput")
@@ -246,6 +267,7 @@ def run_gain(args, say) -> dict:
         ess = out["servers"][name].get("decode", {}).get("median_gen_throughput")
         if stock and ess:
             out[f"gain_{name}"] = round(ess / stock, 3)
+    save(out)
     return out
 
 
@@ -263,10 +285,13 @@ def main(argv=None) -> int:
         report["torch"] = torch.__version__
         report["rig_logits"] = os.environ.get("ESS_GPU_RIG_LOGITS", "ess")  # ess_gpu_rig.logits(): the indexer's
     if args.gain:
+        def save(gain: dict) -> None:
+            report["gain"] = gain
+            with open(os.path.join(args.out, "gain.json"), "w") as f:
+                json.dump(report, f, indent=1)
+
         with S.terminate_as_exit():
-            report["gain"] = run_gain(args, say)
-        with open(os.path.join(args.out, "gain.json"), "w") as f:
-            json.dump(report, f, indent=1)
+            run_gain(args, say, save)
         say(f"gain: {({k: v for k, v in report['gain'].items() if k.startswith('gain_')})}")
         return 0
     prompts = S.prompts(args.requests, args.lengths, args.seed)

@@ -8,14 +8,19 @@ so that a few hundred tokens of context overflow a 96-slot ESS buffer on every s
 real model instead (ess.core.dsv32: hidden 7168, 128 heads, q_lora 1536, 64 indexer heads, top-k 2048, vocab 129280,
 the dense MLP's 18432) and only the depth shrinks (FULL_WIDTH: 4 dense layers): the GPU server's model
 (benchmark/gpu/server.sh, about 8.5 GB). Weights are BF16 in one safetensors file, named as DeepSeek's own checkpoints
-name them, drawn from one seeded generator (the same seed gives the same bytes). The tokenizer is byte-level BPE
-without merges (the 256 bytes and two special tokens), written with the `tokenizers` library and loaded by
-transformers' PreTrainedTokenizerFast: any text encodes, byte by byte.
+name them, drawn from one seeded generator (the same seed gives the same bytes).
+
+The tokenizer covers the model's whole vocabulary (320 ids, or DeepSeek-V3.2's 129,280 at full width), and every id
+decodes to text of its own, appended to what came before (`tokenizer`): a random model emits any id, and a serving
+benchmark times only the chunks that carry text, so a token that decoded to nothing (or to half a UTF-8 character,
+held back until the next) would hide from its TTFT, ITL and TPOT. Written with the `tokenizers` library, loaded by
+transformers' PreTrainedTokenizerFast.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 
@@ -23,8 +28,10 @@ import torch
 
 from ess.core import dsv32
 
-VOCAB_SPECIAL = ("<bos>", "<eos>")  # token ids 0 and 1; the 256 bytes follow
-VOCAB = 320  # the embedding rows: the tokenizer's 258 tokens, padded
+VOCAB_SPECIAL = ("<bos>", "<eos>")  # token ids 0 and 1 (the config's bos and eos); then "<unk>", then CHARS
+UNK = "<unk>"
+CHARS = [chr(c) for c in range(0x20, 0x7F)] + ["\n", "\t"]  # what text encodes to (other characters: <unk>)
+VOCAB = 320  # the embedding rows
 SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "q_lora_rank": 64,
          "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 4, "index_topk": 64, "n_routed_experts": 4,
          "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 64, "intermediate_size": 256,
@@ -108,16 +115,31 @@ def weights(cfg: dict, seed: int, device: str = "cpu") -> dict[str, torch.Tensor
     return out
 
 
-def tokenizer():
-    """Byte-level BPE over the 256 bytes, no merges, with the special tokens first (ids 0 and 1)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def words():
+    """Endless distinct ASCII words, shortest first: " a" .. " z", " aa" .. " zz", " aaa" ..."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for n in itertools.count(1):
+        for w in itertools.product(letters, repeat=n):
+            yield " " + "".join(w)
 
-    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(VOCAB_SPECIAL)} | {ch: len(VOCAB_SPECIAL) + i for i, ch in enumerate(byte_chars)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True) for t in VOCAB_SPECIAL])
+
+def vocabulary(size: int) -> list[str]:
+    """The text of each of `size` ids: the bos and eos names, <unk>, CHARS, then words. Distinct, non-empty, ASCII."""
+    head = [*VOCAB_SPECIAL, UNK, *CHARS]
+    if size < len(head):
+        raise ValueError(f"a vocabulary of {size} ids cannot hold the {len(head)} tokens text encodes to")
+    return head + list(itertools.islice(words(), size - len(head)))
+
+
+def tokenizer(size: int = VOCAB):
+    """A character-level tokenizer of exactly `size` ids whose every id decodes to its own text (vocabulary), the
+    texts of a sequence concatenated: text encodes character by character (CHARS; anything else to <unk>), and
+    decoding appends each id's text, so every generated token streams as a chunk of its own. bos and eos are ordinary
+    tokens here (a benchmark ignoring eos still streams them); the model's config names them for stopping."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocabulary(size))}, merges=[], unk_token=UNK))
+    tok.decoder = decoders.Fuse()
     return tok
 
 
@@ -140,9 +162,14 @@ def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, dev
     with open(paths[1], "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
     save_file(weights(cfg, seed, device), paths[2], metadata={"format": "pt"})  # one key: safetensors orders a map at random
-    tokenizer().save(paths[3])
-    with open(paths[4], "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": VOCAB_SPECIAL[0],
-                   "eos_token": VOCAB_SPECIAL[1], "add_bos_token": False, "model_max_length": cfg["max_position_embeddings"]},
-                  f, indent=1)
+    write_tokenizer(out_dir, cfg["vocab_size"], cfg["max_position_embeddings"])
     return paths
+
+
+def write_tokenizer(out_dir: str, size: int, max_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json of `tokenizer(size)` into out_dir."""
+    tokenizer(size).save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        # no special tokens, no clean-up of spaces: every id's text streams as it is
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+                   "clean_up_tokenization_spaces": False, "model_max_length": max_length}, f, indent=1)

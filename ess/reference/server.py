@@ -31,7 +31,7 @@ ESS_RESIDENT_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96"]
 MTP_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", "2"]
 ESS_MTP_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "160", "--ess-residency", "off"]  # >= 2 verify rows x (64 + 1)
-TOKENS = range(2, 258)  # the tiny checkpoint's byte tokens (ess.reference.checkpoint)
+TOKENS = range(2, 258)  # prompt ids: the tiny checkpoint's <unk>, its characters and the first words
 START_TIMEOUT_S = 300
 
 
@@ -201,20 +201,31 @@ class Server:
         with open(out_file) as f:
             return json.loads(f.read().splitlines()[-1])
 
+    def _stream(self, body: dict):
+        """POST /generate with stream on: each chunk SGLang streams (its text and output ids so far)."""
+        conn = self._connection()
+        conn.request("POST", "/generate", json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ServerError(f"POST /generate (stream): HTTP {resp.status}: {resp.read()[:500]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+
+    def stream(self, prompt: list[int], new_tokens: int) -> list[dict]:
+        """A streamed greedy generation of exactly new_tokens: every chunk, as `sglang.benchmark.serving` reads them
+        (it times a chunk only when its text is not empty)."""
+        return list(self._stream({"input_ids": prompt, "sampling_params": {
+            "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}))
+
     def generate_and_abort(self, prompt: list[int], after_tokens: int, rid: str = "ess-abort") -> dict:
         """A streamed greedy generation aborted through /abort_request once after_tokens tokens have come back.
         Returns the last answer (finish_reason abort), once the server has let the request go."""
-        conn = self._connection()
-        body = {"input_ids": prompt, "rid": rid, "stream": True,
+        body = {"input_ids": prompt, "rid": rid,
                 "sampling_params": {"max_new_tokens": 100 * after_tokens, "temperature": 0, "ignore_eos": True}}
-        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
         last, aborted = None, False
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            last = json.loads(line[5:])
+        for last in self._stream(body):
             if not aborted and len(last.get("output_ids", [])) >= after_tokens:
                 self.post("/abort_request", {"rid": rid})
                 aborted = True
@@ -243,7 +254,7 @@ def prompt_lengths(count: int, lengths: tuple[int, int]) -> list[int]:
 
 
 def prompts(count: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
-    """count prompts of the tiny checkpoint's byte tokens, of prompt_lengths, from one seed."""
+    """count prompts of the tiny checkpoint's token ids (TOKENS), of prompt_lengths, from one seed."""
     rng = random.Random(seed)
     return [[rng.choice(TOKENS) for _ in range(n)] for n in prompt_lengths(count, lengths)]
 

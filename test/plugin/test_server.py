@@ -73,6 +73,7 @@ def plain_workload(srv, is_ess):
     out["shared_prefix"] = srv.generate(S.shared_prefix_prompts(a, 128, 64, seed=1), NEW_TOKENS)
     out["aborted"] = srv.generate_and_abort(S.prompts(1, (300, 300), seed=2)[0], after_tokens=4)
     out["after_abort"] = srv.generate(S.prompts(4, (150, 300), seed=3), NEW_TOKENS)
+    out["streamed"] = srv.stream(S.prompts(1, (250, 250), seed=4)[0], NEW_TOKENS)
     return out
 
 
@@ -95,6 +96,18 @@ def test_unequal_concurrent_requests_give_stock_tokens_and_miss_every_step(plain
     assert 0 < counts["missed_rows"] < counts["selected_rows"], counts
     assert ess["modes"] == ["none", "da"]  # the plan's modes, both exercised
     assert any("ESS pool:" in line for line in log.splitlines())
+
+
+def test_every_generated_token_streams_its_own_text(plain):
+    """A streamed request as `sglang.benchmark.serving` reads it (it times a chunk only when its text is not empty):
+    one chunk per generated token, each with more text than the one before (the checkpoint's tokenizer gives every id
+    text of its own), on both servers, the same text."""
+    streams = {name: plain[0][name]["streamed"] for name in ("stock", "ess")}
+    for name, chunks in streams.items():
+        assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, NEW_TOKENS + 1)), name
+        texts = [c["text"] for c in chunks]
+        assert all(len(b) > len(a) for a, b in zip(["", *texts], texts)), (name, texts)
+    assert streams["stock"][-1]["text"] == streams["ess"][-1]["text"]
 
 
 def test_shared_prefixes_come_from_the_radix_cache_with_stock_tokens(plain):
