@@ -317,10 +317,9 @@ def main(argv=None) -> int:
                     say(f"{name}: the batch failed: {entry['error'][-1500:]}")
                     continue
                 entry["batch_s"] = round(seconds, 2)
-                after = srv.state().get("ess")
-                if after is not None and before is not None:
-                    entry["ess"] = {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
-                    entry["residency"] = after.get("residency")
+                counters = ess_counters(srv, before)
+                if counters is not None:
+                    entry["ess"], entry["residency"] = counters, counters["residency"]
                     entry["ess_pool_log"] = (srv.log_lines("ESS pool:") or [None])[-1]
                 say(f"{name}: the batch took {seconds:.1f} s; ESS {entry.get('ess')} {entry.get('residency')}")
                 if name in args.bench:

@@ -180,9 +180,9 @@ class Server:
         each (or new_tokens[i] for prompt i), with the top_logprobs most likely tokens of every step if asked.
         Returns SGLang's answers: output_ids and meta_info."""
         if isinstance(new_tokens, list):
-            sampling = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in new_tokens]
+            sampling = [greedy(n) for n in new_tokens]
         else:
-            sampling = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+            sampling = greedy(new_tokens)
         logprobs = {"return_logprob": True, "top_logprobs_num": top_logprobs} if top_logprobs else {}
         return self.post("/generate", {"input_ids": prompts, "sampling_params": sampling, **logprobs})
 
@@ -216,14 +216,12 @@ class Server:
     def stream(self, prompt: list[int], new_tokens: int) -> list[dict]:
         """A streamed greedy generation of exactly new_tokens: every chunk, as `sglang.benchmark.serving` reads them
         (it times a chunk only when its text is not empty)."""
-        return list(self._stream({"input_ids": prompt, "sampling_params": {
-            "max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}))
+        return list(self._stream({"input_ids": prompt, "sampling_params": greedy(new_tokens)}))
 
     def generate_and_abort(self, prompt: list[int], after_tokens: int, rid: str = "ess-abort") -> dict:
         """A streamed greedy generation aborted through /abort_request once after_tokens tokens have come back.
         Returns the last answer (finish_reason abort), once the server has let the request go."""
-        body = {"input_ids": prompt, "rid": rid,
-                "sampling_params": {"max_new_tokens": 100 * after_tokens, "temperature": 0, "ignore_eos": True}}
+        body = {"input_ids": prompt, "rid": rid, "sampling_params": greedy(100 * after_tokens)}
         last, aborted = None, False
         for last in self._stream(body):
             if not aborted and len(last.get("output_ids", [])) >= after_tokens:
@@ -245,6 +243,11 @@ class Server:
         text = resp.read().decode(errors="replace")
         if resp.status != 200:
             raise ServerError(f"/flush_cache: HTTP {resp.status}: {text.strip()}")
+
+
+def greedy(new_tokens: int) -> dict:
+    """SGLang sampling parameters of a greedy generation of exactly new_tokens."""
+    return {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
 
 
 def prompt_lengths(count: int, lengths: tuple[int, int]) -> list[int]:

@@ -495,7 +495,6 @@ class EssRuntime:
             self.progressive.release(req_slot)
         self.reset_rows([req_slot])
         self._finished.add(req_slot)
-        self._landed.pop(req_slot, None)
         self._positions.pop(req_slot, None)
         self._reach.pop(req_slot, None)
         self.released += 1

@@ -140,15 +140,22 @@ def scheduler_paused(srv):
                 proc.resume()
 
 
+def loads(decode, key, part=None):
+    """One figure of SGLang's /v1/loads (of its disaggregation part), summed over the ranks."""
+    return sum((load[part] if part else load)[key] for load in decode.get("/v1/loads?include=disagg")["loads"])
+
+
+def wait_until(check, what, timeout_s=60):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
+        time.sleep(0.05)
+
+
 def wait_for_transfer(decode, timeout_s=60, requests=1):
     """Until the decode server holds the slots of `requests` requests, waiting for their KV."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = decode.get("/v1/loads?include=disagg")["loads"]
-        if sum(load["disaggregation"]["decode_transfer_queue_reqs"] for load in loads) >= requests:
-            return
-        assert time.monotonic() < deadline, f"no request waiting for its KV on {decode.log_path}: {loads}"
-        time.sleep(0.05)
+    wait_until(lambda: loads(decode, "decode_transfer_queue_reqs", "disaggregation") >= requests,
+               f"{requests} request(s) waiting for their KV on {decode.log_path}", timeout_s)
 
 
 def in_flight(router, body):
@@ -168,7 +175,7 @@ def in_flight(router, body):
 
 def long_request(seed, rid=None):
     body = {"input_ids": S.prompts(1, (LONG, LONG), seed=seed)[0],
-            "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+            "sampling_params": S.greedy(64)}
     return body | ({"rid": rid} if rid else {})
 
 
@@ -183,22 +190,6 @@ def fault_in_flight(live, pair, body, fault):
     return result
 
 
-def greedy(new_tokens):
-    return {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
-
-
-def loads(decode, key, part=None):
-    """One figure of SGLang's /v1/loads (of its disaggregation part), summed over the ranks."""
-    return sum((load[part] if part else load)[key] for load in decode.get("/v1/loads?include=disagg")["loads"])
-
-
-def wait_until(check, what, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"waited {timeout_s} s for {what}"
-        time.sleep(0.05)
-
-
 def demotion_then_landing(live, a_prompt, b_length, room, while_paused=lambda: None):
     """Through the demoting pair, residency first and no warm-up state: with its prefill server paused, request A is
     given its decode rows, then request B (posted to the decode server alone, with a room no prefill server has: it
@@ -207,10 +198,10 @@ def demotion_then_landing(live, a_prompt, b_length, room, while_paused=lambda: N
     cold, _, decode = live["demoting"]
     router = live["routers"]["demoting"]
     held = {"input_ids": S.prompts(1, (b_length, b_length), seed=room)[0], "rid": f"ess-pd-never-lands-{room}",
-            "sampling_params": greedy(NEW_TOKENS), "bootstrap_host": "127.0.0.1",
+            "sampling_params": S.greedy(NEW_TOKENS), "bootstrap_host": "127.0.0.1",
             "bootstrap_port": live["demoting"][1], "bootstrap_room": room}
     with scheduler_paused(cold):
-        thread_a, result_a = in_flight(router, {"input_ids": a_prompt, "sampling_params": greedy(NEW_TOKENS)})
+        thread_a, result_a = in_flight(router, {"input_ids": a_prompt, "sampling_params": S.greedy(NEW_TOKENS)})
         wait_for_transfer(decode)
         thread_b, result_b = in_flight(decode, held)
         wait_for_transfer(decode, requests=2)
@@ -236,7 +227,8 @@ def test_a_request_demoted_while_its_transfer_waits_gives_stock_tokens(deploymen
     before = decode.state()["ess"]
     rows = before["residency"]["device_rows"]
     a_prompt = S.prompts(1, (rows - 2 * C + 8 - NEW_TOKENS - 1,) * 2, seed=24)[0]
-    long = {"input_ids": S.prompts(1, (200, 200), seed=25)[0], "rid": "ess-pd-decoding", "sampling_params": greedy(1000)}
+    long = {"input_ids": S.prompts(1, (200, 200), seed=25)[0], "rid": "ess-pd-decoding",
+            "sampling_params": S.greedy(1000)}
     thread_d, _ = in_flight(router, long)
     wait_until(lambda: loads(decode, "num_running_reqs") >= 1, "request D to decode")
 
@@ -327,8 +319,8 @@ def test_a_prefill_server_killed_with_a_request_in_flight_costs_only_that_reques
     S.wait_ready_or_rebind(fresh)
     for i, pair in enumerate(pairs):
         decode = live["decodes"][pair]
-        router = PD.Router(live["model"], [], str(live["tmp"] / f"router-2-{pair}.log"), prefill=(fresh.port, bootstrap),
-                           decode=decode.port)
+        router = PD.Router(live["model"], [], str(live["tmp"] / f"router-2-{pair}.log"),
+                           prefill=(fresh.port, bootstrap), decode=decode.port)
         EXTRA.append(router.start())
         router.wait_ready()
         got, want = stock_tokens_through(router, live["stock"], seed=14 + 20 * i)
