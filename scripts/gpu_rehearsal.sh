@@ -5,7 +5,7 @@
 # on the CPU path: stock and --enable-ess on the tiny checkpoint, the same batch, tokens equal, and SGLang's serving
 # benchmark; then the gain run (--gain) at the CPU's sizes. Everything lands in .rehearsal/ (git-ignored; about 5 GB,
 # most of it torch's CUDA libraries, which PyPI's torch 2.11 brings). Exit 0 when the tokens are equal and the gain
-# run benchmarked both servers. CI runs it after the tests (.ci/run).
+# run benchmarked every server within the budget. CI runs it after the tests (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 find_python312() {
@@ -30,8 +30,9 @@ rm -rf .rehearsal/site .rehearsal/out "$TMPDIR"
 PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model" ESS_DEVICE=cpu \
   bash benchmark/gpu/server.sh .rehearsal/out --servers stock-eager,ess-none-eager --lengths 200,420 \
   --buffer-tokens 96 --requests 4 --bench stock-eager,ess-none-eager --bench-output 16
-# the gain run (lease.sh's server step) at the CPU's sizes: each server benchmarked under one device cache budget,
-# gain.json written after each with ESS's counters
+# the gain run (lease.sh's server step) at the CPU's sizes: each server's device bytes checked against the plan's one
+# budget, then benchmarked with the same prompts (3x stock's requests), gain.json written after each with ESS's
+# counters; ESS at stock's concurrency too
 rm -rf .rehearsal/gain
 PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model" ESS_DEVICE=cpu \
   bash benchmark/gpu/server.sh .rehearsal/gain --gain --gain-input 256 --gain-output 16 --gain-stock-requests 2
@@ -41,7 +42,11 @@ import json
 gain = json.load(open(".rehearsal/gain/gain.json"))["gain"]
 for name, entry in gain["servers"].items():
     assert entry.get("bench", {}).get("completed"), f"gain {name}: {entry.get('error') or entry.get('bench')}"
+assert list(gain["servers"]) == ["stock", "ess-none", "ess-none-at-stock"], list(gain["servers"])
+assert gain["device_faults"] == [], gain["device_faults"]  # ESS's measured device bytes within stock's
 ess = gain["servers"]["ess-none"]["ess"]
 assert ess["layer_steps"] > 0 and ess["device_bytes"] > 0, ess
-print("gpu_rehearsal: gain run", {k: v for k, v in gain.items() if k.startswith("gain_")}, "ESS", ess)
+ratios = {k: v for k, v in gain.items() if k.split("_")[0] in ("whole", "decode", "overhead")}
+assert "whole_run_gain_ess-none" in ratios and "overhead_ess-none-at-stock" in ratios, ratios
+print("gpu_rehearsal: gain run", ratios, "ESS", ess)
 EOF

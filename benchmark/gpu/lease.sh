@@ -2,10 +2,14 @@
 # A lease's first device call, prepared (docs/gpu.md, "The next GPU run"): what waits for a GPU, most valuable
 # first, in one command under the device tool's 10-minute cap, each step under what is left of the budget and OUT
 # packed into OUT/gpu.tgz after each (the device tool brings back 8 files at most).
-#   bash benchmark/gpu/lease.sh OUT [--budget-min M] [--smoke]
+#   bash benchmark/gpu/lease.sh OUT [--budget-min M] [--steps server,decode47,indexer] [--smoke]
 # Steps, in order:
-#   server    the real server's gain with residency on (benchmark/gpu/server.sh --gain --gain-modes none; about
-#             350 s on the H200 before the rig ran ESS's logits)
+#   server    the real server's gain with residency on (benchmark/gpu/server.sh --gain --gain-modes none): 32K in /
+#             2K out, 24 prompts all at once to stock (8 at a time), ESS (as many as stock's bytes hold) and ESS at
+#             stock's 8; each server's device bytes checked first, gain.json written after each (the 32K / 256 run
+#             with two servers took about 350 s on the H200; this one has not run)
+#   server128k  the same at 128K in / 2K out: stock holds 2 requests, ESS (C = 0.1 x context) 6, 6 prompts; only
+#             with --steps (a second call: --steps server128k,decode47)
 #   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
 #             (benchmark/decode_gpu.py --rest modelled, one decode.json; about 150 s on the H200)
 #   indexer   the indexer's parts and its top-k paths (benchmark/indexer.py; what is left)
@@ -14,17 +18,22 @@
 # tiny sizes (the server step is rehearsed by scripts/gpu_rehearsal.sh), as CI checks this script.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="" budget=9.5 smoke=""
+OUT="" budget=9.5 smoke="" steps="server,decode47,indexer"
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget-min) budget=${2:?--budget-min needs minutes}; shift ;;
+    --steps) steps=${2:?--steps needs a comma-separated list}; shift ;;
     --smoke) smoke="--smoke" ;;
     -*) echo "lease.sh: unknown flag $1" >&2; exit 2 ;;
     *) [ -z "$OUT" ] || { echo "lease.sh: one OUT, got $OUT and $1" >&2; exit 2; }; OUT=$1 ;;
   esac
   shift
 done
-[ -n "$OUT" ] || { echo "usage: bash benchmark/gpu/lease.sh OUT [--budget-min M] [--smoke]" >&2; exit 2; }
+[ -n "$OUT" ] || { echo "usage: bash benchmark/gpu/lease.sh OUT [--budget-min M] [--steps LIST] [--smoke]" >&2; exit 2; }
+for s in ${steps//,/ }; do
+  case "$s" in server|server128k|decode47|indexer) ;; *) echo "lease.sh: --steps: unknown step $s (server, server128k, decode47, indexer)" >&2; exit 2 ;; esac
+done
+wanted() { [[ ",$steps," == *",$1,"* ]]; }
 [[ "$budget" =~ ^[0-9]+([.][0-9]+)?$ ]] && awk "BEGIN{exit !($budget > 0)}" \
   || { echo "lease.sh: --budget-min must be a positive number of minutes, got $budget" >&2; exit 2; }
 PY=${PYTHON:-python3}
@@ -74,13 +83,19 @@ decode47() {  # 32K MTP verify, then 128K decode appended: baseline and none, as
   fi
 }
 
-if [ -z "$smoke" ]; then
-  step server 400 env PYTHON="$PY" bash benchmark/gpu/server.sh "$RUN/server" --gain --gain-modes none
-else
-  echo "server: not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)" | tee -a "$RUN/steps.log"
-fi
+for name in server server128k; do
+  wanted "$name" || continue
+  if [ -n "$smoke" ]; then
+    echo "$name: not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)" | tee -a "$RUN/steps.log"
+  elif [ "$name" = server ]; then
+    step server 480 env PYTHON="$PY" bash benchmark/gpu/server.sh "$RUN/server" --gain --gain-modes none
+  else
+    step server128k 540 env PYTHON="$PY" bash benchmark/gpu/server.sh "$RUN/server128k" --gain --gain-modes none \
+      --gain-input 131072 --gain-stock-requests 2 --gain-ratio 0.1
+  fi
+done
 export -f decode47
 export PY smoke RUN
-step decode47 200 bash -c "set -o pipefail; decode47"
-step indexer 600 "$PY" benchmark/indexer.py $smoke "$RUN/indexer"
+! wanted decode47 || step decode47 200 bash -c "set -o pipefail; decode47"
+! wanted indexer || step indexer 600 "$PY" benchmark/indexer.py $smoke "$RUN/indexer"
 exit $status

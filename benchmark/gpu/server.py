@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import sys
 import time
 
-from ess.core import layout
 from ess.core.settings import PAGE_TOKENS
 from ess.reference import server as S
 from ess.reference.server_demo import first_difference
@@ -69,11 +69,16 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--gain", action="store_true",
                    help="instead of the token check: stock against ESS under one device cache budget (gain_plan)")
     p.add_argument("--gain-input", type=int, default=32768)
-    p.add_argument("--gain-output", type=int, default=256)
+    p.add_argument("--gain-output", type=int, default=2048,
+                   help="output tokens per request (2K: the long outputs of SGLang's HiSparse reports)")
     p.add_argument("--gain-stock-requests", type=int, default=8,
                    help="the budget: this many whole requests of stock's cache (latent and index-K rows)")
+    p.add_argument("--gain-prompts", type=int, default=None,
+                   help="prompts each server gets, all at once (default: 3x stock's requests, at least ESS's)")
     p.add_argument("--gain-ratio", type=float, default=0.2, help="ESS's latent slots as a share of the context")
     p.add_argument("--gain-modes", default="none", help="ESS overlap modes to run (comma-separated)")
+    p.add_argument("--gain-at-stock", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the first mode's ESS server at stock's concurrency: ESS's own cost on the same work")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.servers = [s for s in args.servers.split(",") if s]
@@ -135,7 +140,10 @@ def start(flags_: list[str], log: str, args) -> dict:
     srv.start()
     try:
         S.wait_ready_or_rebind(srv, args.start_timeout)
-        return {"server": srv, "ready_s": round(time.monotonic() - t0, 1)}
+        # the GPU rig's indexer logits as this server's scheduler chose them (ESS's kernels, checked on the device, or
+        # SGLang's torch logits); none on the CPU path
+        rig = (srv.log_lines("ESS GPU rig: indexer logits") or [None])[-1]
+        return {"server": srv, "ready_s": round(time.monotonic() - t0, 1), "rig_logits": rig}
     except S.ServerError as e:
         srv.stop()
         return {"server": None, "error": str(e)[-3000:], "ready_s": round(time.monotonic() - t0, 1)}
@@ -178,25 +186,58 @@ def bench(srv: S.Server, args, prompts: int, length: int, output: int) -> dict:
             "output_len": output} | {k: result.get(k) for k in keys}
 
 
+REQUEST_TABLE_EXTRA = 4  # positions SGLang's request table has beyond the context (no speculative decoding)
+
+
 def gain_plan(args) -> dict:
-    """Stock and ESS under the same device cache budget: stock holds --gain-stock-requests whole requests (latent and
-    index-K rows of every token), ESS as many as fit that many bytes with index-K of every token and ratio x context
-    latent slots with their LRU tables (ess.core.memory, the decode stack's memory walls too)."""
-    from ess.core.memory import cache_bytes, largest_batch
+    """Stock and ESS under the same device cache budget, every byte of it charged as each server allocates it: stock
+    holds --gain-stock-requests whole requests (latent and index-K rows of every location: sizing.stock_device_bytes),
+    ESS as many as fit that many bytes with all it allocates (sizing.ess_device_bytes: index-K of every location,
+    ratio x context latent slots and LRU tables for every request-table row, SGLang's padding row included, step
+    state, the decode scratch, the staging buffer and its location map); both with their request tables. One GPU,
+    no two-batch overlap or DP attention: SGLang pads a batch to no more than the table's rows."""
+    from sglang_ess.sizing import ess_device_bytes, stock_device_bytes
 
     ctx = whole_pages(args.gain_input + args.gain_output + PAGE_TOKENS)
     with open(os.path.join(args.model, "config.json")) as f:
         config = json.load(f)
     layers = config["num_hidden_layers"]
-    budget = args.gain_stock_requests * cache_bytes(layers, ctx, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES)
+    width = ctx + REQUEST_TABLE_EXTRA
     buffer = max(int(args.gain_ratio * ctx), config["index_topk"] + 1)  # at least a whole top-k set and the new row
+
+    def table(n: int) -> int:  # SGLang's request table: n rows and the padding row of int32 locations
+        return (n + 1) * width * 4
+
+    def ess(n: int):
+        return ess_device_bytes(layers, n * ctx + PAGE_TOKENS, n + 1, buffer, width, n + 1, ctx)
+
+    stock_n = args.gain_stock_requests
+    budget = stock_device_bytes(layers, stock_n * ctx + PAGE_TOKENS) + table(stock_n)
+    n = 0
+    while ess(n + 1).total + table(n + 1) <= budget:
+        n += 1
+    if n < 1:
+        raise SystemExit(f"--gain-stock-requests {stock_n}: one ESS request ({ess(1).total + table(1)} bytes) does not "
+                         f"fit stock's {budget}")
+    prompts = args.gain_prompts or max(3 * stock_n, n)
     return {"context": ctx, "layers": layers, "budget_bytes": budget, "ess_buffer_tokens": buffer,
-            "stock_requests": args.gain_stock_requests,
-            "ess_requests": max(1, largest_batch(budget, layers, ctx, buffer))}
+            "stock_requests": stock_n, "ess_requests": n, "prompts": prompts,
+            "ess_bytes": dataclasses.asdict(ess(n)) | {"total": ess(n).total, "request_table": table(n)},
+            "stock_bytes": {"pool": budget - table(stock_n), "request_table": table(stock_n)}}
+
+
+def gain_servers(args) -> list[str]:
+    names = ["stock"] + [f"ess-{m}" for m in args.gain_modes]
+    return names + ([f"ess-{args.gain_modes[0]}-at-stock"] if args.gain_at_stock and args.gain_modes else [])
+
+
+def gain_requests(name: str, plan: dict) -> int:
+    """The requests a gain server runs at once: stock's, or ESS's except at stock's concurrency."""
+    return plan["stock_requests"] if name == "stock" or name.endswith("-at-stock") else plan["ess_requests"]
 
 
 def gain_flags(name: str, plan: dict, args) -> list[str]:
-    n = plan["stock_requests"] if name == "stock" else plan["ess_requests"]
+    n = gain_requests(name, plan)
     flags_ = ["--context-length", str(plan["context"]), "--max-total-tokens", str(n * plan["context"]),
               "--max-running-requests", str(n), "--chunked-prefill-size", "8192", "--decode-log-interval", "8"]
     flags_ += device_flags(args, n)
@@ -204,6 +245,36 @@ def gain_flags(name: str, plan: dict, args) -> list[str]:
         flags_ += ["--enable-ess", "--ess-overlap", name.split("-")[1], "--ess-buffer-tokens",
                    str(plan["ess_buffer_tokens"])]
     return flags_
+
+
+def device_bytes(srv: S.Server, name: str, plan: dict) -> dict:
+    """A started server's device bytes as it reports them: SGLang's memory_usage (its KV cache in GiB to 3 places,
+    weights, CUDA graphs) and, for ESS, its pool's and runtime's bytes measured from their tensors with sizing's
+    count beside them; plus the request table the plan charged."""
+    readout = srv.state()
+    out = {"memory_usage": readout.get("memory_usage"), "request_table": (gain_requests(name, plan) + 1)
+           * (plan["context"] + REQUEST_TABLE_EXTRA) * 4}
+    if "ess" in readout:
+        out |= {"ess_measured": readout["ess"]["device"]["measured"], "ess_charged": readout["ess"]["device"]["charged"]}
+    return out
+
+
+def check_device_bytes(servers: dict, plan: dict) -> list[str]:
+    """The budget held: stock's KV cache as SGLang reports it matches the plan's count of it (to the readout's
+    0.001 GiB), and each ESS server's measured bytes with its request table are within stock's. Returns the faults."""
+    faults = []
+    stock = servers.get("stock", {}).get("device")
+    if stock is None:
+        return ["stock's device bytes were not read"]
+    reported = stock["memory_usage"]["kvcache"] * (1 << 30)
+    if abs(reported - plan["stock_bytes"]["pool"]) > 0.0005 * (1 << 30):
+        faults.append(f"stock's KV cache: SGLang reports {reported:.0f} bytes, the plan counted {plan['stock_bytes']['pool']}")
+    limit = plan["stock_bytes"]["pool"] + plan["stock_bytes"]["request_table"]
+    for name, entry in servers.items():
+        got = entry.get("device", {})
+        if "ess_measured" in got and got["ess_measured"] + got["request_table"] > limit:
+            faults.append(f"{name}: {got['ess_measured']} + {got['request_table']} device bytes, over stock's {limit}")
+    return faults
 
 
 def decode_throughput(log: str, requests: int) -> dict:
@@ -233,41 +304,70 @@ def ess_counters(srv: S.Server, before: dict | None) -> dict | None:
 
 
 def run_gain(args, say, save) -> dict:
-    """Each server alone on the GPU in turn (all started together, then benchmarked one after the other):
-    SGLang's serving benchmark with as many prompts as the server admits, all at once; decode throughput from
-    SGLang's own log lines once every request decodes; ESS's counters over the run. save(out) after each server, so a
-    run cut at its deadline keeps the servers that ran."""
+    """Each server alone on the GPU in turn (all started together, then benchmarked one after the other), after
+    the device-byte check: SGLang's serving benchmark with the same prompts for each, all at once; decode throughput
+    from SGLang's own log lines once every request it admits decodes; ESS's counters over the run. save(out) after
+    each server, so a run cut at its deadline keeps the servers that ran."""
     plan = gain_plan(args)
     say(f"gain plan: {plan}")
     out = {"plan": plan, "servers": {}}
     save(out)
-    names = ["stock"] + [f"ess-{m}" for m in args.gain_modes]
+    names = gain_servers(args)
     named_flags = {name: gain_flags(name, plan, args) for name in names}
     started = start_all(named_flags, "gain-", args)
     try:
         for name, got in started.items():
-            entry = out["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"]}
+            entry = out["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"],
+                                            "rig_logits": got.get("rig_logits")}
             if got["server"] is None:
                 entry["error"] = got["error"]
                 say(f"gain {name}: did not start: {got['error'][-800:]}")
+            else:
+                entry["device"] = device_bytes(got["server"], name, plan)
+        out["device_faults"] = check_device_bytes(out["servers"], plan)
+        say(f"gain device bytes: {({n: e.get('device') for n, e in out['servers'].items()})}; "
+            f"faults {out['device_faults']}")
+        save(out)
+        for name, got in started.items():
+            entry, srv, n = out["servers"][name], got["server"], gain_requests(name, plan)
+            if srv is None or any(f.startswith(f"{name}:") for f in out["device_faults"]):
                 continue
-            n = plan["stock_requests"] if name == "stock" else plan["ess_requests"]
-            srv = got["server"]
             before = srv.state().get("ess")
-            entry["bench"] = bench(srv, args, n, args.gain_input, args.gain_output)
+            entry["bench"] = bench(srv, args, plan["prompts"], args.gain_input, args.gain_output)
             entry["decode"] = decode_throughput(srv.log(), n)
             entry["ess"] = ess_counters(srv, before)
-            say(f"gain {name} ({n} requests): {json.dumps(entry['bench'])[-400:]} "
+            say(f"gain {name} ({n} at once of {plan['prompts']}): {json.dumps(entry['bench'])[-400:]} "
                 f"decode {entry['decode']['median_gen_throughput']}; ESS {entry['ess']}")
             save(out)
     finally:
         stop_all(started)
-    stock = out["servers"]["stock"].get("decode", {}).get("median_gen_throughput")
-    for name in names[1:]:
-        ess = out["servers"][name].get("decode", {}).get("median_gen_throughput")
-        if stock and ess:
-            out[f"gain_{name}"] = round(ess / stock, 3)
+    out |= gain_ratios(out["servers"])
     save(out)
+    return out
+
+
+def gain_ratios(servers: dict) -> dict:
+    """Each ESS server over stock: the benchmark's whole-run output throughput and the decode throughput of SGLang's
+    log (gain_*), and at stock's concurrency its TTFT and ITL (overhead_*: ESS's own cost on the same work)."""
+    def get(name: str, *keys):
+        value = servers.get(name, {})
+        for k in keys:
+            value = (value or {}).get(k)
+        return value
+
+    out = {}
+    for name in servers:
+        if name == "stock":
+            continue
+        for key, path in (("whole_run_gain", ("bench", "output_throughput")),
+                          ("decode_gain", ("decode", "median_gen_throughput"))):
+            ess, stock = get(name, *path), get("stock", *path)
+            if ess and stock:
+                out[f"{key}_{name}"] = round(ess / stock, 3)
+        if name.endswith("-at-stock"):
+            out[f"overhead_{name}"] = {k: round(get(name, "bench", k) / get("stock", "bench", k), 3)
+                                       for k in ("mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms")
+                                       if get(name, "bench", k) and get("stock", "bench", k)}
     return out
 
 
@@ -283,7 +383,7 @@ def main(argv=None) -> int:
 
         report["gpu"] = torch.cuda.get_device_name(0)
         report["torch"] = torch.__version__
-        report["rig_logits"] = os.environ.get("ESS_GPU_RIG_LOGITS", "ess")  # ess_gpu_rig.logits(): the indexer's
+        report["rig_logits_asked"] = os.environ.get("ESS_GPU_RIG_LOGITS", "ess")  # each server's choice: its entry
     if args.gain:
         def save(gain: dict) -> None:
             report["gain"] = gain
@@ -291,9 +391,9 @@ def main(argv=None) -> int:
                 json.dump(report, f, indent=1)
 
         with S.terminate_as_exit():
-            run_gain(args, say, save)
-        say(f"gain: {({k: v for k, v in report['gain'].items() if k.startswith('gain_')})}")
-        return 0
+            gain = run_gain(args, say, save)
+        say(f"gain: {({k: v for k, v in gain.items() if k.split('_')[0] in ('whole', 'decode', 'overhead')})}")
+        return 1 if gain["device_faults"] else 0
     prompts = S.prompts(args.requests, args.lengths, args.seed)
     with S.terminate_as_exit():
         say(f"starting {len(args.servers)} servers at once: {', '.join(args.servers)}")
@@ -302,7 +402,8 @@ def main(argv=None) -> int:
         answers = {}
         try:
             for name, got in started.items():
-                entry = report["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"]}
+                entry = report["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"],
+                                                   "rig_logits": got.get("rig_logits")}
                 if got["server"] is None:
                     entry["error"] = got["error"]
                     say(f"{name}: did not start ({got['ready_s']} s): {got['error'][-600:]}")

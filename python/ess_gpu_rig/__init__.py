@@ -11,8 +11,9 @@ DeepGEMM build loads under torch 2.11. What stands in, with SGLang's own switche
     standin/sgl_kernel       sgl_kernel, importable: weak_ref_tensor given, every other kernel raises if called
     patches.py               SGLang's JIT kernels (tvm-ffi + nvcc at first call) on the DeepSeek-V3.2 path, each
                              replaced by the torch it computes; the indexer's logits by ESS's Triton kernel,
-                             decode and prefill (DeepGEMM's stand-in; ESS_GPU_RIG_LOGITS=torch keeps SGLang's torch
-                             versions); and one torch-path fix shared with the CPU path
+                             decode and prefill (DeepGEMM's stand-in), checked on the device before they serve
+                             (logits_check.py; SGLang's torch versions where they fail, or with
+                             ESS_GPU_RIG_LOGITS=torch); and one torch-path fix shared with the CPU path
 Both servers of a comparison, stock and --enable-ess, run on the same rig, so they compute with the same kernels.
 """
 
@@ -73,7 +74,8 @@ def register() -> None:
 
     if not active() or not torch.cuda.is_available():
         return
-    from ess_gpu_rig.patches import patches_for
+    from ess_gpu_rig.patches import PATCHES
     from sglang_ess import hook_table
 
-    hook_table.register(patches_for(logits()))
+    logits()  # a bad ESS_GPU_RIG_LOGITS is refused at start-up
+    hook_table.register(PATCHES)

@@ -88,6 +88,53 @@ def fp8_mqa_logits(q_fp8: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], w
                                  width=(N + 3) // 4 * 4)[:, :N]
 
 
+# The logits this process serves with: ESS_GPU_RIG_LOGITS ("ess" by default), or "torch" once ESS's kernels failed
+# their check on the device (before_load_model)
+_served = {"logits": None}
+
+
+def served_logits() -> str:
+    from ess_gpu_rig import logits
+
+    return _served["logits"] or logits()
+
+
+def around_paged_logits(original, *a, **kw):
+    """SGLang's torch decode logits, replaced by ESS's kernel unless this process serves torch logits."""
+    return original(*a, **kw) if served_logits() == "torch" else fp8_paged_mqa_logits(*a, **kw)
+
+
+def around_prefill_logits(original, *a, **kw):
+    """SGLang's torch prefill logits, replaced by ESS's kernel unless this process serves torch logits."""
+    return original(*a, **kw) if served_logits() == "torch" else fp8_mqa_logits(*a, **kw)
+
+
+def before_load_model(model_runner, *a, **kw):
+    """Each scheduler, before its weights load (and so before any forward or CUDA-graph capture): ESS's logits
+    kernels checked on its device against SGLang's torch logits (ess_gpu_rig.logits_check); where they fail, this
+    process serves with SGLang's torch logits. The choice is printed to the server's log either way."""
+    import importlib
+    import inspect
+    import sys
+
+    from ess_gpu_rig import LOGITS_ENV, logits_check
+
+    device = torch.device(model_runner.device)
+    if served_logits() == "torch":
+        print(f"ESS GPU rig: indexer logits torch ({LOGITS_ENV}=torch)", file=sys.stderr, flush=True)
+        return
+    owner = importlib.import_module(DSA_UTILS)
+    sglang = [inspect.unwrap(getattr(owner, t.rsplit(".", 1)[1])) for t in LOGITS_TARGETS]  # SGLang's own torch
+    fault = logits_check.check(device, fp8_paged_mqa_logits, fp8_mqa_logits, *sglang)
+    if fault is None:
+        print(f"ESS GPU rig: indexer logits ess (ESS's kernels passed their check on {device})", file=sys.stderr,
+              flush=True)
+        return
+    _served["logits"] = "torch"
+    print(f"ESS GPU rig: indexer logits torch (ESS's kernels failed their check on {device}: {fault})",
+          file=sys.stderr, flush=True)
+
+
 INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer"
 DSA_UTILS = "sglang.srt.layers.attention.dsa.utils"
 LOGITS_TARGETS = (f"{DSA_UTILS}._fp8_paged_mqa_logits_torch", f"{DSA_UTILS}._fp8_mqa_logits_torch")
@@ -95,6 +142,7 @@ HADAMARD = "sglang.kernels.ops.quantization.hadamard.hadamard_transform"
 DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend"
 FUSED_A = "sglang.kernels.ops.gemm.fused_a_gemm.dsv3_fused_a_gemm"
 DSV4_OPS = "sglang.kernels.ops.attention.dsv4"
+MODEL_RUNNER_LOAD = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 
 PATCHES = [
     Hook(HADAMARD, HookType.REPLACE, hadamard_transform, ("x", "scale"),
@@ -109,22 +157,19 @@ PATCHES = [
     Hook(f"{DSV4_OPS}.get_paged_mqa_logits_metadata", HookType.REPLACE, paged_mqa_logits_metadata,
          ("seq_lens", "page_size", "num_sm"),
          "the paged logits' schedule: a JIT kernel (paged_mqa_metadata.cuh) even on SGLang's torch logits path"),
-    Hook(LOGITS_TARGETS[0], HookType.REPLACE, fp8_paged_mqa_logits,
+    Hook(LOGITS_TARGETS[0], HookType.AROUND, around_paged_logits,
          ("q_fp8", "kv_cache_fp8", "weights", "context_lens", "block_table", "schedule_metadata", "max_seq_len",
           "clean_logits", "indices"),
          "the indexer's decode logits (SGLANG_FP8_PAGED_MQA_LOGITS_TORCH): ESS's Triton kernel over the pages in "
          "place of SGLang's torch, which copies them to bf16; DeepGEMM's does not load here"),
-    Hook(LOGITS_TARGETS[1], HookType.REPLACE, fp8_mqa_logits,
+    Hook(LOGITS_TARGETS[1], HookType.AROUND, around_prefill_logits,
          ("q_fp8", "kv", "weights", "ks", "ke", "clean_logits", "max_seqlen_k"),
          "the indexer's prefill logits (the same switch): ESS's Triton kernel over each row's window in place of "
          "SGLang's torch, every query by every key head by head, quadratic in the context"),
+    Hook(MODEL_RUNNER_LOAD, HookType.BEFORE, before_load_model, ("self",),
+         "ESS's logits kernels checked on the device before they serve; SGLang's torch logits where they fail"),
     Hook(f"{ROTARY}.forward_native", HookType.AROUND, around_rotary_native, ("self", "positions", "query", "key"),
          "forward_native (SGLANG_FORCE_FUSED_OP_BACKEND=torch) broadcasts the indexer's 2-D key into [tokens, tokens, dim]"),
 ]
-
-def patches_for(logits: str) -> list[Hook]:
-    """The rows the rig registers: all of them with logits "ess", all but the two logits rows with "torch"."""
-    return [p for p in PATCHES if logits == "ess" or p.target not in LOGITS_TARGETS]
-
 
 EXPECTED_PARAMS = expected_params(PATCHES)  # the tests' view: target -> the parameters its hook reads

@@ -32,6 +32,7 @@ from ess.core import flashtrans, layout
 from ess.core.disk_tier import PagedHostTier
 from ess.core.pinned import pinned_zeros
 from ess.core.serving import batch_tokens, whole_pages
+from sglang_ess import device_bytes
 from sglang_ess.sizing import FIRST_ROW, DiskTierSpec
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, unwrap_write_loc
 
@@ -101,9 +102,9 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
             self.ess_tier.rewritten(layer, loc, lost, note)
 
     def get_kv_size_bytes(self):
-        """Device bytes (SGLang logs this as the KV cache size); the host pool is reported by the runtime."""
-        index = sum(t.numel() * t.element_size() for t in self.index_k_with_scale_buffer)
-        return index + self.ess_scratch.numel() + self.ess_stage.numel() + self.ess_stage_of_loc.numel() * 4
+        """Device bytes, measured from the tensors (SGLang logs and reports this as the KV cache size): the pool's,
+        and once the plugin set it, its runtime's; the host pool is reported by the runtime."""
+        return device_bytes.measured(self, getattr(self, "ess_runtime", None))
 
     # -- prefill staging ------------------------------------------------------------------------------------------
     def stage_extend(self, token_table: torch.Tensor, req: torch.Tensor, seq_lens_cpu: list[int], prefix_lens_cpu: list[int]) -> None:
@@ -283,7 +284,7 @@ def pool_class(scratch_rows: int, stage_rows: int, backend: str = "auto", tier: 
     return type(
         "EssDSATokenToKVPool",
         (EssDSATokenToKVPool,),
-        {"scratch_rows": max(1, scratch_rows), "stage_rows": max(1, stage_rows), "backend": backend,
+        {"__module__": __name__, "scratch_rows": max(1, scratch_rows), "stage_rows": max(1, stage_rows), "backend": backend,
          "tier_spec": tier},
     )
 

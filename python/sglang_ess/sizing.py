@@ -14,7 +14,7 @@ import os
 from ess.core import layout
 from ess.core.disk_tier import PAGE_BYTES, free_disk_bytes
 from ess.core.settings import DISK_PAGE_BYTES, GIB, HOST_PINNABLE_FRACTION, PAGE_TOKENS
-from ess.core.memory import cache_bytes
+from ess.core.memory import cache_bytes, table_bytes
 from ess.core.serving import whole_pages
 
 logger = logging.getLogger("sglang_ess")
@@ -33,6 +33,51 @@ class EssPoolSizes:
     host_bytes: int  # the host pool, or a disk tier's frames
     limited_by: str  # "device", "host", "disk" or "requests" (max_requests x context_len fit all)
     disk_bytes: int = 0  # a disk tier's page file
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBytes:
+    """ESS's device memory, buffer by buffer, as its KV pool and runtime allocate it (`ess_device_bytes`); what they
+    hold is measured from their tensors (sglang_ess.device_bytes) and the two agree to the byte (a test)."""
+
+    index_k: int  # SGLang's index-K buffer: every location of every layer
+    slots: int  # the latent slots: C per request-table row (or residency's pool of as many rows) + a sink, whole pages
+    tables: int  # the LRU tables of every request-table row (slot -> position and stamp, position -> slot)
+    step_state: int  # per request-table row: region start (int64, int32), residency flag, the step tally; counters
+    scratch: int  # the decode scratch (its reserved row 0, the rows one step writes) and its row index
+    staging: int  # the prefill staging buffer (row 0 reserved), whole pages
+    location_map: int  # token location -> staging row (int32, every location and a sink)
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+
+# the runtime's step state (sglang_ess.runtime, ess.core.serving): per request-table row a region start as int64 and
+# int32, a residency flag and three int32 tally entries; once: the LRU stamp and the batch size (int32), the counters
+STEP_STATE_ROW_BYTES = 8 + 4 + 1 + 3 * 4
+STEP_STATE_BYTES = 4 + 4 + 8 * 5  # (5: sglang_ess.runtime.COUNTERS)
+
+
+def ess_device_bytes(layers: int, locations: int, rows: int, capacity: int, width: int, scratch_rows: int,
+                     stage_rows: int) -> DeviceBytes:
+    """What ESS allocates on the device for `locations` token locations (SGLang's pool size + a page), `rows`
+    request-table rows of `width` positions with `capacity` slots each, a decode scratch of `scratch_rows` rows and
+    a staging buffer of `stage_rows` rows."""
+    return DeviceBytes(
+        index_k=layers * locations * layout.INDEX_ROW_BYTES,
+        slots=layers * whole_pages(rows * capacity + 1) * layout.LATENT_ROW_BYTES,
+        tables=layers * rows * table_bytes(capacity, width),
+        step_state=rows * STEP_STATE_ROW_BYTES + STEP_STATE_BYTES,
+        scratch=(FIRST_ROW + scratch_rows) * layout.LATENT_ROW_BYTES + scratch_rows * 8,
+        staging=whole_pages(FIRST_ROW + stage_rows) * layout.LATENT_ROW_BYTES,
+        location_map=(locations + 1) * 4,
+    )
+
+
+def stock_device_bytes(layers: int, locations: int) -> int:
+    """What stock SGLang's DSA pool allocates on the device for the same locations: latent and index-K rows."""
+    return layers * locations * (layout.LATENT_ROW_BYTES + layout.INDEX_ROW_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +195,7 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
         MemoryPoolConfig,
         create_memory_pool_configurator,
     )
+    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
     from sglang.srt.runtime_context import get_schedule
     from sglang_ess.args import EssArgsError
 
@@ -157,9 +203,17 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
     if not isinstance(configurator, DefaultPoolConfigurator):
         raise EssArgsError(f"--enable-ess sizes SGLang's standard DSA pool; this launch uses {type(configurator).__name__}")
     layers = kvc.layer_info.num_effective_layers
-    per_token = configurator._cell_size - layers * layout.LATENT_ROW_BYTES  # index-K (+ the draft layer's share)
-    budget = kvc._profile_available_bytes(pre_model_load_memory) - configurator._fixed_overhead_bytes
-    budget -= stage_bytes(facts.context) + scratch_bytes(MAX_REQUESTS, facts.query_rows)
+    page = get_schedule().page_size
+    width = facts.context + get_req_to_token_extra_context_len()  # SGLang's request table: positions per row
+    # Every device byte ESS allocates (ess_device_bytes) is charged: per token index-K (+ the draft layer's share,
+    # in SGLang's cell) and its staging-map entry; per request-table row its slots, LRU tables and step state (and
+    # with DP attention the staging rows of its relabelled decode); once the staging buffer, the decode scratch of
+    # the most requests SGLang allows, a page of index-K and map entries, and a page of slot rounding.
+    per_token = configurator._cell_size - layers * layout.LATENT_ROW_BYTES + 4
+    fixed = ess_device_bytes(layers, page, 0, facts.buffer, width, MAX_REQUESTS * facts.query_rows, facts.context).total
+    per_row = (layers * (facts.buffer * layout.LATENT_ROW_BYTES + table_bytes(facts.buffer, width))
+               + STEP_STATE_ROW_BYTES + relabel_stage_rows(kvc.server_args, 1, facts) * layout.LATENT_ROW_BYTES)
+    budget = kvc._profile_available_bytes(pre_model_load_memory) - configurator._fixed_overhead_bytes - fixed
     requested = get_schedule().max_running_requests
     r = None if requested is None else max(1, requested // kvc.attn_dp_size)
     # ESS gives every row of SGLang's request table its sparse pool: the requests', the padding row, and on a PD
@@ -172,9 +226,9 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
                            None if r is None else r + extra, facts.context, facts.buffer, per_token,
                            host_limit=host_limit_bytes(ranks_on_node),
                            disk_budget_bytes=None if spec is None else spec.disk_bytes, host_per_request=per_request_host,
-                           device_per_request=relabel_stage_rows(kvc.server_args, 1, facts) * layout.LATENT_ROW_BYTES)
+                           device_per_request=per_row - cache_bytes(layers, facts.context, layout.LATENT_ROW_BYTES, 0,
+                                                                    facts.buffer))
     max_requests = min(max(1, sizes.max_requests - extra), MAX_REQUESTS)
-    page = get_schedule().page_size
     tokens = kvc._apply_token_constraints(sizes.tokens) // page * page  # SGLang's own caps (--max-total-tokens)
     rows = max_requests + extra
     if spec is not None:
@@ -185,8 +239,9 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
         logger.info("ESS disk tier: %.3g GiB of host frames over %.3g GiB of pages in %s", spec.host_bytes / GIB,
                     -(-tokens // PAGE_TOKENS) * layers * DISK_PAGE_BYTES / GIB, spec.disk_dir)
     host = spec.host_bytes if spec is not None else tokens * layers * layout.LATENT_ROW_BYTES
-    device = rows * (cache_bytes(layers, facts.context, layout.LATENT_ROW_BYTES, 0, facts.buffer)
-                     + relabel_stage_rows(kvc.server_args, 1, facts) * layout.LATENT_ROW_BYTES) + tokens * per_token
+    device = ess_device_bytes(layers, tokens + page, rows, facts.buffer, width,
+                              scratch_requests(rows) * facts.query_rows,
+                              stage_rows(kvc.server_args, max_requests, facts)).total
     logger.info(
         "ESS pool: %d tokens (index-K on the device, latent rows in %.2f GiB of host memory%s), %d requests x %d "
         "device slots (%d request-table rows), %.2f GiB device, limited by %s", tokens, host / GIB,
@@ -233,15 +288,20 @@ def relabel_stage_rows(server_args, requests: int, facts) -> int:
     return requests * facts.query_rows * (facts.topk + 1)
 
 
-def scratch_requests(max_running_requests: int) -> int:
+def stage_rows(server_args, max_running_requests: int, facts) -> int:
+    """The prefill staging buffer's rows: one context (the admission hook keeps every prefill batch within it), or
+    with DP attention the rows of the largest relabelled decode if more."""
+    return max(facts.context, relabel_stage_rows(server_args, max_running_requests, facts))
+
+
+def scratch_requests(table_rows: int) -> int:
     """The most requests one forward may hold, padding included: the request table's rows (the running requests and
     extra_request_rows), padded as SGLang pads a batch, to its CUDA-graph capture alignment (even sizes with
     two-batch overlap, multiples of the attention-TP size where gathered buffers are needed) and in eager mode with
     DP attention (multiples of the attention-TP size): SGLang's own functions (utils/common.py)."""
     from sglang.srt.utils.common import get_cuda_graph_max_batch_size, get_eager_max_batch_size
 
-    rows = max_running_requests + extra_request_rows()
-    return max(get_cuda_graph_max_batch_size(rows), get_eager_max_batch_size(rows))
+    return max(get_cuda_graph_max_batch_size(table_rows), get_eager_max_batch_size(table_rows))
 
 
 def extra_request_rows() -> int:
@@ -256,22 +316,12 @@ def extra_request_rows() -> int:
     return 1
 
 
-def scratch_bytes(max_requests: int, query_rows: int) -> int:
-    """The decode scratch: the rows one step writes (requests x query rows) before they go to host and GPU slots."""
-    return (FIRST_ROW + max_requests * query_rows) * layout.LATENT_ROW_BYTES
-
-
-def stage_bytes(context_len: int) -> int:
-    """The prefill staging buffer ESS starts with: one request's rows at full context (it grows for bigger batches)."""
-    return whole_pages(FIRST_ROW + context_len) * layout.LATENT_ROW_BYTES
-
-
 def one_request_device_bytes(layers: int, context_len: int, capacity: int, query_rows: int) -> int:
     """Device bytes ESS takes before a second request fits: the prefill staging buffer and the decode scratch that
-    resolve_memory_pool_config charges first, and one request at full context (its slots and tables, index-K of its
-    tokens). SGLang's fixed overheads and an MTP draft layer's cells come on top."""
-    return (stage_bytes(context_len) + scratch_bytes(MAX_REQUESTS, query_rows)
-            + cache_bytes(layers, context_len, layout.LATENT_ROW_BYTES, layout.INDEX_ROW_BYTES, capacity))
+    resolve_memory_pool_config charges first, and one request at full context (its slots, tables and step state,
+    index-K of its tokens): a lower bound of ess_device_bytes (SGLang's request table is a few positions wider).
+    SGLang's fixed overheads and an MTP draft layer's cells come on top."""
+    return ess_device_bytes(layers, context_len, 1, capacity, context_len, MAX_REQUESTS * query_rows, context_len).total
 
 
 def check_device_budget(memory_bytes: float, memory_source: str, mem_fraction_static: float, weight_bytes: int | None,

@@ -77,73 +77,67 @@ def test_concat_gemm_metadata_and_store():
     assert patches.no_fused_store(torch.bfloat16, torch.int64, 64) is False
 
 
-@pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8's interpreter")
-@pytest.mark.parametrize("next_n", [1, 2])
-def test_the_logits_patch_equals_sglangs_torch_logits_it_replaces(monkeypatch, next_n):
-    """ESS's kernel over SGLang's pages (Triton's interpreter here) against SGLang's own torch logits, called as the
-    rig's SGLang calls them: equal at every position within each row's context, on values every product and sum of
-    which is exact in bf16 and fp32; -inf past the context, where SGLang's writes 0 and its top-k masks by length."""
+def sglang_logits():
+    """SGLang's own torch logits, the two the rig's rows replace (unwrapped, should a test have patched them)."""
     from sglang.srt.layers.attention.dsa import utils
 
+    return [inspect.unwrap(getattr(utils, t.rsplit(".", 1)[1])) for t in patches.LOGITS_TARGETS]
+
+
+@pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8's interpreter")
+def test_the_logits_kernels_pass_the_check_they_take_on_the_device(monkeypatch):
+    """ESS's kernels over SGLang's pages (decode, one and two query rows a request) and over prefill windows, against
+    SGLang's own torch logits called as the rig's SGLang calls them (ess_gpu_rig.logits_check, which each scheduler
+    runs on its GPU before its weights load), here in Triton's interpreter: equal at every position within each
+    row's context on exact values, -inf past it (SGLang's writes 0, its top-k masks by length), SGLang's row
+    stride."""
     from ess.core import indexer_kernel
 
+    check = importlib.import_module("ess_gpu_rig.logits_check")
     monkeypatch.setattr(indexer_kernel, "kernel_backend", lambda backend, device, what: "interpret")
-    g = torch.Generator().manual_seed(0)
-    B, H, P, S = 3, 8, 3, 11
-    ternary = lambda *shape: (torch.randint(0, 3, shape, generator=g) - 1).float()  # noqa: E731
-    rows = torch.zeros(S * 64, 132, dtype=torch.uint8)
-    rows[:, :128] = ternary(S * 64, 128).to(torch.float8_e4m3fn).view(torch.uint8)
-    rows[:, 128:] = torch.ones(S * 64).view(torch.uint8).view(-1, 4)  # scale 1.0
-    kv_cache = layout.index_k_rows_to_pages(rows).view(S, 64, 1, 132)
-    q_fp8 = ternary(B, next_n, H, 128).to(torch.float8_e4m3fn)
-    weights = torch.randint(-2, 3, (B * next_n, H), generator=g).float()
-    block_table = torch.randperm(S, generator=g)[: B * P].view(B, P).int()
-    lens = torch.tensor([150, 64, 1])
-    context_lens = lens.view(B, 1) + torch.arange(next_n) - next_n + 1  # each query row's own context
-    got = patches.fp8_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_table, None, P * 64)
-    # SGLang's torch logits take one query row a request: the rows of each request given their own table row
-    flat_lens = context_lens.reshape(-1)
-    want = utils._fp8_paged_mqa_logits_torch(q_fp8.reshape(B * next_n, 1, H, 128), kv_cache, weights, flat_lens,
-                                             block_table.repeat_interleave(next_n, 0), None, P * 64)
-    inside = torch.arange(P * 64) < flat_lens[:, None]
-    assert got.shape == want.shape == (B * next_n, P * 64) and got.dtype == torch.float32
-    assert torch.equal(got[inside], want[inside]) and bool((got[~inside] == -math.inf).all())
+    assert check.check("cpu", patches.fp8_paged_mqa_logits, patches.fp8_mqa_logits, *sglang_logits()) is None
+    case = check.decode_case(1)
     with pytest.raises(ValueError, match="indices"):
-        patches.fp8_paged_mqa_logits(q_fp8, kv_cache, weights, context_lens, block_table, None, P * 64,
-                                     indices=torch.zeros(1))
-
-
-@pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8's interpreter")
-def test_the_prefill_logits_patch_equals_sglangs_torch_logits_it_replaces(monkeypatch):
-    """Prefill: each query row over its window [ks, ke) of the batch's gathered index-K, against SGLang's own torch
-    prefill logits on exact values: equal inside every window, -inf outside (SGLang's: 0), its padded row stride."""
-    from sglang.srt.layers.attention.dsa import utils
-
-    from ess.core import indexer_kernel
-
-    monkeypatch.setattr(indexer_kernel, "kernel_backend", lambda backend, device, what: "interpret")
-    g = torch.Generator().manual_seed(1)
-    M, H, N = 6, 8, 202
-    ternary = lambda *shape: (torch.randint(0, 3, shape, generator=g) - 1).float()  # noqa: E731
-    k_fp8, k_scale = ternary(N, 128).to(torch.float8_e4m3fn), torch.ones(N)
-    q_fp8, weights = ternary(M, H, 128).to(torch.float8_e4m3fn), torch.randint(-2, 3, (M, H), generator=g).float()
-    ks, ke = torch.tensor([0, 0, 0, 120, 120, 120], dtype=torch.int32), torch.tensor([1, 60, 120, 121, 170, 202],
-                                                                                   dtype=torch.int32)
-    got = patches.fp8_mqa_logits(q_fp8, (k_fp8, k_scale), weights, ks, ke)
-    want = utils._fp8_mqa_logits_torch(q_fp8, (k_fp8, k_scale), weights, ks, ke)
-    inside = (torch.arange(N) >= ks[:, None]) & (torch.arange(N) < ke[:, None])
-    assert got.shape == want.shape == (M, N) and got.stride(0) == want.stride(0) == 204
-    assert torch.equal(got[inside], want[inside]) and bool((got[~inside] == -math.inf).all())
+        patches.fp8_paged_mqa_logits(**case, indices=torch.zeros(1))
     with pytest.raises(ValueError, match="clean_logits"):
-        patches.fp8_mqa_logits(q_fp8, (k_fp8, k_scale), weights, ks, ke, clean_logits=True)
+        patches.fp8_mqa_logits(**check.prefill_case(), clean_logits=True)
 
 
-def test_the_logits_rows_are_registered_unless_torch_logits_are_asked_for(monkeypatch):
+def test_a_logits_kernel_that_fails_its_check_gives_way_to_sglangs_torch_logits(monkeypatch, capsys):
+    """A kernel that raises or differs fails the check, naming what; the scheduler then serves with SGLang's torch
+    logits (the rig's rows call through to them) and says so in its log."""
+    import types
+
+    check = importlib.import_module("ess_gpu_rig.logits_check")
+    decode, prefill = sglang_logits()
+    wrong = lambda **kw: decode(**kw) + 1  # noqa: E731
+    fault = check.check("cpu", wrong, prefill, decode, prefill)
+    assert fault.startswith("decode logits, 1 query row(s): ") and "differ from SGLang's" in fault
+
+    def broken(**kw):
+        raise RuntimeError("no kernel image for this device")
+
+    assert check.check("cpu", broken, prefill, decode, prefill) == "RuntimeError: no kernel image for this device"
+    monkeypatch.setattr(patches, "fp8_paged_mqa_logits", broken)
+    monkeypatch.setattr(patches, "_served", {"logits": None})
+    patches.before_load_model(types.SimpleNamespace(device="cpu"))
+    assert patches.served_logits() == "torch"
+    assert "ESS GPU rig: indexer logits torch (ESS's kernels failed their check on cpu: RuntimeError" in \
+        capsys.readouterr().err
+    case = check.decode_case(1)
+    sentinel = object()
+    assert patches.around_paged_logits(lambda **kw: sentinel, **case) is sentinel  # SGLang's own, called through
+
+
+def test_torch_logits_asked_for_skip_the_check(monkeypatch, capsys):
+    import types
+
     ess_gpu_rig = sys.modules["ess_gpu_rig"]
-    assert set(patches.LOGITS_TARGETS) <= {p.target for p in patches.patches_for("ess")}
-    assert set(patches.PATCHES) - set(patches.patches_for("torch")) == {
-        p for p in patches.PATCHES if p.target in patches.LOGITS_TARGETS}
-    assert ess_gpu_rig.logits() == "ess"
+    monkeypatch.setattr(patches, "_served", {"logits": None})
+    monkeypatch.setenv(ess_gpu_rig.LOGITS_ENV, "torch")
+    patches.before_load_model(types.SimpleNamespace(device="cpu"))
+    assert patches.served_logits() == "torch" and "indexer logits torch (ESS_GPU_RIG_LOGITS=torch)" in \
+        capsys.readouterr().err
     monkeypatch.setenv(ess_gpu_rig.LOGITS_ENV, "deepgemm")
     with pytest.raises(ValueError, match=ess_gpu_rig.LOGITS_ENV):
         ess_gpu_rig.logits()

@@ -12,7 +12,6 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from ess.core.memory import cache_bytes  # noqa: E402
 from ess.reference import checkpoint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,13 +37,13 @@ def sglang_parser():
 def test_every_flag_parses_in_sglang(model):
     p = sglang_parser()
     ess_flags = {"--enable-ess", "--ess-overlap", "--ess-buffer-tokens", "--ess-residency", "none", "da", "off", "2560",
-                 "6617"}
+                 "6976"}
     for device in ("cuda", "cpu"):
         args = server.parse(["/tmp/out", "--model", model, "--device", device])
         ess_flags.add(str(server.fit_tokens(args)))
         plan = server.gain_plan(args)
         lines = [server.flags(n, args) for n in server.SERVERS] + \
-                [server.gain_flags(n, plan, args) for n in ("stock", "ess-none", "ess-da")]
+                [server.gain_flags(n, plan, args) for n in ("stock", "ess-none", "ess-da", "ess-none-at-stock")]
         for line in lines:
             ns, unknown = p.parse_known_args(["--model-path", model, *line])
             assert set(unknown) <= ess_flags, unknown  # the plugin adds --ess-* at launch
@@ -60,13 +59,52 @@ def test_the_batch_fits_one_context():
 
 
 def test_gain_plan_one_budget(model):
-    args = server.parse(["/tmp/out", "--model", model, "--gain", "--gain-stock-requests", "8"])
+    """Every device byte charged on both sides (the servers' own counts, which their readouts are checked against):
+    at 32K in / 256 out the plan admits 22 ESS requests where the uncharged staging, scratch, location map and
+    padding row let it claim 23."""
+    from sglang_ess.sizing import ess_device_bytes, stock_device_bytes
+
+    args = server.parse(["/tmp/out", "--model", model, "--gain", "--gain-stock-requests", "8", "--gain-output", "256"])
     plan = server.gain_plan(args)
-    per_token = plan["layers"] * (656 + 132)
-    assert plan["budget_bytes"] == 8 * plan["context"] * per_token
-    ess = cache_bytes(plan["layers"], plan["context"], 656, 132, plan["ess_buffer_tokens"])  # slots, tables, index-K
-    assert plan["ess_requests"] * ess <= plan["budget_bytes"] < (plan["ess_requests"] + 1) * ess
-    assert plan["ess_buffer_tokens"] >= 2049 and plan["ess_requests"] == 23  # 32K, ratio 0.2: as on the H200
+    L, ctx, C, width = plan["layers"], plan["context"], plan["ess_buffer_tokens"], plan["context"] + 4
+    assert plan["budget_bytes"] == stock_device_bytes(L, 8 * ctx + 64) + 9 * width * 4
+    n = plan["ess_requests"]
+
+    def ess(k):
+        return ess_device_bytes(L, k * ctx + 64, k + 1, C, width, k + 1, ctx).total + (k + 1) * width * 4
+
+    assert ess(n) <= plan["budget_bytes"] < ess(n + 1)
+    assert plan["ess_buffer_tokens"] >= 2049 and n == 22 and plan["prompts"] == 24  # 3x stock's 8, all at once
+    plan = server.gain_plan(server.parse(["/tmp/out", "--model", model, "--gain"]))  # 2K out: the same 22
+    assert plan["context"] == 34880 and plan["ess_requests"] == 22
+    assert server.gain_servers(args) == ["stock", "ess-none", "ess-none-at-stock"]
+    assert [server.gain_requests(s, plan) for s in server.gain_servers(args)] == [8, 22, 8]
+
+
+def test_the_gain_run_fails_when_esss_device_bytes_pass_stocks(model):
+    plan = server.gain_plan(server.parse(["/tmp/out", "--model", model, "--gain"]))
+    stock_gib = plan["stock_bytes"]["pool"] / (1 << 30)
+    table = plan["ess_bytes"]["request_table"]
+    servers = {"stock": {"device": {"memory_usage": {"kvcache": round(stock_gib, 3)}}},
+               "ess-none": {"device": {"ess_measured": plan["ess_bytes"]["total"], "request_table": table}}}
+    assert server.check_device_bytes(servers, plan) == []
+    over = plan["budget_bytes"] - table + 1
+    servers["ess-none"]["device"]["ess_measured"] = over
+    assert server.check_device_bytes(servers, plan) == [f"ess-none: {over} + {table} device bytes, over stock's "
+                                                        f"{plan['budget_bytes']}"]
+    servers["stock"]["device"]["memory_usage"]["kvcache"] = round(stock_gib, 3) + 0.002  # not the plan's stock
+    assert len(server.check_device_bytes(servers, plan)) == 2
+
+
+def test_gain_ratios_whole_run_decode_and_overhead():
+    servers = {"stock": {"bench": {"output_throughput": 100.0, "mean_ttft_ms": 50.0, "mean_itl_ms": 5.0},
+                         "decode": {"median_gen_throughput": 1000.0}},
+               "ess-none": {"bench": {"output_throughput": 150.0}, "decode": {"median_gen_throughput": 1400.0}},
+               "ess-none-at-stock": {"bench": {"output_throughput": 99.0, "mean_ttft_ms": 51.0, "mean_itl_ms": 5.1},
+                                     "decode": {"median_gen_throughput": 990.0}}}
+    got = server.gain_ratios(servers)
+    assert got["whole_run_gain_ess-none"] == 1.5 and got["decode_gain_ess-none"] == 1.4
+    assert got["overhead_ess-none-at-stock"] == {"mean_ttft_ms": 1.02, "mean_itl_ms": 1.02}
 
 
 def test_decode_throughput_reads_sglangs_log_lines():

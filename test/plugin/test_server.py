@@ -49,7 +49,8 @@ def run_pair(tmp_path, model, stock_flags, ess_flags, workload):
         for name, srv in servers.items():
             srv.wait_ready()
             results[name] = workload(srv, name == "ess")
-        return results, servers["ess"].state()["ess"], servers["ess"].log()
+        readout = servers["ess"].state()
+        return results, readout["ess"] | {"memory_usage": readout.get("memory_usage")}, servers["ess"].log()
     finally:
         for srv in servers.values():
             srv.stop()
@@ -98,6 +99,16 @@ def test_unequal_concurrent_requests_give_stock_tokens_and_miss_every_step(plain
     assert any("ESS pool:" in line for line in log.splitlines())
 
 
+def test_every_device_byte_the_server_holds_is_charged(plain):
+    """The ESS server's pool and runtime hold exactly what sizing charged (their tensors, walked), and SGLang's own
+    readout of its KV cache (memory_usage.kvcache, GiB to 3 places) counts all of it."""
+    _, state, log = plain
+    device = state["device"]
+    assert device["measured"] == device["charged"]["total"], device
+    assert state["memory_usage"]["kvcache"] == round(device["measured"] / (1 << 30), 3), state["memory_usage"]
+    assert "ESS device bytes:" in log
+
+
 def test_every_generated_token_streams_its_own_text(plain):
     """A streamed request as `sglang.benchmark.serving` reads it (it times a chunk only when its text is not empty):
     one chunk per generated token, each with more text than the one before (the checkpoint's tokenizer gives every id
@@ -134,6 +145,7 @@ def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path):
 
     results, state, _ = run_pair(tmp_path, model, S.MTP_FLAGS, S.ESS_MTP_FLAGS, workload)
     assert tokens(results["ess"]) == tokens(results["stock"])
+    assert state["device"]["measured"] == state["device"]["charged"]["total"]  # the verify rows' scratch too
     assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
 
 

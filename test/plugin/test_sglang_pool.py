@@ -40,6 +40,14 @@ def pools(plugin):
         yield stock, ess, tokens
 
 
+def charged(layers, tokens, rows, cap, ctx):
+    """What ESS allocates for these sizes (sglang_ess.sizing.ess_device_bytes), the scratch as sizing charges it
+    (the most requests SGLang allows) and the table width SGLang gives (context + 4)."""
+    from sglang_ess import sizing
+
+    return sizing.ess_device_bytes(layers, tokens + 64, rows, cap, ctx + 4, sizing.MAX_REQUESTS, ctx).total
+
+
 class Layer:
     def __init__(self, layer_id):
         self.layer_id = layer_id
@@ -152,16 +160,6 @@ def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatc
         assert torch.equal(ess.ess_host[layer, : SIZE + 64], stock.kv_buffer[layer][:, 0])
 
 
-def test_device_bytes_exclude_the_latent_cache(pools):
-    stock, ess, _ = pools
-    latent = L * (SIZE + 64) * 656
-    index_k = stock.get_kv_size_bytes() - latent  # SGLang's count: latent + index-K of every location
-    # ESS: index-K, the decode scratch (8 rows after the writer's reserved row 0), the staging buffer (one page) and
-    # the location -> staging map
-    assert ess.get_kv_size_bytes() == index_k + (1 + 8) * 656 + 64 * 656 + (SIZE + 65) * 4
-    assert not ess.ess_host.is_cuda and ess.ess_host.shape == (L, SIZE + 65, 656)
-
-
 def prefilled(stock, ess, tokens):
     """The first request's first 10 tokens written through both pools as a prefill writes them: their locations."""
     loc = tokens.req_to_token[REQ[0], :10]
@@ -250,6 +248,12 @@ def configurator(monkeypatch, layers, avail):
     monkeypatch.setattr("sglang.srt.runtime_context.get_disagg", lambda: disagg)
     monkeypatch.setattr(KVCacheConfigurator, "_profile_available_bytes", lambda self, pre: avail)
     monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints", lambda self, tokens: tokens)
+    # the request table's extra positions (no speculative decoding): SGLang's rule reads its published settings
+    monkeypatch.setattr("sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len", lambda: 4)
+    # and the batch padding (no two-batch overlap, no DP attention: none), which reads them too
+    from sglang_ess import sizing
+
+    monkeypatch.setattr(sizing, "scratch_requests", lambda rows: rows)
     kvc = object.__new__(KVCacheConfigurator)
     kvc.layer_info = types.SimpleNamespace(num_effective_layers=layers)
     kvc.attn_dp_size = 1
@@ -267,7 +271,6 @@ def resolve(kvc, ess, facts):
 def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     """SGLang's configurator hands ESS its profiled budget and per-token cell (latent + index-K); ESS sizes tokens and
     requests so that index-K of every token, C slots per request slot, staging and scratch fit the budget."""
-    from ess.core.memory import cache_bytes
     from sglang_ess import sizing
 
     layers, ctx, cap, avail = 61, 32768, 6554, 70 << 30
@@ -276,8 +279,7 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     facts = EssFacts("co-located", 2048, 61, ctx, cap)
     config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)
     R, T = config.max_running_requests, config.max_total_num_tokens
-    used = (R + 1) * cache_bytes(layers, ctx, 656, 0, cap) + T * layers * 132
-    used += sizing.stage_bytes(ctx) + sizing.scratch_bytes(sizing.MAX_REQUESTS, 1)
+    used = charged(layers, T, R + 1, cap, ctx)
     assert used <= avail and T >= R * ctx - 64  # every request can reach full context
     baseline_requests = avail // (stock._cell_size * ctx)
     # past the memory wall: 139 request slots of 0.25 GiB sparse pool + 0.25 GiB index-K each, against 47 full caches
@@ -289,8 +291,7 @@ def test_memory_pool_config_charges_the_latent_cache_to_the_host(monkeypatch):
     disagg.disaggregation_mode, disagg.disaggregation_decode_extra_slots = "decode", 80
     config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)
     R, T = config.max_running_requests, config.max_total_num_tokens
-    used = (R + 80 + 1) * cache_bytes(layers, ctx, 656, 0, cap) + T * layers * 132
-    used += sizing.stage_bytes(ctx) + sizing.scratch_bytes(sizing.MAX_REQUESTS, 1)
+    used = charged(layers, T, R + 80 + 1, cap, ctx)
     assert R == 40 and used <= avail
     schedule.max_running_requests = None  # sized to fit: the in-transfer rows are charged before the requests
     config = resolve(kvc, EssArgs(enable=True, buffer_tokens=cap), facts)

@@ -571,35 +571,6 @@ def sglang_req(slot: int | None, room: int = 0, metadata_index: int = -1, prompt
     return req
 
 
-def test_prefill_admission_keeps_the_staged_tokens_within_the_charged_buffer(plugin, monkeypatch):
-    """A prefill batch stages every token of its requests; the scheduler's admission (PrefillAdder.add_one_req)
-    stops adding requests where the batch would pass the staging rows sizing charged. The adder is a stand-in: a real
-    PrefillAdder needs a tree cache, a KV allocator and a running ScheduleBatch, and the hook reads its can_run_list
-    only (its target's signature: test_sglang_plugin); the requests are SGLang's."""
-    import types
-
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.managers.schedule_policy import AddReqResult
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
-    def req(n):
-        return Req(f"r{n}", "", list(range(n)), SamplingParams(max_new_tokens=4))
-
-    def admit(adder, r, *a, **kw):  # SGLang's own admission, which the hook wraps
-        adder.can_run_list.append(r)
-        return AddReqResult.CONTINUE
-
-    adder = types.SimpleNamespace(can_run_list=[])
-    monkeypatch.setattr(plugin.state, "stage_tokens", 10)
-    assert plugin.forward.around_add_one_req(admit, adder, req(12), False, None) == AddReqResult.CONTINUE  # alone: fits
-    adder.can_run_list = []
-    for n, want in [(6, AddReqResult.CONTINUE), (4, AddReqResult.CONTINUE), (1, AddReqResult.OTHER)]:
-        assert plugin.forward.around_add_one_req(admit, adder, req(n), False, None) == want
-    assert [len(r.origin_input_ids) for r in adder.can_run_list] == [6, 4]
-    monkeypatch.setattr(plugin.state, "stage_tokens", None)  # no ESS runtime in this process: SGLang's admission
-    assert plugin.forward.around_add_one_req(admit, adder, req(50), False, None) == AddReqResult.CONTINUE
-
-
 def decode_request(req, metadata_index: int):
     """SGLang's DecodeRequest of a PD decode node for `req` (no receiver: the transfer is over when the hook runs)."""
     from sglang.srt.disaggregation.decode import DecodeRequest

@@ -4,6 +4,7 @@ request's release, a disk-tier page lost, and the scheduler's state readout."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -16,18 +17,24 @@ logger = logging.getLogger("sglang_ess")
 
 
 # -- prefill: admission and staging ------------------------------------------------------------------------------------
-def staged_tokens(req) -> int:
-    """The staging rows a request in a prefill batch can take at most: all its tokens (cached prefix and new)."""
-    return req.seqlen
+def staged_tokens(req, chunk_left: int | None) -> int:
+    """The staging rows a request not yet admitted would take in a prefill batch: positions [0, prefix + chunk), its
+    cached prefix (with any host hit) and the rest of its prompt, at most the tokens the batch's chunk has left
+    (chunk_left; None: no chunking). An admitted one takes [0, extend_end) (ScheduleBatch's seq_lens)."""
+    prefix = req.prefix_len + (req.host_hit_length or 0)
+    rest = max(0, len(req.full_untruncated_fill_ids) - prefix)
+    return prefix + (rest if chunk_left is None else min(rest, max(0, chunk_left)))
 
 
 def around_add_one_req(original, adder, req, *a, **kw):
-    """The scheduler's prefill admission: a prefill batch stages every token of its requests (sglang_ess.pool), and
-    sizing charged the staging buffer for one context. A request that would take the batch past it waits for the next
-    batch (SGLang's AddReqResult.OTHER); the first request of a batch always fits (it is at most one context)."""
+    """The scheduler's prefill admission: a prefill batch stages its requests' rows (prefix and chunk, see
+    sglang_ess.pool), and sizing charged the staging buffer for one context. A request that would take the batch past
+    it waits for the next batch (SGLang's AddReqResult.OTHER); the first request of a batch always fits (it is at most
+    one context)."""
     cap = state.stage_tokens
     if cap is not None and adder.can_run_list:
-        if sum(staged_tokens(r) for r in adder.can_run_list) + staged_tokens(req) > cap:
+        staged = sum(r.extend_end for r in adder.can_run_list)
+        if staged + staged_tokens(req, adder.rem_chunk_tokens) > cap:
             from sglang.srt.managers.schedule_policy import AddReqResult
 
             return AddReqResult.OTHER
@@ -298,8 +305,12 @@ def before_get_next_batch(scheduler, *a, **kw):
 
 # -- the scheduler's state readout -------------------------------------------------------------------------------------
 def after_get_internal_state(result, controller, *a, **kw):
-    """The scheduler's state readout (GET /get_server_info, `internal_states`): ESS's step counters and pool."""
+    """The scheduler's state readout (GET /get_server_info, `internal_states`): ESS's step counters and pool, and its
+    device bytes as measured from the tensors beside what sizing charged."""
     if state.runtime is not None:
-        result.internal_state["ess"] = state.runtime.counts() | state.runtime.stats()
+        charged = state.device_charged
+        device = {"measured": state.pool.get_kv_size_bytes(),
+                  "charged": dataclasses.asdict(charged) | {"total": charged.total}}
+        result.internal_state["ess"] = state.runtime.counts() | state.runtime.stats() | {"device": device}
     return None
 

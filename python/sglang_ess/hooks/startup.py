@@ -8,7 +8,7 @@ import logging
 import sys
 
 from ess.core.landing import LandingTracker
-from ess.core.settings import PROGRESSIVE_REQUESTS
+from ess.core.settings import GIB, PROGRESSIVE_REQUESTS
 from sglang_ess import sizing
 from sglang_ess.args import EssArgsError, add_cli_args
 from sglang_ess.hooks.shared import state
@@ -68,9 +68,10 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
     launch = _ess_target(kvc)
     if launch is not None:
         facts = launch.facts
+        rows = max_running_requests  # SGLang passes its request table's rows here (requests, padding, PD transfers)
         dsa_pool_class = pool_class(
-            scratch_rows=sizing.scratch_requests(max_running_requests) * facts.query_rows,
-            stage_rows=max(facts.context, sizing.relabel_stage_rows(kvc.server_args, max_running_requests, facts)),
+            scratch_rows=sizing.scratch_requests(rows) * facts.query_rows,
+            stage_rows=sizing.stage_rows(kvc.server_args, rows, facts),
             tier=state.tier_spec,
         )
     return original(kvc, *a, max_running_requests=max_running_requests, dsa_pool_class=dsa_pool_class, **kw)
@@ -124,6 +125,14 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
         tier=pool.ess_tier,
     )
     pool.ess_runtime = state.runtime
+    table = model_runner.req_to_token_pool.req_to_token
+    state.pool = pool
+    state.device_charged = sizing.ess_device_bytes(pool.layer_num, pool.size + pool.page_size, table.shape[0],
+                                                   facts.buffer, table.shape[1], pool.scratch_rows, pool.stage_rows)
+    measured = pool.get_kv_size_bytes()
+    pool.mem_usage = measured / GIB  # SGLang's readout of its KV cache (memory_usage.kvcache) counts the runtime's too
+    logger.info("ESS device bytes: %d measured from the pool's and the runtime's tensors, %d charged by sizing",
+                measured, state.device_charged.total)
     state.runtime.req_pool = model_runner.req_to_token_pool
     state.stage_tokens = pool.ess_stage.shape[0] - sizing.FIRST_ROW
     reset_on_admit(model_runner.req_to_token_pool, state.runtime)
