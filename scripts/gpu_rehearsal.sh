@@ -2,8 +2,8 @@
 # The GPU server command rehearsed on this machine (docs/gpu-server.md), so that no device minute is spent on a
 # missing import: a Python 3.12 venv copying the GPU image (scripts/gpu_image_requirements.txt: its torch 2.11 and
 # the image's versions of what SGLang imports), the carry set (scripts/gpu_carry.sh), then benchmark/gpu/server.sh
-# on the CPU path: stock and --enable-ess on the tiny checkpoint, the same batch, tokens equal, and SGLang's serving
-# benchmark; then the gain run (--gain) at the CPU's sizes. Everything lands in .rehearsal/ (git-ignored; about 5 GB,
+# on the CPU path: stock, --enable-ess and SGLang's HiSparse on the tiny checkpoint, the same batch, tokens equal, and
+# SGLang's serving benchmark; then the gain run (--gain) at the CPU's sizes. Everything lands in .rehearsal/ (git-ignored; about 5 GB,
 # most of it torch's CUDA libraries, which PyPI's torch 2.11 brings). Exit 0 when the tokens are equal and the gain
 # run benchmarked every server within the budget. CI runs it after the tests (.ci/run).
 set -euo pipefail
@@ -28,7 +28,7 @@ mkdir -p "$TMPDIR"
 [ -f .whl/site.tar.xz ] || bash scripts/gpu_carry.sh
 rm -rf .rehearsal/site .rehearsal/out "$TMPDIR"
 PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model" ESS_DEVICE=cpu \
-  bash benchmark/gpu/server.sh .rehearsal/out --servers stock-eager,ess-none-eager --lengths 200,420 \
+  bash benchmark/gpu/server.sh .rehearsal/out --servers stock-eager,ess-none-eager,hisparse-eager --lengths 200,420 \
   --buffer-tokens 96 --requests 4 --bench stock-eager,ess-none-eager --bench-output 16
 # the gain run (lease.sh's server step) at the CPU's sizes: each server's device bytes checked against the plan's one
 # budget, then benchmarked with the same prompts (3x stock's requests), gain.json written after each with ESS's
@@ -42,7 +42,7 @@ import json
 gain = json.load(open(".rehearsal/gain/gain.json"))["gain"]
 for name, entry in gain["servers"].items():
     assert entry.get("bench", {}).get("completed"), f"gain {name}: {entry.get('error') or entry.get('bench')}"
-assert list(gain["servers"]) == ["stock", "ess-none", "ess-none-at-stock"], list(gain["servers"])
+assert list(gain["servers"]) == ["stock", "ess-none", "ess-none-at-stock", "hisparse"], list(gain["servers"])
 assert gain["device_faults"] == [], gain["device_faults"]  # ESS's measured device bytes within stock's
 ess = gain["servers"]["ess-none"]["ess"]
 assert ess["layer_steps"] > 0 and ess["device_bytes"] > 0, ess

@@ -5,9 +5,12 @@
 #   bash benchmark/gpu/lease.sh OUT [--budget-min M] [--steps server,decode47,indexer] [--smoke]
 # Steps, in order:
 #   server    the real server's gain with residency on (benchmark/gpu/server.sh --gain --gain-modes none): 32K in /
-#             2K out, 24 prompts all at once to stock (8 at a time), ESS (as many as stock's bytes hold) and ESS at
-#             stock's 8; each server's device bytes checked first, gain.json written after each (the 32K / 256 run
-#             with two servers took about 350 s on the H200; this one has not run)
+#             2K out, 24 prompts all at once to stock (8 at a time), ESS (as many as stock's bytes hold), ESS at
+#             stock's 8 and SGLang's HiSparse under the same bytes; each server's device bytes checked first,
+#             gain.json written after each (the 32K / 256 run with two servers took about 350 s on the H200; this
+#             one has not run)
+#             Both server steps write the checkpoint with a real model's top-k locality (ESS_LOCALITY, default the
+#             fitted 0.125; empty: the random checkpoint, as every GPU figure before).
 #   server128k  the same at 128K in / 2K out: stock holds 2 requests, ESS (C = 0.1 x context) 6, 6 prompts; only
 #             with --steps (a second call: --steps server128k,decode47)
 #   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
@@ -83,14 +86,19 @@ decode47() {  # 32K MTP verify, then 128K decode appended: baseline and none, as
   fi
 }
 
+# the server steps' checkpoint: a real model's top-k locality (the CPU fit, benchmark/results/locality/fit.json);
+# ESS_LOCALITY= (empty) for the random checkpoint
+LOCALITY=${ESS_LOCALITY-0.125}
 for name in server server128k; do
   wanted "$name" || continue
   if [ -n "$smoke" ]; then
     echo "$name: not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)" | tee -a "$RUN/steps.log"
   elif [ "$name" = server ]; then
-    step server 480 env PYTHON="$PY" bash benchmark/gpu/server.sh "$RUN/server" --gain --gain-modes none
+    step server 540 env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" bash benchmark/gpu/server.sh "$RUN/server" --gain \
+      --gain-modes none
   else
-    step server128k 540 env PYTHON="$PY" bash benchmark/gpu/server.sh "$RUN/server128k" --gain --gain-modes none \
+    step server128k 540 env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" bash benchmark/gpu/server.sh "$RUN/server128k" \
+      --gain --gain-modes none \
       --gain-input 131072 --gain-stock-requests 2 --gain-ratio 0.1
   fi
 done

@@ -21,7 +21,9 @@ import os
 import sys
 import time
 
+from ess.core import layout
 from ess.core.settings import PAGE_TOKENS
+from ess.reference import checkpoint
 from ess.reference import server as S
 from ess.reference.server_demo import first_difference
 
@@ -34,13 +36,18 @@ SERVERS = {
     "ess-da": ["--enable-ess", "--ess-overlap", "da"],
     "ess-offload": ["--enable-ess", "--ess-overlap", "none", "--ess-residency", "off"],
     "ess-fit": ["--enable-ess", "--ess-overlap", "none"],
+    "hisparse-eager": ["--disable-cuda-graph", "--enable-hisparse", "--disable-radix-cache"],
+    "hisparse": ["--enable-hisparse", "--disable-radix-cache"],
 }
 # Residency first (docs/design.md) is on by default: with --buffer-tokens C the short requests of the batch are
 # resident and the long ones offloaded, in one batch. "ess-offload" turns it off (every request offloaded, as before
 # 2026-11-27); "ess-fit" gets C = the longest request's reach, so every request is resident (ESS where stock fits).
 # Which stock server each ESS server is compared with (the same graph setting); "exact": tokens must be identical.
 PAIRS = {"ess-none-eager": ("stock-eager", True), "ess-none": ("stock", True), "ess-da": ("stock", False),
-         "ess-offload": ("stock", True), "ess-fit": ("stock", True)}
+         "ess-offload": ("stock", True), "ess-fit": ("stock", True), "hisparse-eager": ("stock-eager", True),
+         "hisparse": ("stock", True)}
+# SGLang's HiSparse (--enable-hisparse, which needs the radix cache off): its device buffer of --buffer-tokens rows
+# per request (a multiple of the page), top-k the model's, its default host_to_device_ratio in the token check
 RIG_FLAGS = ["--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--dsa-topk-backend", "torch",
              "--sampling-backend", "pytorch"]  # SGLang's torch paths (docs/gpu-server.md, the GPU rig)
 
@@ -79,6 +86,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--gain-modes", default="none", help="ESS overlap modes to run (comma-separated)")
     p.add_argument("--gain-at-stock", action=argparse.BooleanOptionalAction, default=True,
                    help="also the first mode's ESS server at stock's concurrency: ESS's own cost on the same work")
+    p.add_argument("--gain-hisparse", action=argparse.BooleanOptionalAction, default=True,
+                   help="also SGLang's HiSparse under the same budget (hisparse_plan)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.servers = [s for s in args.servers.split(",") if s]
@@ -124,7 +133,23 @@ def flags(name: str, args) -> list[str]:
     extra = SERVERS[name]
     if "--enable-ess" in extra:
         extra = extra + ["--ess-buffer-tokens", str(fit_tokens(args) if name == "ess-fit" else args.buffer_tokens)]
+    if "--enable-hisparse" in extra:
+        extra = extra + hisparse_flags(model_config(args)["index_topk"], args.buffer_tokens)
     return common + ["--decode-log-interval", "8"] + device_flags(args, args.requests) + extra
+
+
+def model_config(args) -> dict:
+    with open(os.path.join(args.model, "config.json")) as f:
+        return json.load(f)
+
+
+def hisparse_flags(top_k: int, buffer: int, ratio: int | None = None) -> list[str]:
+    """--hisparse-config as SGLang documents it: top-k, the device buffer's rows per request (a multiple of the page:
+    its allocator asserts it), and host_to_device_ratio (SGLang's default 2 where None)."""
+    config = {"top_k": top_k, "device_buffer_size": whole_pages(max(buffer, top_k))}
+    if ratio is not None:
+        config["host_to_device_ratio"] = ratio
+    return ["--hisparse-config", json.dumps(config)]
 
 
 def fit_tokens(args) -> int:
@@ -199,8 +224,7 @@ def gain_plan(args) -> dict:
     from sglang_ess.sizing import ess_device_bytes, stock_device_bytes
 
     ctx = whole_pages(args.gain_input + args.gain_output + PAGE_TOKENS)
-    with open(os.path.join(args.model, "config.json")) as f:
-        config = json.load(f)
+    config = model_config(args)
     layers = config["num_hidden_layers"]
     width = ctx + REQUEST_TABLE_EXTRA
     buffer = max(int(args.gain_ratio * ctx), config["index_topk"] + 1)  # at least a whole top-k set and the new row
@@ -219,29 +243,63 @@ def gain_plan(args) -> dict:
     if n < 1:
         raise SystemExit(f"--gain-stock-requests {stock_n}: one ESS request ({ess(1).total + table(1)} bytes) does not "
                          f"fit stock's {budget}")
-    prompts = args.gain_prompts or max(3 * stock_n, n)
+    hisparse = hisparse_plan(budget, layers, ctx, buffer, config["index_topk"], table)
+    prompts = args.gain_prompts or max(3 * stock_n, n, hisparse["requests"])
     return {"context": ctx, "layers": layers, "budget_bytes": budget, "ess_buffer_tokens": buffer,
             "stock_requests": stock_n, "ess_requests": n, "prompts": prompts,
             "ess_bytes": dataclasses.asdict(ess(n)) | {"total": ess(n).total, "request_table": table(n)},
-            "stock_bytes": {"pool": budget - table(stock_n), "request_table": table(stock_n)}}
+            "stock_bytes": {"pool": budget - table(stock_n), "request_table": table(stock_n)}, "hisparse": hisparse}
 
 
-def gain_servers(args) -> list[str]:
+def hisparse_plan(budget: int, layers: int, ctx: int, buffer: int, top_k: int, table) -> dict:
+    """SGLang's HiSparse under the same budget, configured for as many requests as it can hold there. Its pool
+    (srt/mem_cache/hisparse_memory_pool.py, allocator/hisparse.py) has N device token rows (--max-total-tokens) of
+    latent and N x r of index-K (r = host_to_device_ratio, an integer: the logical token space); a decoding request
+    keeps its device buffer (the same C rows as ESS's slots, in whole pages) and a page for its newest token, and a
+    prefilling one takes device rows for its whole prompt until its staging ends (SGLang's admission sees the fewer of
+    its device and logical rows). So n requests need N >= (n - 1)(C + page) + the context, and a prefill batch's
+    chunk (at most a context) of margin, and N x r >= n x context. Its coordinator's own tables are not charged
+    (ESS's are). requests 0: none fit."""
+    device_buffer = whole_pages(max(buffer, top_k))
+    best = {"requests": 0}
+    for n in range(1, 4097):
+        N = whole_pages((n - 1) * (device_buffer + PAGE_TOKENS) + ctx + min(CHUNK, ctx))
+        ratio = -(-n * ctx // N)
+        used = layers * ((N + PAGE_TOKENS) * layout.LATENT_ROW_BYTES
+                         + (N * ratio + PAGE_TOKENS) * layout.INDEX_ROW_BYTES) + table(n)
+        if used <= budget:
+            best = {"requests": n, "device_tokens": N, "ratio": ratio, "device_buffer": device_buffer,
+                    "top_k": top_k, "bytes": used}
+    return best
+
+
+CHUNK = 8192  # --chunked-prefill-size of every server
+
+
+def gain_servers(args, plan: dict) -> list[str]:
     names = ["stock"] + [f"ess-{m}" for m in args.gain_modes]
-    return names + ([f"ess-{args.gain_modes[0]}-at-stock"] if args.gain_at_stock and args.gain_modes else [])
+    names += [f"ess-{args.gain_modes[0]}-at-stock"] if args.gain_at_stock and args.gain_modes else []
+    return names + (["hisparse"] if args.gain_hisparse and plan["hisparse"]["requests"] else [])
 
 
 def gain_requests(name: str, plan: dict) -> int:
-    """The requests a gain server runs at once: stock's, or ESS's except at stock's concurrency."""
+    """The requests a gain server runs at once: stock's, HiSparse's, or ESS's except at stock's concurrency."""
+    if name == "hisparse":
+        return plan["hisparse"]["requests"]
     return plan["stock_requests"] if name == "stock" or name.endswith("-at-stock") else plan["ess_requests"]
 
 
 def gain_flags(name: str, plan: dict, args) -> list[str]:
     n = gain_requests(name, plan)
-    flags_ = ["--context-length", str(plan["context"]), "--max-total-tokens", str(n * plan["context"]),
-              "--max-running-requests", str(n), "--chunked-prefill-size", "8192", "--decode-log-interval", "8"]
+    tokens = plan["hisparse"]["device_tokens"] if name == "hisparse" else n * plan["context"]
+    flags_ = ["--context-length", str(plan["context"]), "--max-total-tokens", str(tokens),
+              "--max-running-requests", str(n), "--chunked-prefill-size", str(CHUNK), "--decode-log-interval", "8"]
     flags_ += device_flags(args, n)
-    if name != "stock":
+    if name == "hisparse":
+        h = plan["hisparse"]
+        flags_ += ["--enable-hisparse", "--disable-radix-cache"] + hisparse_flags(h["top_k"], h["device_buffer"],
+                                                                                  h["ratio"])
+    elif name != "stock":
         flags_ += ["--enable-ess", "--ess-overlap", name.split("-")[1], "--ess-buffer-tokens",
                    str(plan["ess_buffer_tokens"])]
     return flags_
@@ -274,18 +332,25 @@ def check_device_bytes(servers: dict, plan: dict) -> list[str]:
         got = entry.get("device", {})
         if "ess_measured" in got and got["ess_measured"] + got["request_table"] > limit:
             faults.append(f"{name}: {got['ess_measured']} + {got['request_table']} device bytes, over stock's {limit}")
+        elif name == "hisparse" and got.get("memory_usage"):  # its pool as SGLang reports it (to 0.001 GiB)
+            low = (got["memory_usage"]["kvcache"] - 0.0005) * (1 << 30)
+            if low + got["request_table"] > limit:
+                faults.append(f"{name}: {low:.0f} + {got['request_table']} device bytes at least, over stock's {limit}")
     return faults
 
 
 def decode_throughput(log: str, requests: int) -> dict:
-    """SGLang's own decode log lines at the full batch: gen throughput (token/s) of each, and their median."""
+    """SGLang's own decode log lines at the full batch (`requests` running; else the largest batch the log shows,
+    named in `batch`): gen throughput (token/s) of each, and their median."""
     import re
     import statistics
 
-    rates = [float(m.group(2)) for m in re.finditer(r"#running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)", log)
-             if int(m.group(1)) == requests]
-    return {"lines_at_full_batch": len(rates), "median_gen_throughput": statistics.median(rates) if rates else None,
-            "gen_throughputs": rates}
+    lines = [(int(m.group(1)), float(m.group(2))) for m in
+             re.finditer(r"#running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)", log)]
+    batch = requests if any(n == requests for n, _ in lines) else max((n for n, _ in lines), default=requests)
+    rates = [rate for n, rate in lines if n == batch]
+    return {"batch": batch, "lines_at_full_batch": len(rates),
+            "median_gen_throughput": statistics.median(rates) if rates else None, "gen_throughputs": rates}
 
 
 def ess_counters(srv: S.Server, before: dict | None) -> dict | None:
@@ -312,7 +377,7 @@ def run_gain(args, say, save) -> dict:
     say(f"gain plan: {plan}")
     out = {"plan": plan, "servers": {}}
     save(out)
-    names = gain_servers(args)
+    names = gain_servers(args, plan)
     named_flags = {name: gain_flags(name, plan, args) for name in names}
     started = start_all(named_flags, "gain-", args)
     try:
@@ -357,6 +422,10 @@ def gain_ratios(servers: dict) -> dict:
 
     out = {}
     for name in servers:
+        hisparse = get("hisparse", "bench", "output_throughput")
+        if name.startswith("ess-") and not name.endswith("-at-stock") and hisparse and get(name, "bench",
+                                                                                           "output_throughput"):
+            out[f"over_hisparse_{name}"] = round(get(name, "bench", "output_throughput") / hisparse, 3)
         if name == "stock":
             continue
         for key, path in (("whole_run_gain", ("bench", "output_throughput")),
@@ -377,7 +446,9 @@ def main(argv=None) -> int:
     say = lambda text: print(f"[server.py {time.strftime('%H:%M:%S')}] {text}", flush=True)  # noqa: E731
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join([sys.executable, *sys.argv]),
               "device": args.device, "model": args.model, "requests": args.requests, "lengths": list(args.lengths),
-              "new_tokens": args.new_tokens, "buffer_tokens": args.buffer_tokens, "servers": {}, "pairs": {}}
+              "new_tokens": args.new_tokens, "buffer_tokens": args.buffer_tokens, "servers": {}, "pairs": {},
+              # the checkpoint's top-k locality (ess.reference.locality's noise share; None: the random checkpoint)
+              "checkpoint_locality": checkpoint.locality_of(args.model)}
     if args.device == "cuda":
         import torch
 

@@ -3,13 +3,17 @@
 # them here), register the plugin and the GPU rig, write the full-width checkpoint, then run benchmark/gpu/server.py.
 #   bash benchmark/gpu/server.sh OUT [server.py arguments]
 # Env: PYTHON (python3), ESS_SITE (where the packages are unpacked; /tmp/ess-site), ESS_MODEL (the checkpoint
-# directory, written if missing; /tmp/dsv32-full), ESS_DEVICE (cuda; cpu rehearses on the CPU path with a tiny model).
+# directory, written if missing; /tmp/dsv32-full, or /tmp/dsv32-full-locality-X), ESS_DEVICE (cuda; cpu rehearses on
+# the CPU path with a tiny model), ESS_LOCALITY (a checkpoint with a real model's top-k locality at this noise share:
+# ess tiny-checkpoint --locality; the fitted 0.125, benchmark/results/locality/fit.json; unset: the random one).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: bash benchmark/gpu/server.sh OUT [server.py arguments]}
 shift
 PY=${PYTHON:-python3}
-MODEL=${ESS_MODEL:-/tmp/dsv32-full}
+LOCALITY=${ESS_LOCALITY:-}
+MODEL=${ESS_MODEL:-/tmp/dsv32-full${LOCALITY:+-locality-$LOCALITY}}
+locality=(${LOCALITY:+--locality "$LOCALITY"})
 DEVICE=${ESS_DEVICE:-cuda}
 t0=$(date +%s)
 say() { echo "[server.sh +$(( $(date +%s) - t0 ))s] $*"; }
@@ -29,12 +33,12 @@ if [ "$DEVICE" = cuda ]; then
   "$PY" -c 'import sglang, torch, flash_mla; print(f"sglang {sglang.__version__}, torch {torch.__version__}")' 2>&1 | tail -1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   if [ ! -f "$MODEL/model.safetensors" ]; then
-    "$PY" -m ess.cli tiny-checkpoint "$MODEL" --full-width --no-mtp --device cuda || exit 2
+    "$PY" -m ess.cli tiny-checkpoint "$MODEL" --full-width --no-mtp --device cuda "${locality[@]}" || exit 2
     say "wrote the full-width checkpoint: $(du -sh "$MODEL" | cut -f1)"
   fi
 else
   "$PY" -c 'import sglang, torch; print(f"sglang {sglang.__version__}, torch {torch.__version__} (the CPU path)")' 2>&1 | tail -1
-  [ -f "$MODEL/model.safetensors" ] || "$PY" -m ess.cli tiny-checkpoint "$MODEL" || exit 2
+  [ -f "$MODEL/model.safetensors" ] || "$PY" -m ess.cli tiny-checkpoint "$MODEL" "${locality[@]}" || exit 2
 fi
 (nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$OUT/nvidia-smi.csv" 2>/dev/null &)
 "$PY" benchmark/gpu/server.py "$OUT" --model "$MODEL" --device "$DEVICE" "$@"

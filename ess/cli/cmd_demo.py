@@ -74,6 +74,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--no-mtp", action="store_true", help="without the MTP layer (with --full-width it would be MoE)")
     t.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the weights are drawn (cuda: a GPU draws a full-width model in seconds)")
+    t.add_argument("--locality", type=float, metavar="KNOB",
+                   help="a real model's top-k locality at this noise share in [0, 1] (fitted: benchmark/results/"
+                        "locality/fit.json; ess/reference/locality.py); default: the random checkpoint")
     t.set_defaults(func=run_tiny_checkpoint)
 
 
@@ -225,7 +228,8 @@ def run_tiny_checkpoint(args) -> int:
     from ess.reference import checkpoint
 
     try:
-        paths = checkpoint.write(args.out, args.seed, mtp=not args.no_mtp, full=args.full_width, device=args.device)
+        paths = checkpoint.write(args.out, args.seed, mtp=not args.no_mtp, full=args.full_width, device=args.device,
+                                 locality=args.locality)
     except FileExistsError as e:
         raise ValueError(str(e)) from e
     width = "full-width " if args.full_width else ""

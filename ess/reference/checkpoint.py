@@ -143,14 +143,18 @@ def tokenizer(size: int = VOCAB):
     return tok
 
 
-def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, device: str = "cpu") -> list[str]:
+def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, device: str = "cpu",
+          locality: float | None = None) -> list[str]:
     """Write the checkpoint into out_dir (created; refused if it holds any of FILES already): SHAPE's widths, or
-    FULL_WIDTH's where full; weights drawn on `device`. Returns the paths."""
+    FULL_WIDTH's where full; weights drawn on `device`. With `locality` (the noise share, ess.reference.locality) the
+    indexer's top-k is as sticky as a real model's; None: the random checkpoint. Returns the paths."""
     from safetensors.torch import save_file
 
     if full and mtp:
         raise ValueError("a full-width checkpoint's MTP layer is an MoE layer of 256 experts (11B parameters): "
                          "write it without (--no-mtp)")
+    if locality is not None and not 0.0 <= locality <= 1.0:
+        raise ValueError(f"locality (the indexer's noise share) must be in [0, 1], got {locality}")
     taken = [f for f in FILES if os.path.exists(os.path.join(out_dir, f))]
     if taken:
         raise FileExistsError(f"{out_dir} already holds {', '.join(taken)}: give an empty or new directory")
@@ -161,9 +165,25 @@ def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, dev
         json.dump(cfg, f, indent=1)
     with open(paths[1], "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
-    save_file(weights(cfg, seed, device), paths[2], metadata={"format": "pt"})  # one key: safetensors orders a map at random
+    w = weights(cfg, seed, device)
+    meta = {"format": "pt"}  # one key: safetensors orders a map at random
+    if locality is not None:
+        from ess.reference.locality import apply
+
+        w = apply(w, cfg, locality, seed)
+        meta = {"ess_locality": str(locality), "format": "pt"}  # which checkpoint a report's figures used
+    save_file(w, paths[2], metadata=meta)
     write_tokenizer(out_dir, cfg["vocab_size"], cfg["max_position_embeddings"])
     return paths
+
+
+def locality_of(model_dir: str) -> float | None:
+    """The locality knob a checkpoint was written with (its safetensors metadata), None for the random one."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model_dir, FILES[2]), "pt") as f:
+        value = (f.metadata() or {}).get("ess_locality")
+    return None if value is None else float(value)
 
 
 def write_tokenizer(out_dir: str, size: int, max_length: int) -> None:

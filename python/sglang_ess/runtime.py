@@ -508,7 +508,7 @@ class EssRuntime:
 
     def counts(self) -> dict[str, int]:
         """The step counters (COUNTERS) as host ints: a device sync, for readouts only."""
-        pending = self._tally.sum(dim=1, dtype=torch.int64)  # steps outside a forward's bracket (tests), not yet summed
+        pending = self._tally.sum(dim=1, dtype=torch.int64)  # steps not yet summed by a forward's end
         counters = self.counters + torch.cat([pending, pending.new_zeros(len(COUNTERS) - 3)])
         return dict(zip(COUNTERS, counters.tolist())) | {"released_requests": self.released}
 

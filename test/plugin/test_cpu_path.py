@@ -20,12 +20,14 @@ from ess.core.dsa_math import index_scores, sparse_attention  # noqa: E402
 from sglang_ess.cpu import kernels  # noqa: E402
 
 
-def test_every_patch_target_is_a_real_sglang_target(plugin):
+@pytest.mark.parametrize("table", ["patches", "hisparse"])  # the CPU path's, and its stand-ins for SGLang's HiSparse
+def test_every_patch_target_is_a_real_sglang_target(plugin, table):
     from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_ess.cpu import patches, resolution
+    from sglang_ess.cpu import resolution
 
+    patches = importlib.import_module(f"sglang_ess.cpu.{table}")
     assert set(resolution.RESOLUTION_STEPS) <= _OVERRIDABLE_HOOKS
     assert {p.target for p in patches.PATCHES} == set(patches.EXPECTED_PARAMS)
     for p in patches.PATCHES:

@@ -43,7 +43,8 @@ def test_every_flag_parses_in_sglang(model):
         ess_flags.add(str(server.fit_tokens(args)))
         plan = server.gain_plan(args)
         lines = [server.flags(n, args) for n in server.SERVERS] + \
-                [server.gain_flags(n, plan, args) for n in ("stock", "ess-none", "ess-da", "ess-none-at-stock")]
+                [server.gain_flags(n, plan, args) for n in ("stock", "ess-none", "ess-da", "ess-none-at-stock",
+                                                            "hisparse")]
         for line in lines:
             ns, unknown = p.parse_known_args(["--model-path", model, *line])
             assert set(unknown) <= ess_flags, unknown  # the plugin adds --ess-* at launch
@@ -77,8 +78,27 @@ def test_gain_plan_one_budget(model):
     assert plan["ess_buffer_tokens"] >= 2049 and n == 22 and plan["prompts"] == 24  # 3x stock's 8, all at once
     plan = server.gain_plan(server.parse(["/tmp/out", "--model", model, "--gain"]))  # 2K out: the same 22
     assert plan["context"] == 34880 and plan["ess_requests"] == 22
-    assert server.gain_servers(args) == ["stock", "ess-none", "ess-none-at-stock"]
-    assert [server.gain_requests(s, plan) for s in server.gain_servers(args)] == [8, 22, 8]
+    assert server.gain_servers(args, plan) == ["stock", "ess-none", "ess-none-at-stock", "hisparse"]
+    assert [server.gain_requests(s, plan) for s in server.gain_servers(args, plan)] == [8, 22, 8, 21]
+
+
+def test_hisparse_plan_holds_as_many_requests_as_its_pool_can_under_the_budget(model):
+    """SGLang's HiSparse under stock's budget: N device rows of latent and N x r of index-K hold n requests' device
+    buffers (ESS's C, in pages) and one prefilling context with a chunk of margin, N x r their contexts."""
+    plan = server.gain_plan(server.parse(["/tmp/out", "--model", model, "--gain"]))
+    h, ctx, L = plan["hisparse"], plan["context"], plan["layers"]
+    assert h["device_buffer"] == plan["ess_buffer_tokens"] == 6976 and h["device_buffer"] % 64 == 0
+    n, N, r = h["requests"], h["device_tokens"], h["ratio"]
+    assert N >= (n - 1) * (6976 + 64) + ctx + 8192 and N * r >= n * ctx and N % 64 == 0
+    assert h["bytes"] == L * ((N + 64) * 656 + (N * r + 64) * 132) + (n + 1) * (ctx + 4) * 4 <= plan["budget_bytes"]
+    more = server.hisparse_plan(plan["budget_bytes"], L, ctx, 6976, 2048, lambda k: (k + 1) * (ctx + 4) * 4)
+    assert more == h and n == 21
+    line = server.gain_flags("hisparse", plan, server.parse(["/tmp/out", "--model", model, "--gain"]))
+    config = json.loads(line[line.index("--hisparse-config") + 1])
+    assert config == {"top_k": 2048, "device_buffer_size": 6976, "host_to_device_ratio": r}
+    assert {"--enable-hisparse", "--disable-radix-cache"} <= set(line)
+    tiny = server.hisparse_plan(10**6, 2, 384, 128, 64, lambda k: 0)  # nothing fits: no HiSparse server
+    assert tiny == {"requests": 0}
 
 
 def test_the_gain_run_fails_when_esss_device_bytes_pass_stocks(model):
@@ -101,8 +121,11 @@ def test_gain_ratios_whole_run_decode_and_overhead():
                          "decode": {"median_gen_throughput": 1000.0}},
                "ess-none": {"bench": {"output_throughput": 150.0}, "decode": {"median_gen_throughput": 1400.0}},
                "ess-none-at-stock": {"bench": {"output_throughput": 99.0, "mean_ttft_ms": 51.0, "mean_itl_ms": 5.1},
-                                     "decode": {"median_gen_throughput": 990.0}}}
+                                     "decode": {"median_gen_throughput": 990.0}},
+               "hisparse": {"bench": {"output_throughput": 120.0}, "decode": {"median_gen_throughput": 1100.0}}}
     got = server.gain_ratios(servers)
+    assert got["over_hisparse_ess-none"] == 1.25 and "over_hisparse_ess-none-at-stock" not in got
+    assert got["whole_run_gain_hisparse"] == 1.2 and got["decode_gain_hisparse"] == 1.1
     assert got["whole_run_gain_ess-none"] == 1.5 and got["decode_gain_ess-none"] == 1.4
     assert got["overhead_ess-none-at-stock"] == {"mean_ttft_ms": 1.02, "mean_itl_ms": 1.02}
 

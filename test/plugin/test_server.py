@@ -149,6 +149,31 @@ def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path):
     assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
 
 
+def test_a_checkpoint_with_a_real_models_locality_misses_little_with_stock_tokens(plain, tmp_path_factory):
+    """The checkpoint with a real model's top-k locality (ess.reference.locality, the fitted noise share) through
+    SGLang's own indexer: every request offloaded with 96 slots against top-64 sets over 200-420 positions, as the
+    random checkpoint's run above. Its top-k sets hold from step to step, so ESS fetches a fraction of the random
+    checkpoint's rows; tokens equal stock's."""
+    from ess.reference import locality
+
+    tmp = tmp_path_factory.mktemp("locality")
+    model = str(tmp / "model")
+    checkpoint.write(model, seed=0, locality=locality.FITTED)
+
+    def workload(srv, is_ess):
+        before = srv.state().get("ess")
+        out = srv.generate(S.prompts(8, (200, 420), seed=0), NEW_TOKENS)
+        after = srv.state().get("ess")
+        return out, None if after is None else {k: after[k] - before[k] for k in ("selected_rows", "missed_rows")}
+
+    results, _, _ = run_pair(tmp, model, [], S.ESS_FLAGS, workload)
+    assert tokens(results["ess"][0]) == tokens(results["stock"][0])
+    local, random_ = results["ess"][1], plain[0]["ess"]["unequal_counts"]
+    local_share = local["missed_rows"] / local["selected_rows"]
+    random_share = random_["missed_rows"] / random_["selected_rows"]
+    assert local_share < random_share / 3, (local, random_)
+
+
 def residency_workload(srv, is_ess):
     """Residency first on a device pool of 9 request rows x 96 slots (--max-running-requests 8): three requests of
     about 300 tokens (two fit whole, the third is offloaded: one batch of both kinds); then a burst of eight, which

@@ -435,13 +435,14 @@ def test_ess_target_workers_build_the_ess_pool_with_a_scratch_for_every_captured
     sa = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", *flags))
     ctx = runtime_context.create_context(sa, role="test")
     with runtime_context.use_context(ctx), runtime_context.get_parallel().override(**parallel):
+        # SGLang passes its request table's rows here (KVCacheConfigurator: req_to_token.shape[0])
         cls = plugin.startup.around_build_dsa_kv_pool(build, types.SimpleNamespace(server_args=sa, is_draft_worker=False),
-                                              max_total_num_tokens=1 << 20, max_running_requests=running,
+                                              max_total_num_tokens=1 << 20, max_running_requests=running + 1,
                                               dsa_pool_class=DSATokenToKVPool)
         table = types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace(size=running + 1), server_args=sa)
         largest = max(max(get_batch_sizes_to_capture(table)[0]), get_eager_max_batch_size(running + 1))
     # the staging rows: one context, or with DP attention a relabelled decode step's selected and own rows
-    relabelled = running * (2048 + 1) if "dp-attention" in case else 0
+    relabelled = (running + 1) * (2048 + 1) if "dp-attention" in case else 0
     assert issubclass(cls, EssDSATokenToKVPool) and cls.stage_rows == max(32768, relabelled)
     assert cls.scratch_rows == largest  # one query row per request without speculative decoding
     if case == "dp-attention-deepep-tbo":

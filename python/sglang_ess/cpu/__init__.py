@@ -52,6 +52,7 @@ def install() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
     from sglang_ess import hook_table
+    from sglang_ess.cpu import hisparse
     from sglang_ess.cpu.patches import PATCHES
     from sglang_ess.cpu.resolution import RESOLUTION_STEPS
 
@@ -59,4 +60,5 @@ def install() -> None:
         register_resolution_hook(step)(wrapper)
     if kernels_needed():
         hook_table.register(PATCHES)
+        hook_table.register(hisparse.PATCHES)
         install_flash_mla_interface()
