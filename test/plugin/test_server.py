@@ -111,13 +111,17 @@ def test_every_device_byte_the_server_holds_is_charged(plain):
 
 def test_every_generated_token_streams_its_own_text(plain):
     """A streamed request as `sglang.benchmark.serving` reads it (it times a chunk only when its text is not empty):
-    one chunk per generated token, each with more text than the one before (the checkpoint's tokenizer gives every id
-    text of its own), on both servers, the same text."""
+    every chunk carries new tokens and, for each, new text (the checkpoint's tokenizer gives every id text of its
+    own), on both servers, the same text. SGLang sends a chunk per token, but merges the outputs that reach its HTTP
+    handler before that wakes (a loaded machine: one chunk of two tokens was seen on CI's kind of machine), so a chunk
+    may carry more than one."""
     streams = {name: plain[0][name]["streamed"] for name in ("stock", "ess")}
     for name, chunks in streams.items():
-        assert [c["meta_info"]["completion_tokens"] for c in chunks] == list(range(1, NEW_TOKENS + 1)), name
-        texts = [c["text"] for c in chunks]
-        assert all(len(b) > len(a) for a, b in zip(["", *texts], texts)), (name, texts)
+        counts = [0] + [c["meta_info"]["completion_tokens"] for c in chunks]
+        lengths = [0] + [len(c["text"]) for c in chunks]
+        assert counts[-1] == NEW_TOKENS and len(chunks) >= NEW_TOKENS // 2, (name, counts)
+        for i in range(1, len(counts)):  # new tokens in every chunk, at least a character of text for each
+            assert counts[i] > counts[i - 1] and lengths[i] - lengths[i - 1] >= counts[i] - counts[i - 1], (name, i)
     assert streams["stock"][-1]["text"] == streams["ess"][-1]["text"]
 
 
