@@ -42,12 +42,11 @@ SERVERS = {
 # Residency first (docs/design.md) is on by default: with --buffer-tokens C the short requests of the batch are
 # resident and the long ones offloaded, in one batch. "ess-offload" turns it off (every request offloaded, as before
 # 2026-11-27); "ess-fit" gets C = the longest request's reach, so every request is resident (ESS where stock fits).
+# "hisparse": SGLang's own HiSparse (which needs the radix cache off), --buffer-tokens rows a request (hisparse_flags).
 # Which stock server each ESS server is compared with (the same graph setting); "exact": tokens must be identical.
 PAIRS = {"ess-none-eager": ("stock-eager", True), "ess-none": ("stock", True), "ess-da": ("stock", False),
          "ess-offload": ("stock", True), "ess-fit": ("stock", True), "hisparse-eager": ("stock-eager", True),
          "hisparse": ("stock", True)}
-# SGLang's HiSparse (--enable-hisparse, which needs the radix cache off): its device buffer of --buffer-tokens rows
-# per request (a multiple of the page), top-k the model's, its default host_to_device_ratio in the token check
 RIG_FLAGS = ["--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--dsa-topk-backend", "torch",
              "--sampling-backend", "pytorch"]  # SGLang's torch paths (docs/gpu-server.md, the GPU rig)
 
@@ -214,6 +213,11 @@ def bench(srv: S.Server, args, prompts: int, length: int, output: int) -> dict:
 REQUEST_TABLE_EXTRA = 4  # positions SGLang's request table has beyond the context (no speculative decoding)
 
 
+def request_table_bytes(requests: int, context: int) -> int:
+    """SGLang's request table on the device: a row of int32 locations for each request and its padding row."""
+    return (requests + 1) * (context + REQUEST_TABLE_EXTRA) * 4
+
+
 def gain_plan(args) -> dict:
     """Stock and ESS under the same device cache budget, every byte of it charged as each server allocates it: stock
     holds --gain-stock-requests whole requests (latent and index-K rows of every location: sizing.stock_device_bytes),
@@ -229,8 +233,8 @@ def gain_plan(args) -> dict:
     width = ctx + REQUEST_TABLE_EXTRA
     buffer = max(int(args.gain_ratio * ctx), config["index_topk"] + 1)  # at least a whole top-k set and the new row
 
-    def table(n: int) -> int:  # SGLang's request table: n rows and the padding row of int32 locations
-        return (n + 1) * width * 4
+    def table(n: int) -> int:
+        return request_table_bytes(n, ctx)
 
     def ess(n: int):
         return ess_device_bytes(layers, n * ctx + PAGE_TOKENS, n + 1, buffer, width, n + 1, ctx)
@@ -243,7 +247,7 @@ def gain_plan(args) -> dict:
     if n < 1:
         raise SystemExit(f"--gain-stock-requests {stock_n}: one ESS request ({ess(1).total + table(1)} bytes) does not "
                          f"fit stock's {budget}")
-    hisparse = hisparse_plan(budget, layers, ctx, buffer, config["index_topk"], table)
+    hisparse = hisparse_plan(budget, layers, ctx, buffer, config["index_topk"])
     prompts = args.gain_prompts or max(3 * stock_n, n, hisparse["requests"])
     return {"context": ctx, "layers": layers, "budget_bytes": budget, "ess_buffer_tokens": buffer,
             "stock_requests": stock_n, "ess_requests": n, "prompts": prompts,
@@ -251,7 +255,7 @@ def gain_plan(args) -> dict:
             "stock_bytes": {"pool": budget - table(stock_n), "request_table": table(stock_n)}, "hisparse": hisparse}
 
 
-def hisparse_plan(budget: int, layers: int, ctx: int, buffer: int, top_k: int, table) -> dict:
+def hisparse_plan(budget: int, layers: int, ctx: int, buffer: int, top_k: int) -> dict:
     """SGLang's HiSparse under the same budget, configured for as many requests as it can hold there. Its pool
     (srt/mem_cache/hisparse_memory_pool.py, allocator/hisparse.py) has N device token rows (--max-total-tokens) of
     latent and N x r of index-K (r = host_to_device_ratio, an integer: the logical token space); a decoding request
@@ -266,7 +270,7 @@ def hisparse_plan(budget: int, layers: int, ctx: int, buffer: int, top_k: int, t
         N = whole_pages((n - 1) * (device_buffer + PAGE_TOKENS) + ctx + min(CHUNK, ctx))
         ratio = -(-n * ctx // N)
         used = layers * ((N + PAGE_TOKENS) * layout.LATENT_ROW_BYTES
-                         + (N * ratio + PAGE_TOKENS) * layout.INDEX_ROW_BYTES) + table(n)
+                         + (N * ratio + PAGE_TOKENS) * layout.INDEX_ROW_BYTES) + request_table_bytes(n, ctx)
         if used <= budget:
             best = {"requests": n, "device_tokens": N, "ratio": ratio, "device_buffer": device_buffer,
                     "top_k": top_k, "bytes": used}
@@ -310,8 +314,8 @@ def device_bytes(srv: S.Server, name: str, plan: dict) -> dict:
     weights, CUDA graphs) and, for ESS, its pool's and runtime's bytes measured from their tensors with sizing's
     count beside them; plus the request table the plan charged."""
     readout = srv.state()
-    out = {"memory_usage": readout.get("memory_usage"), "request_table": (gain_requests(name, plan) + 1)
-           * (plan["context"] + REQUEST_TABLE_EXTRA) * 4}
+    out = {"memory_usage": readout.get("memory_usage"),
+           "request_table": request_table_bytes(gain_requests(name, plan), plan["context"])}
     if "ess" in readout:
         out |= {"ess_measured": readout["ess"]["device"]["measured"], "ess_charged": readout["ess"]["device"]["charged"]}
     return out
@@ -421,11 +425,11 @@ def gain_ratios(servers: dict) -> dict:
         return value
 
     out = {}
+    hisparse = get("hisparse", "bench", "output_throughput")
     for name in servers:
-        hisparse = get("hisparse", "bench", "output_throughput")
-        if name.startswith("ess-") and not name.endswith("-at-stock") and hisparse and get(name, "bench",
-                                                                                           "output_throughput"):
-            out[f"over_hisparse_{name}"] = round(get(name, "bench", "output_throughput") / hisparse, 3)
+        ess = get(name, "bench", "output_throughput")
+        if name.startswith("ess-") and not name.endswith("-at-stock") and hisparse and ess:
+            out[f"over_hisparse_{name}"] = round(ess / hisparse, 3)
         if name == "stock":
             continue
         for key, path in (("whole_run_gain", ("bench", "output_throughput")),

@@ -88,15 +88,17 @@ def fp8_mqa_logits(q_fp8: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], w
                                  width=(N + 3) // 4 * 4)[:, :N]
 
 
-# The logits this process serves with: ESS_GPU_RIG_LOGITS ("ess" by default), or "torch" once ESS's kernels failed
-# their check on the device (before_load_model)
+# The logits this process serves with, chosen once before its weights load (before_load_model): ESS_GPU_RIG_LOGITS
+# ("ess" by default), or "torch" where ESS's kernels failed their check on the device
 _served = {"logits": None}
 
 
 def served_logits() -> str:
     from ess_gpu_rig import logits
 
-    return _served["logits"] or logits()
+    if _served["logits"] is None:  # (a process that loads no model: the setting as asked)
+        _served["logits"] = logits()
+    return _served["logits"]
 
 
 def around_paged_logits(original, *a, **kw):

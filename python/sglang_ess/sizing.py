@@ -241,7 +241,7 @@ def resolve_memory_pool_config(kvc, pre_model_load_memory: int, ess, facts) -> t
     host = spec.host_bytes if spec is not None else tokens * layers * layout.LATENT_ROW_BYTES
     device = ess_device_bytes(layers, tokens + page, rows, facts.buffer, width,
                               scratch_requests(rows) * facts.query_rows,
-                              stage_rows(kvc.server_args, max_requests, facts)).total
+                              stage_rows(kvc.server_args, rows, facts)).total
     logger.info(
         "ESS pool: %d tokens (index-K on the device, latent rows in %.2f GiB of host memory%s), %d requests x %d "
         "device slots (%d request-table rows), %.2f GiB device, limited by %s", tokens, host / GIB,

@@ -91,13 +91,13 @@ def test_hisparse_plan_holds_as_many_requests_as_its_pool_can_under_the_budget(m
     n, N, r = h["requests"], h["device_tokens"], h["ratio"]
     assert N >= (n - 1) * (6976 + 64) + ctx + 8192 and N * r >= n * ctx and N % 64 == 0
     assert h["bytes"] == L * ((N + 64) * 656 + (N * r + 64) * 132) + (n + 1) * (ctx + 4) * 4 <= plan["budget_bytes"]
-    more = server.hisparse_plan(plan["budget_bytes"], L, ctx, 6976, 2048, lambda k: (k + 1) * (ctx + 4) * 4)
+    more = server.hisparse_plan(plan["budget_bytes"], L, ctx, 6976, 2048)
     assert more == h and n == 21
     line = server.gain_flags("hisparse", plan, server.parse(["/tmp/out", "--model", model, "--gain"]))
     config = json.loads(line[line.index("--hisparse-config") + 1])
     assert config == {"top_k": 2048, "device_buffer_size": 6976, "host_to_device_ratio": r}
     assert {"--enable-hisparse", "--disable-radix-cache"} <= set(line)
-    tiny = server.hisparse_plan(10**6, 2, 384, 128, 64, lambda k: 0)  # nothing fits: no HiSparse server
+    tiny = server.hisparse_plan(10**6, 2, 384, 128, 64)  # nothing fits: no HiSparse server
     assert tiny == {"requests": 0}
 
 
