@@ -1,5 +1,5 @@
 """Per-layer cost of ESS's decode bookkeeping: the LRU step through torch ops (ess.core.policy) against the fused Triton
-kernel (ess.core.lru_kernel) and the CUDA kernel (ess.core.lru_cuda, sgl-kernel/; where it builds), alone and with the
+kernel (ess.core.kernels.lru_step) and the CUDA kernel (ess.core.kernels.lru_step_cuda, sgl-kernel/; where it builds), alone and with the
 misses' H2D (FlashTrans over the compacted miss lists), and FlashTrans' bandwidth over those lists against a contiguous
 pinned copy of the same bytes. Each case carries <kernel>_us, <kernel>_h2d_us, <kernel>_launches and, for the kernels,
 <kernel>_equals_torch (results and tables byte for byte).
@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from ess.core import flashtrans, layout, lru_cuda, lru_kernel
+from ess.core import layout
+from ess.core.kernels import flashtrans, lru_step_cuda, lru_step
 from ess.core.pinned import pinned_zeros
 from ess.core.serving import ServingLatentCache
 from ess.analysis.timing import graph_us
@@ -156,29 +157,29 @@ def list_bandwidth(dev, B: int, K: int, host: torch.Tensor, iters: int) -> dict:
 def warps_sweep(c: Case, iters: int) -> dict:
     """The fused step's time by warps per program."""
     out = {}
-    default = lru_kernel.NUM_WARPS
+    default = lru_step.NUM_WARPS
     for w in (4, 8, 16):
-        lru_kernel.NUM_WARPS = w
+        lru_step.NUM_WARPS = w
         out[str(w)] = round(graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused")), 1)
-    lru_kernel.NUM_WARPS = default
+    lru_step.NUM_WARPS = default
     return out
 
 
 def select_sweep(c: Case, iters: int) -> dict:
     """The fused step's time by victim search: the bisection (its default) against the histogram select."""
     out = {}
-    default = lru_kernel.SELECT
+    default = lru_step.SELECT
     for select in ("bisect", "histogram"):
-        lru_kernel.SELECT = select
+        lru_step.SELECT = select
         out[select] = round(graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused")), 1)
-    lru_kernel.SELECT = default
+    lru_step.SELECT = default
     return out
 
 
 def cuda_staging(c: Case, iters: int) -> dict:
     """The CUDA kernel with the slots in shared memory (its default where they fit) against out of it (a global
     scratch: how it runs past the device's shared memory)."""
-    from ess.core.lru_cuda import lru_update_cuda
+    from ess.core.kernels.lru_step_cuda import lru_update_cuda
 
     sc = c.caches["cuda"][0]
     out = {}
@@ -197,8 +198,8 @@ PHASES = {  # each kernel's phases, between its global-timer ticks (the CUDA ker
 def phases(dev, host, K: int, context: int, miss_fraction: float) -> list[dict]:
     """Each kernel's time per phase (its programs' or blocks' global timer at each barrier; medians over them) and the
     fused kernel's registers and spills per thread, at a few sizes."""
-    from ess.core.lru_cuda import lru_update_cuda
-    from ess.core.lru_kernel import lru_update_fused
+    from ess.core.kernels.lru_step_cuda import lru_update_cuda
+    from ess.core.kernels.lru_step import lru_update_fused
 
     step = {"fused": lru_update_fused, "cuda": lru_update_cuda}
     rows = []
@@ -212,7 +213,7 @@ def phases(dev, host, K: int, context: int, miss_fraction: float) -> list[dict]:
                 step[kernel](*sc.sparse.layer_state(0), c.req, c.sets, c.own, sc.stamp, c.table, profile=prof)
             torch.cuda.synchronize()
             d = (prof[:, 1:7] - prof[:, 0:6]).double().median(0).values.tolist()
-            k = lru_kernel.LAST_LAUNCH if kernel == "fused" else None
+            k = lru_step.LAST_LAUNCH if kernel == "fused" else None
             rows.append({"kernel": kernel, "batch": B, "rows_per_step": S, "buffer_tokens": C,
                          "program_ns": dict(zip(PHASES[kernel], d)),
                          "program_total_ns": float((prof[:, 6] - prof[:, 0]).double().median()),
@@ -227,22 +228,22 @@ def config_sweep(dev, host, K: int, context: int, miss_fraction: float, iters: i
     (fewer: fewer registers, more programs per SM, the keys re-read per search step) and by victim search."""
     c = Case(dev, 160, K, 1, 6554, context, miss_fraction, host)
     rows = []
-    saved = lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS
-    saved_select = lru_kernel.SELECT
+    saved = lru_step.NUM_WARPS, lru_step.REGISTER_SLOTS, lru_step.MAX_REGISTERS
+    saved_select = lru_step.SELECT
     configs = [(w, s, None) for s in (8192, 4096, 2048) for w in (4, 8, 16)]
     configs += [(8, 8192, 128), (8, 8192, 96), (16, 8192, 64), (4, 8192, 128)]  # capped: more programs per SM
     configs = [(*cfg, "bisect") for cfg in configs] + [(w, s, None, "histogram") for s in (8192, 4096) for w in (8, 16)]
     for warps, slots, cap, select in configs:
-        lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = warps, slots, cap
-        lru_kernel.SELECT = select
+        lru_step.NUM_WARPS, lru_step.REGISTER_SLOTS, lru_step.MAX_REGISTERS = warps, slots, cap
+        lru_step.SELECT = select
         us = graph_us(lambda: c.step("fused", False), iters, lambda: c.restore("fused"))
-        k = lru_kernel.LAST_LAUNCH
+        k = lru_step.LAST_LAUNCH
         rows.append({"warps": warps, "register_slots": slots, "max_registers": cap, "select": select,
                      "fused_us": round(us, 1),
                      "registers": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)})
         log(f"sweep: {rows[-1]}")
-    lru_kernel.NUM_WARPS, lru_kernel.REGISTER_SLOTS, lru_kernel.MAX_REGISTERS = saved
-    lru_kernel.SELECT = saved_select
+    lru_step.NUM_WARPS, lru_step.REGISTER_SLOTS, lru_step.MAX_REGISTERS = saved
+    lru_step.SELECT = saved_select
     return rows
 
 
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
     host = pinned_zeros((1, host_rows + 1, layout.LATENT_ROW_BYTES), pin=dev.type == "cuda")
     cuda_kernel = "built"
     try:
-        lru_cuda.library(lru_cuda.target_of(dev))
+        lru_step_cuda.library(lru_step_cuda.target_of(dev))
     except RuntimeError as e:  # no nvcc (or g++ for --smoke), or a build error: the other kernels still run
         cuda_kernel = f"not built: {str(e).splitlines()[0]}"
         KERNELS.remove("cuda")

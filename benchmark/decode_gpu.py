@@ -12,7 +12,7 @@ modelled`: the simulator's time for the rest, added to the measured attention pa
 
 Memory: the per-layer cache budget of the paper's deployment (the simulator's per-GPU cache budget / 61 x L). The
 baseline holds latent and index-K of every token on the GPU; ESS holds index-K of every token, and residency first
-(ess.core.regions, docs/design.md): the rest of the budget is one pool of latent rows, in which as many requests as
+(ess.core.residency, docs/design.md): the rest of the budget is one pool of latent rows, in which as many requests as
 fit are RESIDENT (every row of theirs on the GPU: no LRU step, no transfer; with none offloaded the step skips the
 policy altogether) and the others OFFLOADED with C = ratio x context slots each (`--residency off`: every request
 offloaded, as before 2026-11-27). Each arm runs at the batches of `--batches` (default 1, 2, 8, 32), at the
@@ -45,8 +45,8 @@ the baseline's (the smoke run does).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -65,29 +65,31 @@ from ess.analysis.synth import SynthOptions, synth_trace
 from ess.analysis.synth_fit import load_fitted, scaled
 from ess.analysis.decode_report import plot, summary
 from ess.analysis.timing import graph_us, median_us
-from ess.core import flashtrans, indexer_kernel, layout
+from ess.core import layout
+from ess.core.kernels import flashtrans, indexer
 from ess.core.memory import cache_bytes, hisparse_largest_batch, largest_batch
 from ess.core.pinned import pinned_zeros
-from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, WARMUP_WINDOWS
+from ess.core.settings import WARMUP_WINDOWS
 from ess.reference import attention as A
 from ess.reference.config import get_config
 from ess.reference.decode_stack import Setup, Stack, make_stack, two_batch
 from ess.reference.flashmla import sparse_decode
-from ess.reference.layer_rest import EXPERTS, LayerRest, MoeShape, RestWeights, comm_wait, spin_cycles_per_us
+from ess.reference.layer_rest import LayerRest, MoeShape, RestWeights, comm_wait, spin_cycles_per_us
 
-MODES = ("baseline", "none", "da", "dba", "plan", "hisparse")
+# the command line (benchmark/decode_flags.py), loaded by its path: this folder is on sys.path when the script runs,
+# not when a test loads the script by its path
+CLI_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_flags.py")
+_spec = importlib.util.spec_from_file_location("decode_flags", CLI_PATH)
+cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cli)
+
 # The HiSparse arm: SGLang 0.5.23's --enable-hisparse at its defaults, as its source sets them (docs/gpu.md, "The
 # HiSparse arm"): a device buffer of 2 x top-k LRU slots per request and layer plus a page it reserves, the step's
 # misses copied before attention on the forward stream (no overlap), the first buffer-full of prompt tokens resident
 # when decode starts, and a logical token space twice its device latent pool (host_to_device_ratio 2,
 # ess.core.memory.HISPARSE_HOST_RATIO).
 HISPARSE_BUFFER_PER_TOPK = 2
-# the generator fitted to real SmolLM2-135M traces (docs/profiling.md, "Fitting the synthetic generator")
-DEFAULT_FIT = "benchmark/results/policies/real_fit.json"
 MODEL_LAYERS = 61  # DeepSeek-V3.2's decoder layers, for the per-model figures
-# The projections' dtype: float32 timed the reference model's float32 torch ops on the H200 (2026-11-26), not a
-# server's speed (docs/gpu.md); bf16 is the default on a GPU
-DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
 
 
 def smoke_setup() -> Setup:
@@ -100,7 +102,7 @@ def gpu_setup(args) -> Setup:
         raise SystemExit("decode_gpu.py: needs a CUDA device (or --smoke)")
     return Setup(get_config("full", num_layers=args.layers), args.layers, args.contexts, args.ratios, args.batches,
                  args.warm_steps, args.iters, torch.device("cuda"), "flashmla", args.max_batch, args.query_rows,
-                 args.check, DTYPES[args.dtype or "bf16"])
+                 args.check, cli.DTYPES[args.dtype or "bf16"])
 
 
 def trace_topk(s: Setup, batch: int, context: int, rows: int, fitted: SynthOptions | None = None
@@ -466,78 +468,15 @@ def modelled_parts(rows: list[dict], whole_layer: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for decode.json and decode.png (created)")
-    p.add_argument("--layers", type=int, default=4, help="decode layers in the stack")
-    p.add_argument("--contexts", type=lambda x: [int(v) for v in x.split(",")], default=[32768, 131072])
-    p.add_argument("--ratios", type=lambda x: [float(v) for v in x.split(",")], default=[0.1, 0.2, 0.3])
-    p.add_argument("--batches", type=lambda x: [int(v) for v in x.split(",")], default=[1, 2, 8, 32],
-                   help="batches every arm runs (each also at the baseline's memory wall and its own largest batch)")
-    p.add_argument("--residency", choices=["on", "off"], default="on",
-                   help="ESS residency first (on, the plugin's design) or every request offloaded (off)")
-    p.add_argument("--modes", type=lambda x: x.split(","), default=list(MODES), help=f"of {','.join(MODES)}")
-    p.add_argument("--query-rows", type=lambda x: [int(v) for v in x.split(",")], default=[1, 3],
-                   help="query rows per request and step: 1 is decode, 3 is MTP verify of 2 draft tokens")
-    p.add_argument("--accept", type=float, default=1.7,
-                   help="tokens per request a verify step yields (the simulator's default for 2 draft tokens)")
-    p.add_argument("--topk-source", choices=["synth", "indexer"], default="synth")
-    p.add_argument("--fit", metavar="FILE", nargs="?", const=DEFAULT_FIT,
-                   help="ESS's rows also with the locality of a fit to real traces (`ess trace synth --like`'s report; "
-                   f"alone: {DEFAULT_FIT}, the SmolLM2 traces), rows labelled locality fit beside the paper's")
-    p.add_argument("--warm-steps", type=int, default=4, help="eager steps before the timed one")
-    p.add_argument("--iters", type=int, default=10, help="timed replays per configuration")
-    p.add_argument("--max-batch", type=int, help="cap the largest batches (memory or time)")
-    p.add_argument("--hardware", help="simulator profile of this GPU, for the modelled rest of a layer (default: H200 "
-                   "on an H200, else H100)")
-    p.add_argument("--check", action="store_true",
-                   help="also compare every ESS mode's outputs with the baseline's (a second stack: small runs)")
-    p.add_argument("--append", action="store_true",
-                   help="add the rows to OUT/decode.json (one context per run keeps each run short)")
-    p.add_argument("--measured", nargs="+", metavar="FILE",
-                   help="mode plan chooses each layer's overlap on ESS's terms measured on a GPU: a kit.json, then "
-                   "optionally a bookkeeping.json, a whole-layer decode.json and an indexer.json (e.g. "
-                   "benchmark/results/gpu/h200/); "
-                   "default: the simulator's "
-                   "modelled terms, with which plan lost 6-10%% to none on the H200 (docs/gpu.md)")
-    p.add_argument("--dtype", choices=sorted(DTYPES),
-                   help="weights and activations of the projections (default: bf16 on a GPU, float32 in the smoke run)")
-    p.add_argument("--attn1", choices=DA_ATTN1_KINDS, default=DA_ATTN1,
-                   help="DA / DBA's Attn1 in decode rows: the miss kernel, the fused copy-attend, or a second FlashMLA "
-                   "call (the plugin's default); verify rows always make two calls")
-    p.add_argument("--rest", choices=["measured", "modelled"], default="measured",
-                   help="the rest of each layer (w_vc, o_proj, MoE, the dense FFN, the LM head): measured on this GPU "
-                   "(the all-to-all a wait of its modelled length) or the simulator's (the hybrid figures before "
-                   "2026-11-28)")
-    p.add_argument("--ep", type=int, default=EP, choices=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                   help="expert parallelism of the measured MoE share (256 / EP routed experts on this GPU) and of the "
-                   "all-to-all's length; the cache budget stays the paper's deployment's (EP %(default)s)")
-    p.add_argument("--experts", choices=EXPERTS, default="fp8",
-                   help="the routed experts' precision in the measured rest: fp8 (the deployment's; row-wise scales, "
-                   "torch's scaled grouped GEMM, bf16 where the device refuses it, said in rest_ms.experts_gemm) or "
-                   "bf16")
-    p.add_argument("--tbo", action="store_true",
-                   help="two-batch overlap in every arm from batch 2: two micro-batches, one's all-to-all and H2D "
-                   "beside the other's compute; mode dba is then each micro-batch's H2D under the other's stage, then "
-                   "one attention call (docs/gpu.md, \"Two-batch overlap\")")
-    p.add_argument("--select", choices=indexer_kernel.SELECTS, default=indexer_kernel.SELECT,
-                   help="how the indexer picks its top-k (ess.core.indexer_kernel's SELECT, for this run): int64 keys "
-                   "and torch.topk, the radix select one program a request, or the split radix select fused with the "
-                   "scores kernel (the same sets; benchmark/indexer.py times each)")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, times nothing")
-    args = p.parse_args(argv)
-    indexer_kernel.SELECT = args.select  # every indexer_topk_fp8 call of the stack reads it
-    bad = [m for m in args.modes if m not in MODES]
-    if bad:
-        p.error(f"--modes: unknown {bad}; choose from {MODES}")
-    if not args.batches or min(args.batches) < 1:
-        p.error(f"--batches: positive batch sizes, got {args.batches}")
+    p, args = cli.parse(argv, __doc__.split("\n\n")[0])
+    indexer.SELECT = args.select  # every indexer_topk_fp8 call of the stack reads it
     try:  # a bad file fails here, before any stack is built
         measured = load_measured(args.measured) if args.measured else None
     except MeasuredError as e:
         p.error(str(e))
     s = smoke_setup() if args.smoke else gpu_setup(args)
     if args.smoke and args.dtype:
-        s.dtype = DTYPES[args.dtype]
+        s.dtype = cli.DTYPES[args.dtype]
     s.attn1 = args.attn1
     s.residency = args.residency == "on"
     s.whole_layer, s.ep, s.tbo, s.experts = args.rest == "measured", args.ep, args.tbo, args.experts

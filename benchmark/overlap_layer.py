@@ -15,7 +15,7 @@ reference; the indexer is the reference, not DeepGEMM. `exposed_ms` is each mode
 its time at 0 misses: the transfer the mode leaves exposed.
 
 DA and DBA run once per Attn1 kind of `--attn1` (ess.core.settings.DA_ATTN1_KINDS, docs/design.md "Overlap"): "miss"
-the compact kernel over the compacted miss lists (ess.core.miss_attention), "fused" the misses' H2D and Attn1 in one
+the compact kernel over the compacted miss lists (ess.core.kernels.miss_attention), "fused" the misses' H2D and Attn1 in one
 kernel beside Attn0, "calls" a second full-width call. Each row names its `attn1` (none for mode none);
 `exposed_ms` is the default kind's (DA_ATTN1), `exposed_ms_by_attn1` every kind's.
 """
@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from ess.core import flashtrans
+from ess.core.kernels import flashtrans
 from ess.reference.layer_setup import build_layer, preload, restore
 from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS
 from ess.reference.overlap import MODES, ess_layer_attention
@@ -156,7 +156,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--eager", action="store_true", help="time eager runs instead of CUDA graph replays")
     p.add_argument("--overlap-grid", type=lambda v: tuple(int(x) for x in v.split(",")), metavar="ROWS,PROGRAMS",
-                   help="FlashTrans' grid for copies beside compute (ess.core.flashtrans.OVERLAP_ROWS, OVERLAP_PROGRAMS; "
+                   help="FlashTrans' grid for copies beside compute (ess.core.kernels.flashtrans.OVERLAP_ROWS, OVERLAP_PROGRAMS; "
                         "programs 0: one per ROWS pairs)")
     p.add_argument("--attn1", type=attn1_kinds, default=list(DA_ATTN1_KINDS),
                    help=f"DA / DBA's Attn1 kinds to time, comma-separated, the first the one `exposed_ms` reports "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# PD in Docker, end to end on a CPU machine (docs/plugin.md, "PD in Docker"): the images build, `docker compose up`
+# PD in Docker, end to end on a CPU machine (docs/pd.md, "PD in Docker"): the images build, `docker compose up`
 # starts a prefill node, an ESS decode node, SGLang's router and a co-located stock server (docker/compose.cpu.yaml),
-# and greedy tokens through the router's port equal stock's (ess.reference.pd_check). Run as root from anywhere:
+# and greedy tokens through the router's port equal stock's (ess.harness.pd_check). Run as root from anywhere:
 #   bash scripts/docker_pd.sh [OUT]        (OUT: where the log goes; default benchmark/results/docker/pd-<date>)
 # What it does, each step skipped where already done:
 #   1. the Docker engine: Debian's docker.io and docker-compose installed with apt where absent, dockerd started
@@ -96,7 +96,7 @@ down() {
 trap down EXIT
 compose up -d
 set +e
-docker run --rm --network host "$IMAGE" python3 -m ess.reference.pd_check --stock 30100 --router 30180 --decode 30102 \
+docker run --rm --network host "$IMAGE" python3 -m ess.harness.pd_check --stock 30100 --router 30180 --decode 30102 \
   | tee "$OUT/check.json"
 rc=${PIPESTATUS[0]}
 set -e

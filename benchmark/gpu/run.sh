@@ -7,7 +7,7 @@
 #   decode32k    benchmark/decode_gpu.py at 32K (decode.json, decode.png)
 #   decode128k   the same at 128K, appended to decode.json
 #   bookkeeping  benchmark/bookkeeping.py (bookkeeping.json)
-#   indexer      benchmark/indexer.py (indexer.json): the indexer kernel and its top-k part by part
+#   indexer      benchmark/indexer_kernels.py (indexer.json): the indexer kernel and its top-k part by part
 # --smoke: every phase on the CPU at tiny sizes (FlashMLA replaced by its reference, no tests run), as CI checks it.
 # --budget-min M (default 20): the phases share M minutes in order; each runs under what is left, and one the budget
 # cuts is named in OUT_DIR/phases.log (its results are whatever it wrote). PHASE:SECONDS caps that phase as well.
@@ -55,7 +55,7 @@ phase_kit() {
   if [ -z "$smoke" ]; then
     # the CUDA LRU step (sgl-kernel/) from source with this machine's nvcc, then its self-check on the GPU; where it
     # does not build, `auto` serves the Triton kernel and the log says why
-    "$PY" -m ess.core.lru_cuda --check > "$out/lru_cuda.log" 2>&1 || true
+    "$PY" -m ess.core.kernels.lru_step_cuda --check > "$out/lru_cuda.log" 2>&1 || true
     tail -n 2 "$out/lru_cuda.log"
     # SGLang is not on the GPU machine: the plugin tests (test/plugin) run in CI. The kit's own smoke test, and the
     # benchmarks' smoke tests, would run the kit and the benchmarks again.
@@ -85,7 +85,7 @@ phase_bookkeeping() {
   "$PY" benchmark/bookkeeping.py $smoke "$out" 2>&1 | tee "$out/bookkeeping.log"
 }
 phase_indexer() {
-  "$PY" benchmark/indexer.py $smoke "$out" 2>&1 | tee "$out/indexer.log"
+  "$PY" benchmark/indexer_kernels.py $smoke "$out" 2>&1 | tee "$out/indexer.log"
 }
 
 status=0

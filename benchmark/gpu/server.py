@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,8 +25,8 @@ import time
 from ess.core import layout
 from ess.core.settings import PAGE_TOKENS
 from ess.reference import checkpoint
-from ess.reference import server as S
-from ess.reference.server_demo import first_difference
+from ess.harness import servers as S
+from ess.harness.server_demo import first_difference
 
 # name -> flags beyond the common ones. "eager": --disable-cuda-graph; the others capture SGLang's CUDA graphs.
 SERVERS = {
@@ -173,18 +174,27 @@ def start(flags_: list[str], log: str, args) -> dict:
         return {"server": None, "error": str(e)[-3000:], "ready_s": round(time.monotonic() - t0, 1)}
 
 
-def start_all(named_flags: dict[str, list[str]], prefix: str, args) -> dict[str, dict]:
-    """Every server at once, each logging to OUT/<prefix><name>.log."""
+@contextlib.contextmanager
+def servers_up(named_flags: dict[str, list[str]], prefix: str, args, entries: dict, say):
+    """Every server of named_flags started at once, each logging to OUT/<prefix><name>.log, and all stopped on
+    leaving. entries[name] gets each one's flags, start time and rig logits, or why it did not start (said too).
+    Yields the servers that started, by name."""
     with concurrent.futures.ThreadPoolExecutor(len(named_flags)) as pool:
         got = pool.map(lambda item: start(item[1], os.path.join(args.out, f"{prefix}{item[0]}.log"), args),
                        named_flags.items())
-        return dict(zip(named_flags, got))
-
-
-def stop_all(started: dict[str, dict]) -> None:
-    for got in started.values():
-        if got["server"] is not None:
-            got["server"].stop()
+        started = dict(zip(named_flags, got))
+    up = {name: got["server"] for name, got in started.items() if got["server"] is not None}
+    try:
+        for name, got in started.items():
+            entry = entries[name] = {"flags": named_flags[name], "ready_s": got["ready_s"],
+                                     "rig_logits": got.get("rig_logits")}
+            if got["server"] is None:
+                entry["error"] = got["error"]
+                say(f"{prefix}{name}: did not start ({got['ready_s']} s): {got['error'][-800:]}")
+        yield up
+    finally:
+        for srv in up.values():
+            srv.stop()
 
 
 def generate(srv: S.Server, prompts, new_tokens) -> tuple[list[dict], float]:
@@ -383,23 +393,16 @@ def run_gain(args, say, save) -> dict:
     save(out)
     names = gain_servers(args, plan)
     named_flags = {name: gain_flags(name, plan, args) for name in names}
-    started = start_all(named_flags, "gain-", args)
-    try:
-        for name, got in started.items():
-            entry = out["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"],
-                                            "rig_logits": got.get("rig_logits")}
-            if got["server"] is None:
-                entry["error"] = got["error"]
-                say(f"gain {name}: did not start: {got['error'][-800:]}")
-            else:
-                entry["device"] = device_bytes(got["server"], name, plan)
+    with servers_up(named_flags, "gain-", args, out["servers"], say) as up:
+        for name, srv in up.items():
+            out["servers"][name]["device"] = device_bytes(srv, name, plan)
         out["device_faults"] = check_device_bytes(out["servers"], plan)
         say(f"gain device bytes: {({n: e.get('device') for n, e in out['servers'].items()})}; "
             f"faults {out['device_faults']}")
         save(out)
-        for name, got in started.items():
-            entry, srv, n = out["servers"][name], got["server"], gain_requests(name, plan)
-            if srv is None or any(f.startswith(f"{name}:") for f in out["device_faults"]):
+        for name, srv in up.items():
+            entry, n = out["servers"][name], gain_requests(name, plan)
+            if any(f.startswith(f"{name}:") for f in out["device_faults"]):
                 continue
             before = srv.state().get("ess")
             entry["bench"] = bench(srv, args, plan["prompts"], args.gain_input, args.gain_output)
@@ -408,8 +411,6 @@ def run_gain(args, say, save) -> dict:
             say(f"gain {name} ({n} at once of {plan['prompts']}): {json.dumps(entry['bench'])[-400:]} "
                 f"decode {entry['decode']['median_gen_throughput']}; ESS {entry['ess']}")
             save(out)
-    finally:
-        stop_all(started)
     out |= gain_ratios(out["servers"])
     save(out)
     return out
@@ -473,18 +474,11 @@ def main(argv=None) -> int:
     with S.terminate_as_exit():
         say(f"starting {len(args.servers)} servers at once: {', '.join(args.servers)}")
         named_flags = {name: flags(name, args) for name in args.servers}
-        started = start_all(named_flags, "", args)
         answers = {}
-        try:
-            for name, got in started.items():
-                entry = report["servers"][name] = {"flags": named_flags[name], "ready_s": got["ready_s"],
-                                                   "rig_logits": got.get("rig_logits")}
-                if got["server"] is None:
-                    entry["error"] = got["error"]
-                    say(f"{name}: did not start ({got['ready_s']} s): {got['error'][-600:]}")
-                    continue
-                say(f"{name}: ready in {got['ready_s']} s; sending {args.requests} requests as one batch")
-                srv = got["server"]
+        with servers_up(named_flags, "", args, report["servers"], say) as up:
+            for name, srv in up.items():
+                entry = report["servers"][name]
+                say(f"{name}: ready in {entry['ready_s']} s; sending {args.requests} requests as one batch")
                 before = srv.state().get("ess")
                 try:
                     answers[name], seconds = generate(srv, prompts, args.new_tokens)
@@ -504,8 +498,6 @@ def main(argv=None) -> int:
                     entry["decode"] = decode_throughput(srv.log()[seen:], args.requests)
                     say(f"{name}: sglang.benchmark.serving: {json.dumps(entry['bench'])[-600:]} "
                         f"decode {entry['decode']['median_gen_throughput']}")
-        finally:
-            stop_all(started)
     for ess, (stock, exact) in PAIRS.items():
         if ess not in answers or stock not in answers:
             continue

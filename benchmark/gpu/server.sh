@@ -24,7 +24,7 @@ dist="$SITE/ess_gpu_server-0.dist-info"
 mkdir -p "$dist"
 printf 'Metadata-Version: 2.1\nName: ess-gpu-server\nVersion: 0\n' > "$dist/METADATA"
 printf '[sglang.srt.plugins]\ness = sglang_ess:register\ness_gpu_rig = ess_gpu_rig:register\n' > "$dist/entry_points.txt"
-export PYTHONPATH="$PWD/python/ess_gpu_rig/standin:$SITE:$PWD/benchmark/gpu/stubs:$PWD:$PWD/python"
+export PYTHONPATH="$PWD/python/sglang_ess/cpu/standin:$SITE:$PWD/benchmark/gpu/stubs:$PWD:$PWD/python"
 export SGLANG_PLUGINS=ess,ess_gpu_rig PYTHONUNBUFFERED=1
 eval "$("$PY" -c 'import ess_gpu_rig as r; print("".join(f"export {k}={v}; " for k, v in r.SETTINGS.items()))')" || exit 2
 # the CUDA LRU step built here beforehand (scripts/gpu_carry.sh), if carried: no nvcc build in the timed run

@@ -3,6 +3,7 @@ The reference model run's options and their checks are shared with `ess trace re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from rich.table import Table
@@ -37,8 +38,8 @@ def add_parsers(sub) -> None:
     add_model_args(d, batch=4, steps_type=POSITIVE)
     d.add_argument("--ess", action="store_true", help="also decode with ESS and compare with the baseline")
     g = d.add_mutually_exclusive_group()
-    g.add_argument("--buffer-tokens", type=NON_NEGATIVE, help="ESS GPU slots per request and layer (with --ess)")
-    g.add_argument("--sparse-ratio", type=positive_float, help=f"ESS GPU share of the cache (with --ess; default {DEFAULT_SPARSE_RATIO})")
+    g.add_argument("--ess-buffer-tokens", dest="buffer_tokens", type=NON_NEGATIVE, help="ESS GPU slots per request and layer (with --ess)")
+    g.add_argument("--ess-sparse-ratio", dest="sparse_ratio", type=positive_float, help=f"ESS GPU share of the cache (with --ess; default {DEFAULT_SPARSE_RATIO})")
     d.add_argument("--no-warmup", action="store_true", help="start decode with an empty GPU buffer (with --ess)")
     d.add_argument("--device-mem-gib", type=positive_float, help="report the largest batch whose caches fit this budget")
     d.add_argument("--overlap", default="none", choices=["none", "da", "dba", "plan"],
@@ -106,7 +107,7 @@ def check_demo(args) -> None:
     if given:
         raise ValueError(f"{', '.join(given)}: options of `ess demo --server`; give --server too")
     if args.ess and args.buffer_tokens is not None and args.buffer_tokens > args.context + args.steps:
-        raise ValueError(f"--buffer-tokens {args.buffer_tokens}: more slots than the --context + --steps = "
+        raise ValueError(f"--ess-buffer-tokens {args.buffer_tokens}: more slots than the --context + --steps = "
                          f"{args.context + args.steps} positions a request holds")
     if args.disk_dir is not None:
         try:
@@ -138,27 +139,8 @@ def run_demo(args) -> int:
         return run_server_demo(args)
     from ess.reference.demo import DemoOptions, run_demo as demo
 
-    opt = DemoOptions(
-        config=args.config,
-        layers=args.layers,
-        topk=args.topk,
-        batch=args.batch,
-        context=args.context,
-        steps=args.steps,
-        seed=args.seed,
-        device=args.device,
-        ess=args.ess,
-        buffer_tokens=args.buffer_tokens,
-        sparse_ratio=args.sparse_ratio,
-        warmup=not args.no_warmup,
-        device_mem_gib=args.device_mem_gib,
-        overlap=args.overlap,
-        layer_plan=args.layer_plan,
-        host_budget_mib=args.host_budget_mib,
-        disk_dir=args.disk_dir,
-        disk_gib=args.disk_gib,
-        tier_placement=args.tier_placement,
-    )
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DemoOptions) if hasattr(args, f.name)}
+    opt = DemoOptions(**given, warmup=not args.no_warmup)  # the flags are named as the options (dest), --no-warmup aside
     with ProgressBar(not args.quiet) as progress:
         report = demo(opt, progress)
     table = Table(title=f"ess demo ({report['config']['name']} model, {report['device']})")
@@ -182,7 +164,7 @@ def run_demo(args) -> int:
 
 
 def run_server_demo(args) -> int:
-    from ess.reference.server_demo import ServerDemoOptions, run_server_demo as server_demo
+    from ess.harness.server_demo import ServerDemoOptions, run_server_demo as server_demo
 
     given = [f"--{k.replace('_', '-')}" for k, default in MINI_ONLY.items() if getattr(args, k) != default]
     if given:

@@ -33,7 +33,7 @@ def add_measured(p) -> None:
     p.add_argument("--measured", nargs="+", metavar="FILE",
                    help="ESS's own terms (FlashTrans by rows, LRU step, DA/DBA overhead) from a GPU run: the kit's "
                         "kit.json, then optionally bookkeeping.json, a whole-layer decode.json (the rest of a "
-                        "layer, for every arm) and benchmark/indexer.py's indexer.json (the indexer's logits and "
+                        "layer, for every arm) and benchmark/indexer_kernels.py's indexer.json (the indexer's logits and "
                         "top-k, for every arm; docs/simulator.md); default: modelled")
 
 

@@ -36,7 +36,7 @@ def contexts(text: str) -> list[int]:
 
 
 def add_parser(ssub) -> None:
-    from ess.analysis.sim import pd as pd_sim
+    from ess.analysis.sim import pd_model as pd_sim
 
     pd = ssub.add_parser("pd", help="PD-disaggregated decode: time to the first and the k-th decode token after a "
                                     "full or a progressive cache transfer (progressive: SIMULATED only)")
@@ -92,7 +92,7 @@ def check_pd(args) -> None:
 
 
 def run_pd(args) -> int:
-    from ess.analysis.sim.pd import goal, pd_rows, plot_pd
+    from ess.analysis.sim.pd_model import goal, pd_rows, plot_pd
     from ess.analysis.sim.profile import ProfileError, load_profile
 
     try:

@@ -46,7 +46,7 @@ def hisparse_largest_batch(budget: float, layers: int, context: int, buffer: int
 
 
 def ess_device_rows(budget: float, layers: int, batch: int, context: int, capacity: int, positions: int) -> int:
-    """Residency first (ess.core.regions): the latent rows per layer a device cache budget leaves ESS beside `batch`
+    """Residency first (ess.core.residency): the latent rows per layer a device cache budget leaves ESS beside `batch`
     requests' index-K (`context` tokens each) and LRU tables (C = `capacity` slots, `positions` positions each), for
     the requests' regions: resident requests take `positions` rows, offloaded ones C."""
     per_request = context * layout.INDEX_ROW_BYTES + table_bytes(capacity, positions)

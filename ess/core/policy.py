@@ -12,7 +12,7 @@ first top-k entry, then to the own token(s) needing a slot. The miss lists come 
 
 `lru_update` runs with fixed shapes and no host synchronisation: batch rows without a set are -1 throughout, and
 every write that a row does not need lands in the sink column of the tables (scratch: its contents are undefined).
-It is the reference and the CPU path; ess.core.lru_kernel is the same step as one Triton kernel.
+It is the reference and the CPU path; ess.core.kernels.lru_step is the same step as one Triton kernel.
 
 Stamps are kept modulo STAMP_MOD, and a step compares ages (its stamp minus a slot's, modulo STAMP_MOD): the counter
 can run for the life of a server (it advances once per decode forward), and the order is exact while a row's entries

@@ -1,4 +1,4 @@
-"""Progressive PD transfer on a prefill node: the order a request's latent pages are sent in (docs/plugin.md,
+"""Progressive PD transfer on a prefill node: the order a request's latent pages are sent in (docs/pd.md,
 "Progressive PD transfer"). Phase 1 (index-K of every token and the warm-up state) goes first and is not ordered here.
 
 Phase 2: the pages holding a row of the warm-up set in any layer, hottest first. SGLang's transfer engines move whole

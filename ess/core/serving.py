@@ -11,7 +11,7 @@ The decode step translates the indexer's top-k positions into GPU slots (`transl
 host pool with FlashTrans; the step's own rows go to their GPU slots and to the host pool.
 
 Residency first (`device_rows`, docs/design.md, "Residency first"): the GPU pool is one pool of rows carved into a
-region per request (ess.core.regions). A RESIDENT request's region holds every position it can reach (row = start +
+region per request (ess.core.residency). A RESIDENT request's region holds every position it can reach (row = start +
 position): its rows never miss and skip the LRU step (with no offloaded request live, the step is skipped
 altogether, a host-known fact: nothing syncs). An OFFLOADED request's region is its C slots, run by the LRU policy
 (whose slot numbers req * C + j become start + j). Without `device_rows` every request slot owns C slots at
@@ -25,10 +25,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ess.core import flashtrans, layout, miss_attention, region_map
+from ess.core import layout
+from ess.core.kernels import flashtrans, miss_attention, residency_map
 from ess.core.disk_tier import PagedHostTier
 from ess.core.policy import STAMP_MOD, PolicyResult
-from ess.core.regions import RowRegions
+from ess.core.residency import RowRegions
 from ess.core.settings import PAGE_TOKENS
 from ess.core.sparse_pool import SparseMemoryPool
 
@@ -65,7 +66,7 @@ class ServingLatentCache:
         device_rows: int | None = None,
     ):
         """host: the engine's host pool [layers, locations + 1 sink, 656], pinned (the ESS KV pool owns it and writes
-        every new row into it). backend: FlashTrans' (ess.core.flashtrans); kernel: the LRU step's (ess.core.sparse_pool).
+        every new row into it). backend: FlashTrans' (ess.core.kernels.flashtrans); kernel: the LRU step's (ess.core.sparse_pool).
         tier: a disk tier whose virtual rows are the token table's values; host is then its `data`.
         device_rows: residency first, a GPU pool of that many rows per layer from which `admit` gives each request its
         region; None: C slots per request slot, every request offloaded."""
@@ -202,10 +203,10 @@ class ServingLatentCache:
         return self._constants[key]
 
     def _mapped(self, r: PolicyResult | None, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
-        """ess.core.region_map.map_result: r (the LRU step over the offloaded rows) in the regions' rows; None: every
+        """ess.core.kernels.residency_map.map_result: r (the LRU step over the offloaded rows) in the regions' rows; None: every
         request resident, each entry a hit at start + position, nothing to fetch, no set (n_set 0)."""
         none, zero = self._constants_for(topk)
-        return region_map.map_result(r, req, topk, own_pos, self.start32, self.is_resident, self.capacity, none, zero,
+        return residency_map.map_result(r, req, topk, own_pos, self.start32, self.is_resident, self.capacity, none, zero,
                                      self.backend)
 
     def all_resident(self) -> bool:
@@ -269,7 +270,7 @@ class ServingLatentCache:
             sets = torch.where(self.is_resident[req.long()].view(-1, 1, 1), -1, sets)
         took = self.sparse.warm(layer, req, sets, first_stamp)
         pos, slots = self.sparse.resident_slots(layer, req)  # rows of the slots that took a position are fetched
-        slots = torch.where(took, region_map.physical(slots, req, self.start32, self.capacity).long() if self.regions is not None else slots, -1)
+        slots = torch.where(took, residency_map.physical(slots, req, self.start32, self.capacity).long() if self.regions is not None else slots, -1)
         loc = self.locations(token_table, req, torch.where(took, pos, -1))
         if self.tier is not None:
             self.tier.ensure_rows(layer, loc)
@@ -321,7 +322,7 @@ class ServingLatentCache:
         if not self._any_resident() and not self.fixed_path:  # none resident: mapped only if moved
             r = self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
             return self._mapped(r, req, topk, own_pos) if self.moved else r
-        sets, own = region_map.premask(req, topk, own_pos, self.is_resident, self.backend)
+        sets, own = residency_map.premask(req, topk, own_pos, self.is_resident, self.backend)
         return self._mapped(self.sparse.step(layer, req, sets, own, self.stamp, token_table), req, topk, own_pos)
 
     def miss_rows(self, layer: int, req: torch.Tensor, token_table: torch.Tensor, r: PolicyResult) -> torch.Tensor:
@@ -338,7 +339,7 @@ class ServingLatentCache:
         rows = self.miss_rows(layer, req, token_table, r)
         flashtrans.gather_lists(self.host[layer], rows, self.gpu[layer], r.miss_slot, r.n_miss, self.backend, overlapped)
 
-    # -- DA's Attn1 over the misses only (ess.core.miss_attention; one query row per request) -------------------------
+    # -- DA's Attn1 over the misses only (ess.core.kernels.miss_attention; one query row per request) -------------------------
     def attend_misses(self, layer: int, r: PolicyResult, q_nope: torch.Tensor, q_pe: torch.Tensor, scale: float):
         """Attn1 after `fetch`: each request's query [B, H, 512 / 64] over its fetched rows (its compacted miss list and
         device count). Returns (o [B, H, 512], lse [B, H]) float32, to merge with Attn0 (miss_attention.merge)."""

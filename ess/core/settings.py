@@ -16,7 +16,7 @@ WARMUP_WINDOWS = 32  # LRU-Warmup windows W (docs/design.md, "LRU-Warmup")
 OVERLAP_MODES = ("none", "da", "dba")  # docs/design.md, "Overlap"
 OVERLAP_CHOICES = ("auto",) + OVERLAP_MODES  # auto: per layer from a plan, else da
 # DA's Attn1 (docs/design.md, "Overlap"): "miss" the compact kernel over the compacted miss lists after FlashTrans'
-# H2D (ess.core.miss_attention), "fused" the H2D and Attn1 in one kernel (the copy then starts after PreAttn, when the
+# H2D (ess.core.kernels.miss_attention), "fused" the H2D and Attn1 in one kernel (the copy then starts after PreAttn, when the
 # query exists), "calls" a second full-width attention call (the hits set to -1). Not yet timed on a GPU: "miss" keeps
 # the H2D's start at the indexer, as DA had it.
 DA_ATTN1_KINDS = ("miss", "fused", "calls")
@@ -31,7 +31,7 @@ DISK_PAGE_BYTES = 45056  # a disk tier's page: one layer's PAGE_TOKENS latent ro
 # I/O (ess.reference.tiered_host_pool; the simulator's disk term)
 TIER_PLACEMENTS = ("frequency", "lru")  # which page a full disk tier's host frames give up (docs/design.md, "Disk tier")
 TIER_HEAT_HALF_LIFE_STEPS = 8  # placement "frequency": a page's access count halves every 8 decode steps
-# Progressive PD (docs/plugin.md, "Progressive PD transfer"): at most this many requests per decode rank decode before
+# Progressive PD (docs/pd.md, "Progressive PD transfer"): at most this many requests per decode rank decode before
 # all their latent rows have landed (each holds a landed bitmap of layers x context bytes on the device, 1/656 of the
 # rows it tracks); more wait for their whole transfer, as without the flag.
 PROGRESSIVE_REQUESTS = 16
@@ -48,12 +48,12 @@ PROGRESSIVE_SLICE_PAGES = 4
 PROGRESSIVE_WAIT_S = 10.0
 HOST_PINNABLE_FRACTION = 0.8  # of a machine's memory, ESS's host pools may pin at most this share (the OS, the
 # serving processes and the page cache keep the rest)
-KERNELS = ("auto", "cuda", "fused", "torch")  # the LRU step: ess.core.lru_cuda's CUDA kernel (sgl-kernel/), ess.core.lru_kernel's
+KERNELS = ("auto", "cuda", "fused", "torch")  # the LRU step: ess.core.kernels.lru_step_cuda's CUDA kernel (sgl-kernel/), ess.core.kernels.lru_step's
 # fused Triton kernel, or ess.core.policy's torch ops (the CPU path and the oracle)
 AUTO_GPU_KERNELS = ("cuda", "fused")  # `auto` on a GPU: the first of these that builds and equals the torch path there
-# (ess.core.lru_cuda.self_check); the order is the design's expectation of speed (docs/gpu.md, "The CUDA LRU step"):
+# (ess.core.kernels.lru_step_cuda.self_check); the order is the design's expectation of speed (docs/gpu.md, "The CUDA LRU step"):
 # put "fused" first to keep the Triton kernel
-KERNEL_CACHE_DIR = "~/.cache/ess/kernels"  # built kernels (ess.core.lru_cuda; $ESS_KERNEL_CACHE overrides)
+KERNEL_CACHE_DIR = "~/.cache/ess/kernels"  # built kernels (ess.core.kernels.lru_step_cuda; $ESS_KERNEL_CACHE overrides)
 # `ess cache replay --policy`: ESS's LRU, the offline optimum (ess.analysis.belady), and the candidates of
 # ess.analysis.candidate_policies (docs/policies.md)
 REPLAY_POLICIES = ("lru", "belady", "prefetch", "score")
@@ -130,24 +130,34 @@ def check_output_file(path: str, flag: str) -> None:
     _check_can_create(path, flag)
 
 
-def capacity(buffer_tokens, sparse_ratio, context_tokens: int, topk: int, names: dict = FIELD_NAMES) -> int:
-    """GPU slots per (request, layer) for requests of up to context_tokens tokens: buffer_tokens, else the ratio
-    (default DEFAULT_SPARSE_RATIO) of the context, rounded up; at least top-k + 1 (the step's set and its own token)."""
+def sparse_ratio_in_effect(sparse_ratio: float | None) -> float:
+    """The Sparse Memory Ratio a launch runs with: the one given, else DEFAULT_SPARSE_RATIO."""
+    return DEFAULT_SPARSE_RATIO if sparse_ratio is None else sparse_ratio
+
+
+def capacity(buffer_tokens, sparse_ratio, context_tokens: int, topk: int, names: dict = FIELD_NAMES,
+             rows: int = 1) -> int:
+    """The rule for C, the GPU slots per (request, layer) for requests of up to context_tokens tokens: buffer_tokens,
+    else the ratio (sparse_ratio_in_effect) of the context, rounded up; at least what one step reads, rows (query rows
+    per request: 1, or MTP's verify rows) x (top-k + 1) (the step's set and its own token)."""
     if buffer_tokens is not None:
         cap, what = buffer_tokens, names["buffer_tokens"]
     else:
-        ratio = DEFAULT_SPARSE_RATIO if sparse_ratio is None else sparse_ratio
+        ratio = sparse_ratio_in_effect(sparse_ratio)
         cap = math.ceil(ratio * context_tokens)
         what = f"{names['sparse_ratio']} {ratio} of {context_tokens} tokens"
-    if cap < topk + 1:
-        raise KnobError(f"{what}: a GPU buffer of {cap} tokens per request is below top-k + 1 = {topk + 1} "
+    need = rows * (topk + 1)
+    if cap < need:
+        reads = "top-k + 1" if rows == 1 else f"{rows} verify rows x (top-k + 1)"
+        raise KnobError(f"{what}: a GPU buffer of {cap} tokens per request is below {reads} = {need} "
                         "(the step's top-k set and its own token must fit)")
     return cap
 
 
 @dataclasses.dataclass(frozen=True)
 class EssConfig:
-    """The cache knobs of the reference model's ESS cache and the tools (fields named as here): buffer_tokens, the
+    """The cache knobs of the reference model's ESS cache and the offline tools, fields named as here (a server
+    launch's settings are the plugin's record, sglang_ess.args.EssArgs, held to the same rules): buffer_tokens, the
     GPU Sparse Memory Pool's slots per (request, layer), or sparse_ratio, the same as a share of the context;
     host_pool_gib, the pinned Total Memory Pool (None: sized to the live requests); warmup_windows, LRU-Warmup's W
     (0: off)."""

@@ -33,10 +33,10 @@ def step_function(kernel: str, device: torch.device):
     if kernel == "auto":
         kernel = auto_kernel(device)
     if kernel == "cuda":
-        from ess.core.lru_cuda import lru_update_cuda
+        from ess.core.kernels.lru_step_cuda import lru_update_cuda
 
         return lru_update_cuda
-    from ess.core.lru_kernel import lru_update_fused
+    from ess.core.kernels.lru_step import lru_update_fused
 
     return lru_update_fused
 
@@ -49,7 +49,7 @@ def auto_kernel(device: torch.device) -> str:
         if name != "cuda":
             return name
         try:
-            from ess.core.lru_cuda import self_check
+            from ess.core.kernels.lru_step_cuda import self_check
 
             self_check(device)
             return name

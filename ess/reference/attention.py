@@ -28,7 +28,7 @@ from ess.core.dsa_math import (  # noqa: F401  (the reference's own names for th
     shared_key_scores,
     sparse_attention,
 )
-from ess.core.indexer_kernel import indexer_topk_fp8
+from ess.core.kernels.indexer import indexer_topk_fp8
 from ess.reference.config import ModelConfig
 
 
@@ -167,7 +167,7 @@ def indexer_topk(w: AttentionWeights, cfg: ModelConfig, h, q_lora, pos, index_k_
     q_idx, weights = index_query(w, cfg, h[part], q_lora[part], pos[part])
     k = cfg.index_topk + lookahead
     if index_k_layer.is_cuda:  # a GPU times it: the Triton kernel over the FP8 rows in place, equal to the math below
-        # up to fp32 summation order (ess.core.indexer_kernel); q_idx went through FP8, so bf16 holds it exactly
+        # up to fp32 summation order (ess.core.kernels.indexer); q_idx went through FP8, so bf16 holds it exactly
         return indexer_topk_fp8(q_idx.to(torch.bfloat16), weights, index_k_layer[part], pos[part], k, backend="triton")
     return select_topk(index_scores(q_idx, weights, index_k_layer[part]), pos[part], k)
 

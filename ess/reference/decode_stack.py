@@ -46,7 +46,7 @@ class Setup:
     check: bool = False  # compare every ESS mode's outputs with the baseline's (a second stack: small runs only)
     dtype: torch.dtype = torch.float32  # weights and activations of the projections (bf16 on a GPU, as a server's)
     attn1: str = DA_ATTN1  # DA / DBA's Attn1 in decode rows (verify rows: two FlashMLA calls)
-    residency: bool = True  # residency first (ess.core.regions); False: every ESS request offloaded
+    residency: bool = True  # residency first (ess.core.residency); False: every ESS request offloaded
     whole_layer: bool = True  # the rest of each layer measured (ess.reference.layer_rest); False: the simulator's
     ep: int = EP  # the expert parallelism of the measured MoE share and of the all-to-all's modelled length
     fitted: SynthOptions | None = None  # locality fitted to real traces: ESS rows also with it (row "locality" fit)

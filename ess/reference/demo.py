@@ -10,7 +10,7 @@ import torch
 
 from ess.reference.ess_cache import EssLatentCache
 from ess.core import settings
-from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB, TIER_PLACEMENTS, WARMUP_WINDOWS, EssConfig, KnobError
+from ess.core.settings import GIB, TIER_PLACEMENTS, WARMUP_WINDOWS, EssConfig, KnobError, sparse_ratio_in_effect
 from ess.reference.config import get_config
 from ess.reference.dense_cache import DenseLatentCache
 from ess.reference.model import GenerateResult, MiniModel, random_prompts
@@ -99,14 +99,14 @@ def _setup(opt: DemoOptions):
     return cfg, device, MiniModel(cfg, seed=opt.seed, device=device), random_prompts(opt.batch, opt.context, cfg.vocab, opt.seed)
 
 
-ESS_ONLY = {"buffer_tokens": "--buffer-tokens", "sparse_ratio": "--sparse-ratio", "layer_plan": "--layer-plan",
+ESS_ONLY = {"buffer_tokens": "--ess-buffer-tokens", "sparse_ratio": "--ess-sparse-ratio", "layer_plan": "--layer-plan",
             "host_budget_mib": "--host-budget-mib", "disk_dir": "--disk-dir", "disk_gib": "--disk-gib"}
 
 
 def ess_config(opt: DemoOptions, topk: int, tokens: int) -> EssConfig:
     """The ESS settings of a demo run, checked before any work; errors name the demo's flags."""
-    ratio = None if opt.buffer_tokens is not None else (DEFAULT_SPARSE_RATIO if opt.sparse_ratio is None else opt.sparse_ratio)
-    names = {"buffer_tokens": "--buffer-tokens", "sparse_ratio": "--sparse-ratio", "warmup_windows": "--no-warmup",
+    ratio = None if opt.buffer_tokens is not None else sparse_ratio_in_effect(opt.sparse_ratio)
+    names = {"buffer_tokens": "--ess-buffer-tokens", "sparse_ratio": "--ess-sparse-ratio", "warmup_windows": "--no-warmup",
              "host_pool_gib": "--host-pool-gib"}
     warmup = WARMUP_WINDOWS if opt.warmup else 0
     try:

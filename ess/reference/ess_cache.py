@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from ess.core import flashtrans, layout
+from ess.core import layout
+from ess.core.kernels import flashtrans
 from ess.core.settings import PAGE_TOKENS, EssConfig
 from ess.reference.tiered_host_pool import TieredHostPool
 from ess.reference.host_pool import TotalMemoryPool
 from ess.core.policy import PolicyResult
 from ess.reference.dense_cache import DecodeRows
-from ess.core.regions import split
+from ess.core.residency import split
 from ess.core.serving import ServingLatentCache
 from ess.core.streams import Streams
 
@@ -35,7 +36,7 @@ class EssLatentCache:
     ):
         """tier: a disk tier for the host pool (ess.reference.tiered_host_pool), built for this batch; None: the whole Total
         Memory Pool in host memory. kernel: the LRU step's (settings.KERNELS). device_rows: residency first
-        (ess.core.regions), a GPU pool of that many rows per layer: as many requests resident (every row of their
+        (ess.core.residency), a GPU pool of that many rows per layer: as many requests resident (every row of their
         max_len positions on the GPU) as it holds beside the others' C slots, those first in batch order."""
         B = len(context_lens)
         self.cfg = cfg

@@ -18,7 +18,8 @@ import functools
 
 import torch
 
-from ess.core import layout, miss_attention
+from ess.core import layout
+from ess.core.kernels import miss_attention
 from ess.core.settings import PAGE_TOKENS
 from ess.reference import attention as A
 

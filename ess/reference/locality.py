@@ -36,6 +36,9 @@ import time
 import numpy as np
 import torch
 
+# the checkpoint's tensors, not its writer (ess.reference.checkpoint), which imports this module
+from ess.reference import checkpoint_weights
+
 SHARED = 0.8  # share of each embedding row along the shared direction e
 RECENCY = 5.0  # the RoPE recency kernel's value at distance 0, in units of the static importance's spread
 EMBED_NORM = 100.0  # the embedding rows' length (the random checkpoint's are about 1)
@@ -180,11 +183,9 @@ def real_share_curve(path: str = REAL_PROFILE) -> tuple[list[float], np.ndarray]
 
 def model_curve(knob: float | None, seed: int = 0, ratios: list[float] | None = None, **trace_kw) -> np.ndarray:
     """The CPU checkpoint's (seed `seed`, no MTP) share curve at `knob` (None: the random checkpoint); prompts seed + 1."""
-    from ess.reference import checkpoint
-
     ratios = ratios or real_share_curve()[0]
-    cfg = checkpoint.config(mtp=False)
-    w = checkpoint.weights(cfg, seed)
+    cfg = checkpoint_weights.config(mtp=False)
+    w = checkpoint_weights.weights(cfg, seed)
     w = w if knob is None else apply(w, cfg, knob, seed)
     return share_curve(indexer_trace(w, cfg, seed=seed + 1, **trace_kw), ratios)
 

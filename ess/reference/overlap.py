@@ -5,7 +5,7 @@
           on the GPU: hits and the own row) run; then wait, Attn1 (the fetched rows) and the log-sum-exp merge
     dba   the indexer, top-k and cache update run per batch half: half A's H2D overlaps half B's indexer; then as da
 Attn1 (attn1, ess.core.settings.DA_ATTN1_KINDS): "miss" the compact kernel over each request's compacted miss list
-(ess.core.miss_attention); "fused" the misses' H2D and Attn1 as one kernel on the copy stream, beside Attn0 (it needs
+(ess.core.kernels.miss_attention); "fused" the misses' H2D and Attn1 as one kernel on the copy stream, beside Attn0 (it needs
 the query, so the copy starts after PreAttn); "calls" a second full-width call with the hits set to -1. Attn0 is the
 attention backend over the top-k with the misses set to -1 in all three.
 The step's own row is written to its GPU slot on the compute stream and backed up to the host (D2H) on the copy
@@ -24,7 +24,7 @@ import torch
 
 from ess.reference.ess_cache import EssLatentCache
 from ess.reference.flashmla import sparse_decode, split_decode
-from ess.core import miss_attention
+from ess.core.kernels import miss_attention
 from ess.core.policy import PolicyResult
 from ess.core.settings import DA_ATTN1, DA_ATTN1_KINDS, OVERLAP_MODES
 from ess.reference import attention as A

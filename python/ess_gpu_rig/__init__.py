@@ -8,8 +8,9 @@ no network and 64 MiB of carried packages, so sglang-kernel (356 MB, built for t
 DeepGEMM build loads under torch 2.11. What stands in, with SGLang's own switches first:
     SETTINGS                 SGLang's environment switches to its torch / Triton paths (each named with the kernel
                              it avoids)
-    standin/sgl_kernel       sgl_kernel, importable: weak_ref_tensor given, every other kernel raises if called
-    patches.py               SGLang's JIT kernels (tvm-ffi + nvcc at first call) on the DeepSeek-V3.2 path, each
+    sgl_kernel's stand-in    sglang_ess/cpu/standin/sgl_kernel, the CPU path's: weak_ref_tensor given, every other
+                             kernel raises if called
+    rig_patches.py           SGLang's JIT kernels (tvm-ffi + nvcc at first call) on the DeepSeek-V3.2 path, each
                              replaced by the torch it computes; the indexer's logits by ESS's Triton kernel,
                              decode and prefill (DeepGEMM's stand-in), checked on the device before they serve
                              (logits_check.py; SGLang's torch versions where they fail, or with
@@ -22,8 +23,8 @@ from __future__ import annotations
 import os
 
 ENV = "ESS_GPU_RIG"
-# The indexer's logits: "ess" (ESS's Triton kernel: over SGLang's pages in decode, patches.fp8_paged_mqa_logits, and
-# over each query row's window in prefill, patches.fp8_mqa_logits) or "torch" (SGLang's own torch versions, as
+# The indexer's logits: "ess" (ESS's Triton kernel: over SGLang's pages in decode, rig_patches.fp8_paged_mqa_logits, and
+# over each query row's window in prefill, rig_patches.fp8_mqa_logits) or "torch" (SGLang's own torch versions, as
 # SGLANG_FP8_PAGED_MQA_LOGITS_TORCH gives them)
 LOGITS_ENV, LOGITS = "ESS_GPU_RIG_LOGITS", ("ess", "torch")
 
@@ -34,7 +35,6 @@ def logits() -> str:
     if value not in LOGITS:
         raise ValueError(f"{LOGITS_ENV} must be one of {LOGITS}, got {value!r}")
     return value
-STANDIN_VERSION = "0+ess.gpu_rig.standin"
 
 # SGLang 0.5.23's own switches that keep a dense bf16 DeepSeek-V3.2 server off sgl_kernel and DeepGEMM on CUDA
 SETTINGS = {
@@ -45,7 +45,7 @@ SETTINGS = {
     # RMSNorm, rotary, SiluAndMul, clamp_position, LayerNorm: torch (forward_native), not sgl_kernel or JIT kernels
     "SGLANG_FORCE_FUSED_OP_BACKEND": "torch",
     # the indexer's logits and their schedule: SGLang's torch path (fp8_paged_mqa_logits_torch, graph-safe) in place
-    # of DeepGEMM's, and no deep_gemm.get_num_sms at model load; patches.py gives that path ESS's Triton kernel
+    # of DeepGEMM's, and no deep_gemm.get_num_sms at model load; rig_patches.py gives that path ESS's Triton kernel
     # (LOGITS_ENV)
     "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1",
     "SGLANG_DSA_FUSE_TOPK": "0",  # the un-fused torch top-k (with --dsa-topk-backend torch), not sgl_kernel's
@@ -63,6 +63,8 @@ def active() -> bool:
         import sgl_kernel
     except ImportError:
         return False
+    from sglang_ess.cpu.standin import STANDIN_VERSION
+
     return getattr(sgl_kernel, "__version__", "") == STANDIN_VERSION
 
 
@@ -74,8 +76,8 @@ def register() -> None:
 
     if not active() or not torch.cuda.is_available():
         return
-    from ess_gpu_rig.patches import PATCHES
-    from sglang_ess import hook_table
+    from ess_gpu_rig.rig_patches import PATCHES
+    from sglang_ess.hooks import table
 
     logits()  # a bad ESS_GPU_RIG_LOGITS is refused at start-up
-    hook_table.register(PATCHES)
+    table.register(PATCHES)

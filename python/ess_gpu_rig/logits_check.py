@@ -1,9 +1,9 @@
-"""The rig's indexer logits, checked on the device before they serve: ESS's Triton kernels (ess_gpu_rig.patches)
+"""The rig's indexer logits, checked on the device before they serve: ESS's Triton kernels (ess_gpu_rig.rig_patches)
 against SGLang's own torch logits they replace, on values every product and sum of which is exact in bf16 and fp32
 (ternary FP8 keys and queries, scale 1, small integer weights): decode with one and two query rows a request over
 SGLang's index-K pages, and prefill windows. A kernel that raises, or differs anywhere inside a row's context, fails
 the check; outside it, ESS's kernels write -inf where SGLang's write 0 (SGLang's top-k masks by length). Each
-scheduler runs the check before its weights load (patches.before_load_model) and serves with SGLang's torch logits
+scheduler runs the check before its weights load (rig_patches.before_load_model) and serves with SGLang's torch logits
 if it fails (docs/gpu-server.md); the tests run the same check on the CPU in Triton's interpreter."""
 
 from __future__ import annotations

@@ -6,6 +6,6 @@ scheduler process (sglang.srt.plugins.load_plugins); `SGLANG_PLUGINS=ess` restri
 
 
 def register() -> None:
-    from sglang_ess.hooks import install
+    from sglang_ess.hooks.registry import install
 
     install()

@@ -1,14 +1,23 @@
-"""ESS launch flags: each an EssArgs field, declared once with its flag, help and type (`flag`), added to SGLang's
-own parser (`add_cli_args`) and read back from its namespace (`from_namespace`). How the parsed flags travel on
-into every process: sglang_ess.launch.
+"""The settings of an ESS launch, one record (EssArgs): its flags, each a field declared once with its flag, help and
+type (`flag`), added to SGLang's own parser (`add_cli_args`) and read back from its namespace (`from_namespace`); and
+what the launch checks resolved against the model (`facts`, an EssFacts: sglang_ess.validate.resolution_step). How
+the record travels into every process:
+
+    parsed    ServerArgs.from_cli_args, in the launcher (`attach_flags`, from its hook): the ESS flags -> EssArgs
+    resolved  SGLang's argument resolution, in the launcher (sglang_ess.validate.resolution_step, around its
+              handle_other_validations): the checks against the model and the rest of the launch -> EssArgs.facts
+    carried   ServerArgs is a msgspec Struct with a fixed field set, so ESS keeps its EssArgs in one bookkeeping
+              attribute, `server_args._ess`, which ServerArgs.__reduce__ pickles along to the scheduler processes
+    read      `ess_args(server_args)`, by every reader: the KV cache configurator's hooks (the pool's sizing), the
+              device check before the load, the runtime
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
+from typing import Any
 
 from ess.core import settings
 from ess.core.settings import DA_ATTN1_KINDS, DEFAULT_SPARSE_RATIO, OVERLAP_CHOICES, PLUGIN_DA_ATTN1, WARMUP_WINDOWS
@@ -16,6 +25,23 @@ from ess.core.settings import DA_ATTN1_KINDS, DEFAULT_SPARSE_RATIO, OVERLAP_CHOI
 
 class EssArgsError(ValueError):
     """A bad ESS launch setting; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EssFacts:
+    """What the launch checks resolved (sglang_ess.validate.validate_model), for the pool, the sizing and the runtime
+    of every process (carried there as EssArgs.facts)."""
+
+    role: str  # "co-located", "pd-decode" (the ESS cache lives here) or "pd-prefill" (sends warm-up state only)
+    topk: int
+    layers: int
+    context: int  # the longest context served
+    buffer: int = 0  # GPU latent slots per (request, layer); 0 on a prefill node
+    query_rows: int = 1  # query rows per request and step (MTP verify: 1 + draft tokens)
+    plan: tuple[str, ...] | None = None  # --ess-layer-plan's mode per layer
+    windows: int = 0  # LRU-Warmup windows a prefill node sends
+    residency: bool = False  # residency first (--ess-residency; docs/design.md, "Residency first")
+    fixed_step: bool = False  # decode runs as CUDA graphs: one step path for every batch (no host-known skips)
 
 
 def flag(default, name: str, help: str, **argparse_kw):
@@ -65,17 +91,17 @@ class EssArgs:
                                 "transfer's). Needs --disaggregation-mode decode and --disaggregation-transfer-backend "
                                 "mooncake or nixl; prefill nodes with --enable-ess send in the progressive order; with "
                                 "decode CUDA graphs on, a batch holding a request still landing runs eagerly "
-                                "(docs/plugin.md).", action="store_true")
+                                "(docs/pd.md).", action="store_true")
     residency: str = flag("auto", "--ess-residency", "Residency first: a request whose rows fit in the GPU pool keeps "
                           "all of them there (no LRU step, no transfer) and is offloaded only when the pool is full "
                           "(on; auto: on unless --ess-disk-dir or --ess-progressive-pd is given), or every request "
                           "offloaded (off).", choices=("auto", "on", "off"))
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
+    facts: EssFacts | None = None  # what the launch checks resolved; None while ESS is off, and before SGLang resolves
 
     @property
-    def ratio(self) -> float:
-        """The Sparse Memory Ratio in effect: --ess-sparse-ratio, else the paper's operating point."""
-        return DEFAULT_SPARSE_RATIO if self.sparse_ratio is None else self.sparse_ratio
+    def on(self) -> bool:
+        return self.enable
 
     def check(self) -> "EssArgs":
         """Checks that need no model: combinations of the ESS flags themselves."""
@@ -124,12 +150,6 @@ class EssArgs:
                 raise EssArgsError(f"--ess-layer-plan: no such file: {self.layer_plan}")
         return self
 
-    def buffer_for(self, context_len: int) -> int:
-        """GPU slots per (request, layer): --ess-buffer-tokens, or the ratio (`ratio`) of the longest context served."""
-        if self.buffer_tokens is not None:
-            return self.buffer_tokens
-        return math.ceil(self.ratio * context_len)
-
 
 FLAGS = {f.name: f.metadata["flag"] for f in dataclasses.fields(EssArgs) if "flag" in f.metadata}  # field -> flag
 
@@ -146,3 +166,19 @@ def from_namespace(ns: argparse.Namespace) -> EssArgs:
     dests = {field: name[2:].replace("-", "_") for field, name in FLAGS.items()}
     given = {field: getattr(ns, dest) for field, dest in dests.items() if hasattr(ns, dest)}
     return EssArgs(**given, hisparse=bool(getattr(ns, "enable_hisparse", False))).check()
+
+
+ATTR = "_ess"  # the ServerArgs attribute that carries a launch's EssArgs
+OFF = EssArgs()
+
+
+def ess_args(server_args: Any) -> EssArgs:
+    """ESS's settings of a ServerArgs record. ESS is off (`on` False) unless it was launched with --enable-ess: OFF
+    for a record built elsewhere (Engine(...), which takes no ESS flag). SGLang resolves a record in the launcher,
+    before any scheduler process receives it, so there an ESS launch has its facts."""
+    return getattr(server_args, ATTR, None) or OFF
+
+
+def attach_flags(server_args: Any, namespace: argparse.Namespace) -> None:
+    """SGLang made the record from a command line: its ESS flags ride on it."""
+    setattr(server_args, ATTR, from_namespace(namespace))

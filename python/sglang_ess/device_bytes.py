@@ -23,7 +23,7 @@ NOT_CHARGED = {
     "_constants": "constants per batch shape, made at CUDA-graph capture (SGLang's graph memory)",
     "_first": "constants per batch size, made at CUDA-graph capture",
     "_held": "the tensors a captured copy reads, held for the capture",
-    "_pending": "one forward's step results (its activations)",
+    "pending": "one forward's step results (its activations)",
     "_split": "one forward's step results",
     "_own_rows": "views of the decode scratch",
     "next_ranked": "one forward's indexer output",

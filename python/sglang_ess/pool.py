@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ess.core import flashtrans, layout
+from ess.core import layout
+from ess.core.kernels import flashtrans
 from ess.core.disk_tier import PagedHostTier
 from ess.core.pinned import pinned_zeros
 from ess.core.serving import batch_tokens, whole_pages

@@ -17,6 +17,21 @@ import torch
 from ess.core.trace import Trace, save_trace
 
 
+def lookahead(logits: torch.Tensor, lengths: torch.Tensor, topk: torch.Tensor, d: int) -> torch.Tensor:
+    """--ess-record-lookahead d: the d positions [rows, d] an indexer call ranks after its top-k (-1 past the valid
+    ones; logits [rows, positions], positions >= lengths [rows] invalid; topk [rows, K] the positions it selected),
+    device ops only."""
+    col = torch.arange(logits.shape[1], device=logits.device)
+    scores = torch.where(col < lengths.reshape(-1, 1), logits.float(), -torch.inf)
+    scores = scores.scatter(1, topk.long().clamp(min=0), -torch.inf)  # the top-k itself is not ranked again
+    # (a -1 entry clamps to column 0, which a short row then loses from the ranks: the top-k held every position)
+    vals, idx = torch.topk(scores, min(d, scores.shape[1]), dim=1)
+    ext = torch.where(vals > -torch.inf, idx, -1)
+    if ext.shape[1] < d:
+        ext = torch.nn.functional.pad(ext, (0, d - ext.shape[1]), value=-1)
+    return ext
+
+
 class StepRing:
     """The rows (layer, request slot, own position, top-k [K]) that one forward's decode steps select, in the order the
     steps ran, in fixed device buffers of `rows` rows (the tables' last row is a sink once they are full)."""

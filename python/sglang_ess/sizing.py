@@ -56,7 +56,7 @@ class DeviceBytes:
 # the runtime's step state (sglang_ess.runtime, ess.core.serving): per request-table row a region start as int64 and
 # int32, a residency flag and three int32 tally entries; once: the LRU stamp and the batch size (int32), the counters
 STEP_STATE_ROW_BYTES = 8 + 4 + 1 + 3 * 4
-STEP_STATE_BYTES = 4 + 4 + 8 * 5  # (5: sglang_ess.runtime.COUNTERS)
+STEP_STATE_BYTES = 4 + 4 + 8 * 5  # (5: sglang_ess.readout.COUNTERS)
 
 
 def ess_device_bytes(layers: int, locations: int, rows: int, capacity: int, width: int, scratch_rows: int,

@@ -1,6 +1,6 @@
 """Checks of --enable-ess against the model and the rest of the launch, run inside SGLang's own argument resolution
-(wrapped around its `handle_other_validations` step, after the DSA KV dtype and backends are resolved:
-sglang_ess.launch.resolution_step). What they resolve, EssFacts, rides on the record into every process."""
+(`resolution_step`, wrapped around its `handle_other_validations` step, after the DSA KV dtype and backends are
+resolved). What they resolve, EssFacts, rides on the launch's EssArgs into every process (sglang_ess.args)."""
 
 from __future__ import annotations
 
@@ -10,28 +10,12 @@ from typing import Any
 
 from ess.core.disk_tier import PAGE_BYTES
 from ess.core.plan import PlanError, load_plan
-from ess.core.settings import DEFAULT_SPARSE_RATIO, GIB
-from sglang_ess.args import FLAGS, EssArgs, EssArgsError
+from ess.core import settings
+from ess.core.settings import GIB
+from sglang_ess.args import ATTR, FLAGS, EssArgs, EssArgsError, EssFacts, ess_args
 from sglang_ess.pd import warmup as pd_warmup
 
 logger = logging.getLogger("sglang_ess")
-
-
-@dataclasses.dataclass(frozen=True)
-class EssFacts:
-    """What the launch checks resolved, for the pool, the sizing and the runtime of every process (carried there in
-    sglang_ess.launch.EssLaunch)."""
-
-    role: str  # "co-located", "pd-decode" (the ESS cache lives here) or "pd-prefill" (sends warm-up state only)
-    topk: int
-    layers: int
-    context: int  # the longest context served
-    buffer: int = 0  # GPU latent slots per (request, layer); 0 on a prefill node
-    query_rows: int = 1  # query rows per request and step (MTP verify: 1 + draft tokens)
-    plan: tuple[str, ...] | None = None  # --ess-layer-plan's mode per layer
-    windows: int = 0  # LRU-Warmup windows a prefill node sends
-    residency: bool = False  # residency first (--ess-residency; docs/design.md, "Residency first")
-    fixed_step: bool = False  # decode runs as CUDA graphs: one step path for every batch (no host-known skips)
 
 
 # The decode backend whose indices address the latent cache as flat 656-byte FP8 rows, which is what ESS translates
@@ -64,17 +48,13 @@ def query_rows_per_request(cfg: Any) -> int:
 
 
 def gpu_slots(ess: EssArgs, context: int, topk: int, rows: int) -> int:
-    """C, the GPU latent slots of each (request, layer): --ess-buffer-tokens, or --ess-sparse-ratio (default
-    DEFAULT_SPARSE_RATIO) x the longest context served, rounded up (EssArgs.buffer_for); at least what one step reads,
-    rows x (top-k + 1), and at most the context (more slots than tokens buy nothing)."""
-    need = rows * (topk + 1)
-    buffer = ess.buffer_for(context)
-    if buffer < need:
-        flag = ("--ess-buffer-tokens" if ess.buffer_tokens is not None
-                else f"--ess-sparse-ratio {ess.ratio} x context {context}")
-        what = "top-k + 1" if rows == 1 else f"{rows} verify rows x (top-k + 1)"
-        raise EssArgsError(f"{flag} gives {buffer} GPU slots per request, below {what} = {need}")
-    return min(buffer, context)
+    """C, the GPU latent slots of each (request, layer): the rule of ess.core.settings.capacity (--ess-buffer-tokens,
+    or --ess-sparse-ratio x the longest context served, at least what one step reads, rows x (top-k + 1)), at most the
+    context (more slots than tokens buy nothing)."""
+    try:
+        return min(settings.capacity(ess.buffer_tokens, ess.sparse_ratio, context, topk, FLAGS, rows), context)
+    except settings.KnobError as e:
+        raise EssArgsError(str(e)) from e
 
 
 def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
@@ -122,7 +102,8 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
 
     topk = int(hf_config.index_topk)
     if ess.buffer_tokens is None and not cfg.context_length:
-        ratio = "--ess-sparse-ratio" if ess.sparse_ratio is not None else f"--ess-sparse-ratio (default {DEFAULT_SPARSE_RATIO})"
+        ratio = "--ess-sparse-ratio" if ess.sparse_ratio is not None else \
+            f"--ess-sparse-ratio (default {settings.DEFAULT_SPARSE_RATIO})"
         raise EssArgsError(
             f"{ratio} is a share of the context length: give --context-length (without it, the model's "
             f"{hf_config.max_position_embeddings} positions), or --ess-buffer-tokens"
@@ -188,7 +169,7 @@ PROGRESSIVE_BACKENDS: tuple[str, ...] = ("mooncake", "nixl")
 
 
 def _check_progressive_pd(cfg: Any) -> None:
-    """--ess-progressive-pd (docs/plugin.md, "Progressive PD transfer"): a decode node's flag, over a backend whose
+    """--ess-progressive-pd (docs/pd.md, "Progressive PD transfer"): a decode node's flag, over a backend whose
     prefill node sends in the progressive order and reports it (decode CUDA graphs may stay on: a batch holding a
     request still landing runs eagerly, sglang_ess.hooks.pd.after_can_run_graph)."""
     mode = cfg.disaggregation_mode
@@ -201,7 +182,7 @@ def _check_progressive_pd(cfg: Any) -> None:
     if backend not in PROGRESSIVE_BACKENDS:
         raise EssArgsError(f"--ess-progressive-pd needs a transfer backend whose prefill node sends a request's KV in "
                            f"the progressive order and reports it as it lands: --disaggregation-transfer-backend "
-                           f"{' or '.join(PROGRESSIVE_BACKENDS)}, not {backend} (docs/plugin.md, \"Progressive PD "
+                           f"{' or '.join(PROGRESSIVE_BACKENDS)}, not {backend} (docs/pd.md, \"Progressive PD "
                            f"transfer\")")
 
 
@@ -317,3 +298,27 @@ def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
     _check_pd_warmup(ess, context)
     return EssFacts("pd-prefill", int(hf_config.index_topk), int(hf_config.num_hidden_layers), context,
                     windows=ess.warmup_windows)
+
+
+def validate_server_args(server_args: Any) -> EssFacts | None:
+    """The launch checks of a record, against its model and its resolved settings; None when ESS is off."""
+    ess = ess_args(server_args)
+    if not ess.on:
+        return None
+    from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+
+    return validate_model(ess, resolving_view(server_args), model_config_of(server_args).hf_config)
+
+
+def resolution_step(server_args: Any, previous) -> None:
+    """Registered around SGLang's `handle_other_validations`: the launch's checks, once, in the launcher; their facts
+    ride on the record from here on."""
+    previous(server_args)
+    facts = validate_server_args(server_args)
+    if facts is None:
+        return
+    setattr(server_args, ATTR, dataclasses.replace(ess_args(server_args), facts=facts))
+    if facts.role != "pd-prefill":
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        check_device_capacity(resolving_view(server_args), facts)

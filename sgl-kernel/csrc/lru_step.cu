@@ -2,7 +2,7 @@
 // row, the row's slot table staged in shared memory, victims found by a select over a histogram instead of a bisection
 // (docs/gpu.md, "The CUDA LRU step"). Results and tables equal the torch path's byte for byte (sink columns aside).
 //
-// The same source builds two ways (ess/core/lru_cuda.py):
+// The same source builds two ways (ess/core/kernels/lru_step_cuda.py):
 //   nvcc            the GPU kernel, one block per row, NT = 512 threads;
 //   g++ -DESS_EMULATE  a CPU emulation for the tests: a block's threads are std::threads meeting at a std::barrier
 //                   (__syncthreads), warps are one thread wide (so the warp-level helpers are the identity), atomics
@@ -92,7 +92,7 @@ constexpr int LOG_BINS = 11, BINS = 1 << LOG_BINS;
 constexpr int MAX_OWN = 4;  // own tokens per row (MTP verify's query rows)
 constexpr int CLAIM = INT32_MIN;
 constexpr int PROFILE_TICKS = 8;
-constexpr int ARGS = 26;  // the launcher's argument count (ess/core/lru_cuda.py passes them in this order)
+constexpr int ARGS = 26;  // the launcher's argument count (ess/core/kernels/lru_step_cuda.py passes them in this order)
 
 struct Args {
   int* slot_pos;          // [R, C + 1]

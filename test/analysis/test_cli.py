@@ -23,7 +23,7 @@ def test_demo_json(capsys):
 
 
 def test_demo_ess_json(capsys):
-    doc = run_json(capsys, ["demo", *SMALL, "--ess", "--buffer-tokens", "24", "--device-mem-gib", "0.01"])
+    doc = run_json(capsys, ["demo", *SMALL, "--ess", "--ess-buffer-tokens", "24", "--device-mem-gib", "0.01"])
     assert doc["tokens_identical"] is True
     assert doc["ess"]["tokens_sha256"] == doc["tokens_sha256"]
     assert len(doc["ess"]["per_layer"]) == 2 and doc["ess"]["total_misses"] > 0
@@ -32,7 +32,7 @@ def test_demo_ess_json(capsys):
 
 
 def test_demo_buffer_below_topk_is_an_error(capsys):
-    assert main(["demo", *SMALL, "--ess", "--buffer-tokens", "10"]) == 2
+    assert main(["demo", *SMALL, "--ess", "--ess-buffer-tokens", "10"]) == 2
     assert "below top-k + 1 = 17" in capsys.readouterr().err
 
 
@@ -117,8 +117,8 @@ BAD = [  # (argv, with {d} the files' folder; what the one line must name)
     (DEMO + ["--layers", "0"], "--layers"),
     (DEMO + ["--topk", "0"], "--topk"),
     (DEMO + ["--device-mem-gib", "-1"], "--device-mem-gib"),
-    (DEMO + ["--ess", "--buffer-tokens", "3"], "--buffer-tokens"),
-    (DEMO + ["--overlap", "da", "--buffer-tokens", "30"], "used only with --ess"),
+    (DEMO + ["--ess", "--ess-buffer-tokens", "3"], "--ess-buffer-tokens"),
+    (DEMO + ["--overlap", "da", "--ess-buffer-tokens", "30"], "used only with --ess"),
     (DEMO + ["--no-warmup"], "--no-warmup"),
     (DEMO + ["--ess", "--overlap", "plan"], "--layer-plan"),
     (DEMO + ["--ess", "--overlap", "plan", "--layer-plan", "{d}/plan.json"], "plan.json"),
@@ -254,7 +254,7 @@ BAD_INPUTS = [  # argv (placeholders from `places`), the message; every one refu
     (["trace", "synth", "--out", "NEW", "--layers", "1", "--churn-min", "1"], "with --layers 1 the one layer takes"),
     (["cache", "replay", "T", "--buffer", "1000000000000"], "--buffer-tokens 1000000000000: more slots than the trace"),
     (["demo", "--batch", "1000000000000", "--device", "cpu"], "of caches beside"),
-    (["demo", "--ess", "--buffer-tokens", "100000"], "more slots than the --context \\+ --steps"),
+    (["demo", "--ess", "--ess-buffer-tokens", "100000"], "more slots than the --context \\+ --steps"),
     (["demo", "--device-mem-gib", "inf"], "must be a positive, finite number"),
     (["demo", "--ess", "--disk-dir", "DIR", "--host-budget-mib", "1e-12"], "hold no 41984-byte page"),
     (["trace", "record", "--out", "NEW", "--topk", "5000", "--context", "128"], "--topk 5000: more than the --context 128"),
@@ -309,7 +309,7 @@ def test_a_disk_that_cannot_hold_the_page_file_is_refused_before_the_model_runs(
 
     monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=1, f_frsize=4096))  # 4 KiB free
     monkeypatch.setattr(MiniModel, "generate", ran)
-    line = _fail(capsys, ["demo", *SMALL, "--ess", "--buffer-tokens", "24", "--host-budget-mib", "1",
+    line = _fail(capsys, ["demo", *SMALL, "--ess", "--ess-buffer-tokens", "24", "--host-budget-mib", "1",
                           "--disk-dir", str(tmp_path)])
     assert f"--disk-dir {tmp_path}: the disk tier's page file needs" in line and "free there" in line
 

@@ -1,5 +1,5 @@
 """The GPU runs' smoke run (`run.sh --smoke OUT --all`): every phase on the CPU with tiny sizes and the torch reference in
-place of FlashMLA: the kit, decode_gpu.py twice (the second appended), bookkeeping.py, indexer.py."""
+place of FlashMLA: the kit, decode_gpu.py twice (the second appended), bookkeeping.py, indexer_kernels.py."""
 
 import json
 import os
@@ -35,7 +35,7 @@ def test_kit_smoke_run_writes_every_key(tmp_path):
     assert kit["flashmla"]["equal"]  # ESS's slots and indices read the same rows as the whole cache
     da = kit["da_split"]
     assert da["max_rel_err_vs_unsplit"] < 1e-5
-    # DA's Attn1 over the misses (ess.core.miss_attention, the Triton kernel through the interpreter in the smoke run)
+    # DA's Attn1 over the misses (ess.core.kernels.miss_attention, the Triton kernel through the interpreter in the smoke run)
     assert da["miss_kernel_max_rel_err_vs_unsplit"] < 1e-5
     want = {"misses_per_request", "attn0_us", "miss_us", "merge_us", "total_us"}
     assert da["miss_kernel"] and all(want <= set(r) for r in da["miss_kernel"])
@@ -68,7 +68,7 @@ def test_worst_over_floor_is_the_served_paths_larger_ratio_at_esss_two_shapes(mo
     at 32K batch 204 and 128K batch 51, beside the faster path's; nothing where the run has neither shape."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("indexer_bench", ROOT / "benchmark" / "indexer.py")
+    spec = importlib.util.spec_from_file_location("indexer_bench", ROOT / "benchmark" / "indexer_kernels.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     cases = [{"context": 32768, "batch": 204, "over_floor": 9.5, "over_floor_radix": 3.0, "over_floor_fused": 2.5},

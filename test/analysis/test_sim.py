@@ -321,7 +321,7 @@ def test_dba_under_two_batch_overlap_hides_each_half_under_the_others_moe_and_al
 
 
 def test_the_measured_indexer_enters_every_arm(tmp_path):
-    """benchmark/indexer.py's indexer.json as a further --measured file: the indexer's logits and top-k by query rows x
+    """benchmark/indexer_kernels.py's indexer.json as a further --measured file: the indexer's logits and top-k by query rows x
     context, each case's fastest path whose top-k was exact (an inexact faster one is not served), in place of the
     roofline's for the baseline and ESS alike; the projections stay modelled. A case with no exact path is refused."""
     from ess.analysis.sim.measured import MeasuredError, load_measured

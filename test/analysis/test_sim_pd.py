@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ess.analysis.sim.pd import goal, pd_rows, phases, step_misses, timeline, warm_rows, warmup_state_bytes
+from ess.analysis.sim.pd_model import goal, pd_rows, phases, step_misses, timeline, warm_rows, warmup_state_bytes
 from ess.analysis.sim.profile import ProfileError
 from ess.analysis.sim.specs import DSV32
 from ess.cli import main

@@ -100,3 +100,42 @@ def mtp_own():
 @pytest.fixture
 def random_steps():
     return steps_at_random
+
+
+@pytest.fixture
+def replay_misses(tmp_path, capsys):
+    """kernels -> {kernel: misses}: `ess cache replay` of one small synthetic trace with each LRU step kernel."""
+    import json
+
+    from ess.analysis.synth import SynthOptions, synth_trace
+    from ess.cli import main
+    from ess.core.trace import save_trace
+
+    def replay(kernels):
+        opt = SynthOptions(requests=2, steps=5, layers=2, topk=32, context=400, warmup_windows=4, sinks=2, window=8,
+                           churn_min=2, churn_max=12, pool=120, seed=1)
+        path = tmp_path / "t.npz"
+        save_trace(path, synth_trace(opt))
+        out = {}
+        for kernel in kernels:
+            assert main(["cache", "replay", str(path), "--buffer", "40", "--warmup", "--kernel", kernel, "--json",
+                         "--quiet"]) == 0
+            out[kernel] = json.loads(capsys.readouterr().out)["misses"]
+        return out
+
+    return replay
+
+
+@pytest.fixture
+def mtp_verify_trace(random_steps, mtp_own):
+    """(check, seed, K, C, steps, ctx_range): a trace of M = 3 own tokens per step and the union of 3 query rows'
+    sets, duplicates included, through check's kernel against the reference."""
+
+    def run(check, seed, K, C, steps, ctx_range):
+        rng = random.Random(seed)
+        R, M = 3, 3
+        ctx = [rng.randint(*ctx_range) for _ in range(R)]
+        check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, mtp_own(ctx, M),
+                    seed=seed)
+
+    return run

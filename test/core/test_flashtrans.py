@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ess.core import flashtrans
+from ess.core.kernels import flashtrans
 
 
 def _case(seed=0):

@@ -1,4 +1,4 @@
-"""The decode indexer kernel (ess.core.indexer_kernel) equals the reference math (ess.core.dsa_math's index_scores and
+"""The decode indexer kernel (ess.core.kernels.indexer) equals the reference math (ess.core.dsa_math's index_scores and
 select_topk): scores within fp32 summation error, through Triton's CPU interpreter here and compiled on a GPU, for
 per-request rows and for a row table read through locations; the top-k exactly, tie rule included.
 
@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from ess.core import dsa_math, flashtrans, indexer_kernel, layout, topk_split
-from ess.core.indexer_kernel import (SELECTS, indexer_keys_fp8, indexer_scores_fp8, indexer_scores_pages,
+from ess.core import dsa_math, layout
+from ess.core.kernels import flashtrans, indexer, topk_split
+from ess.core.kernels.indexer import (SELECTS, indexer_keys_fp8, indexer_scores_fp8, indexer_scores_pages,
                                     indexer_scores_ragged, indexer_topk_fp8, score_keys, topk_from_keys)
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")
@@ -200,10 +201,10 @@ def test_ragged_scores_over_one_table_equal_the_reference():
 @interpreter
 @pytest.mark.parametrize("paged,span", [(False, 1), (True, 1), (False, 3)])
 def test_the_fused_first_histogram_is_the_split_selects_pass_0(paged, span, monkeypatch):
-    """select="fused": the scores kernel counts pass 0 of ess.core.topk_split as it scores (-inf beyond pos and at
+    """select="fused": the scores kernel counts pass 0 of ess.core.kernels.topk_split as it scores (-inf beyond pos and at
     missing rows counted nowhere), a program's blocks together (SPAN); the counts equal the split select's own pass 0
     over the same scores, and the fused top-k is select_topk's."""
-    monkeypatch.setattr(indexer_kernel, "SPAN", span)
+    monkeypatch.setattr(indexer, "SPAN", span)
     q, w, rows = integer_case(3, 8, 290, seed=7)
     pos = torch.tensor([289, 150, 20])
     table, loc = table_layout(rows, seed=7) if paged else (rows, None)
@@ -224,7 +225,7 @@ def test_the_fused_first_histogram_is_the_split_selects_pass_0(paged, span, monk
                                               (128, "words", 1), (16, "bytes", 4), (64, "words", 3)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_every_launch_configuration_gives_the_same_keys(block_t, loads, span, paged):
-    """benchmark/indexer.py sweeps the kernel's block of positions and how it loads the rows (bytes, or 4-byte
+    """benchmark/indexer_kernels.py sweeps the kernel's block of positions and how it loads the rows (bytes, or 4-byte
     words unpacked in registers): each gives the reference's keys, bit for bit on integer-valued scores, and the torch
     backend's keys are score_keys of the reference."""
     q, w, rows = integer_case(3, 8, 300, seed=5)

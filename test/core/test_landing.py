@@ -1,11 +1,11 @@
 """Progressive PD transfer, the core pieces (CPU, exact): the decode node's landed tracker and the prefill node's
-send order (docs/plugin.md, "Progressive PD transfer")."""
+send order (docs/pd.md, "Progressive PD transfer")."""
 
 import random
 
 import torch
 
-from ess.core.landing import LandingTracker
+from ess.core.landed_rows import LandingTracker
 from ess.core.send_order import send_order
 
 

@@ -1,4 +1,4 @@
-"""The CUDA LRU step (sgl-kernel/csrc/lru_step.cu through ess.core.lru_cuda) equals the torch reference
+"""The CUDA LRU step (sgl-kernel/csrc/lru_step.cu through ess.core.kernels.lru_step_cuda) equals the torch reference
 (ess.core.policy.lru_update) byte for byte: results and tables (sink columns aside). Here through the kernel's CPU
 emulation (the same source under g++, a block's threads as std::threads) and with nvcc compile-only; on a GPU, the
 compiled kernel at serving sizes and in a CUDA graph."""
@@ -9,12 +9,12 @@ import subprocess
 import pytest
 import torch
 
-from ess.core import lru_cuda
-from ess.core.lru_cuda import lru_update_cuda
+from ess.core.kernels import lru_step_cuda
+from ess.core.kernels.lru_step_cuda import lru_update_cuda
 from ess.core.policy import STAMP_MOD, lru_update
 from ess.core.sparse_pool import SparseMemoryPool
 
-emulation = pytest.mark.skipif(lru_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
+emulation = pytest.mark.skipif(lru_step_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.fixture
 def check(kernel_check):
@@ -60,13 +60,9 @@ def test_ages_spread_over_the_stamp_range(check, random_steps):
 
 @emulation
 @pytest.mark.parametrize("seed", range(2))
-def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps, mtp_own):
+def test_mtp_verify_steps_equal_the_reference(seed, check, mtp_verify_trace):
     """M own tokens per step and the union of M query rows' sets, duplicates included."""
-    rng = random.Random(seed)
-    R, K, M, C, steps = 3, 36, 3, 45, 7
-    ctx = [rng.randint(40, 80) for _ in range(R)]
-    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, mtp_own(ctx, M),
-                seed=seed)
+    mtp_verify_trace(check, seed, K=36, C=45, steps=7, ctx_range=(40, 80))
 
 
 @emulation
@@ -112,10 +108,10 @@ def test_bad_arguments_are_named():
         lru_update_cuda(sp.int(), st.int(), ps.int(), torch.arange(2), torch.zeros(2, 9, dtype=torch.int32), torch.zeros(2), 0)
 
 
-@pytest.mark.skipif(lru_cuda.find_nvcc() is None, reason="no nvcc here (the venv has one through SGLang's nvidia-cuda-nvcc)")
+@pytest.mark.skipif(lru_step_cuda.find_nvcc() is None, reason="no nvcc here (the venv has one through SGLang's nvidia-cuda-nvcc)")
 def test_the_cuda_source_compiles_for_sm90(tmp_path):
     """The GPU build, compile only (no GPU needed): catches build errors before a GPU is lent."""
-    cmd = lru_cuda.build_command("sm_90", str(tmp_path / "lru_step.o"), compile_only=True)
+    cmd = lru_step_cuda.build_command("sm_90", str(tmp_path / "lru_step.o"), compile_only=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warning" not in done.stderr.lower(), done.stderr[-3000:]
@@ -128,7 +124,7 @@ def test_auto_and_cuda_choices(monkeypatch):
 
     assert sparse_pool.step_function("cuda", torch.device("cpu")) is lru_update_cuda
     assert sparse_pool.step_function("auto", torch.device("cpu")) is lru_update
-    lru_cuda.self_check(torch.device("cpu"))  # its emulation equals the torch path
+    lru_step_cuda.self_check(torch.device("cpu"))  # its emulation equals the torch path
 
 
 # -- on a GPU: the compiled kernel, at serving sizes, and under CUDA graph capture ---------------------------------------
@@ -162,21 +158,8 @@ def test_auto_takes_the_cuda_kernel_on_a_gpu():
 
 
 @emulation
-def test_replay_with_the_cuda_kernel_counts_the_same_misses(tmp_path, capsys):
-    import json
-
-    from ess.analysis.synth import SynthOptions, synth_trace
-    from ess.cli import main
-    from ess.core.trace import save_trace
-
-    opt = SynthOptions(requests=2, steps=5, layers=2, topk=32, context=400, warmup_windows=4, sinks=2, window=8,
-                       churn_min=2, churn_max=12, pool=120, seed=1)
-    path = tmp_path / "t.npz"
-    save_trace(path, synth_trace(opt))
-    out = {}
-    for kernel in ("torch", "cuda"):
-        assert main(["cache", "replay", str(path), "--buffer", "40", "--warmup", "--kernel", kernel, "--json", "--quiet"]) == 0
-        out[kernel] = json.loads(capsys.readouterr().out)["misses"]
+def test_replay_with_the_cuda_kernel_counts_the_same_misses(replay_misses):
+    out = replay_misses(("torch", "cuda"))
     assert out["torch"] == out["cuda"] and sum(map(sum, sum(out["torch"], []))) > 0
 
 
@@ -184,7 +167,7 @@ def test_replay_with_the_cuda_kernel_counts_the_same_misses(tmp_path, capsys):
 def test_the_gpus_block_of_512_threads_at_serving_sizes(monkeypatch, check):
     """The emulation with the GPU's 512 threads per block: top-k 2048 (4 entries per thread) and MTP verify's 6,144
     (12 per thread), thousands of slots, a few steps with evictions."""
-    monkeypatch.setattr(lru_cuda, "EMULATION", "emulate512")
+    monkeypatch.setattr(lru_step_cuda, "EMULATION", "emulate512")
     rng = random.Random(4)
     for M, K, C in ((1, 2048, 2300), (3, 3 * 2048, 6200)):
         steps = [[[rng.randrange(t * 900, t * 900 + 4000) for _ in range(K)] for _ in range(2)] for t in range(3)]

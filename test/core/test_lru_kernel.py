@@ -1,4 +1,4 @@
-"""The fused LRU step (ess.core.lru_kernel) equals the torch reference (ess.core.policy.lru_update) byte for byte: results and
+"""The fused LRU step (ess.core.kernels.lru_step) equals the torch reference (ess.core.policy.lru_update) byte for byte: results and
 tables (sink columns aside), through Triton's CPU interpreter here and compiled on a GPU; FlashTrans' list gather
 equals its torch fallback; a trace replays to the same misses through either kernel."""
 
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from ess.core import flashtrans
-from ess.core import lru_kernel
-from ess.core.lru_kernel import lru_update_fused
+from ess.core.kernels import flashtrans
+from ess.core.kernels import lru_step
+from ess.core.kernels.lru_step import lru_update_fused
 from ess.core.policy import STAMP_MOD
 from ess.core.sparse_pool import SparseMemoryPool
 
@@ -49,13 +49,9 @@ def test_adversarial_steps_equal_the_reference(check, adversarial):
 
 @interpreter
 @pytest.mark.parametrize("seed", range(2))
-def test_mtp_verify_steps_equal_the_reference(seed, check, random_steps, mtp_own):
+def test_mtp_verify_steps_equal_the_reference(seed, check, mtp_verify_trace):
     """M own tokens per step and the union of M query rows' sets, duplicates included."""
-    rng = random.Random(seed)
-    R, K, M, C, steps = 3, 12, 3, 16, 8
-    ctx = [rng.randint(20, 40) for _ in range(R)]
-    check.trace(random_steps(rng, R, steps, K, ctx, M, dup=True), C, max(ctx) + M * steps + 1, mtp_own(ctx, M),
-                seed=seed)
+    mtp_verify_trace(check, seed, K=12, C=16, steps=8, ctx_range=(20, 40))
 
 
 @interpreter
@@ -70,7 +66,7 @@ def test_stamps_wrap_like_the_reference(first_stamp, check, random_steps):
 
 @interpreter
 def test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch, check, random_steps):
-    monkeypatch.setattr(lru_kernel, "REGISTER_SLOTS", 4)  # C = 11 slots in chunks of 4
+    monkeypatch.setattr(lru_step, "REGISTER_SLOTS", 4)  # C = 11 slots in chunks of 4
     rng = random.Random(3)
     ctx = [25, 30]
     own = lambda t: torch.tensor([c + t for c in ctx])
@@ -97,19 +93,8 @@ def test_list_gather_equals_the_torch_fallback(B, K, monkeypatch):
 
 
 @interpreter
-def test_replay_with_the_fused_kernel_counts_the_same_misses(tmp_path, capsys):
-    from ess.cli import main
-    from ess.analysis.synth import SynthOptions, synth_trace
-    from ess.core.trace import save_trace
-
-    opt = SynthOptions(requests=2, steps=5, layers=2, topk=32, context=400, warmup_windows=4, sinks=2, window=8,
-                       churn_min=2, churn_max=12, pool=120, seed=1)
-    path = tmp_path / "t.npz"
-    save_trace(path, synth_trace(opt))
-    out = {}
-    for kernel in ("torch", "fused"):
-        assert main(["cache", "replay", str(path), "--buffer", "40", "--warmup", "--kernel", kernel, "--json", "--quiet"]) == 0
-        out[kernel] = json.loads(capsys.readouterr().out)["misses"]
+def test_replay_with_the_fused_kernel_counts_the_same_misses(replay_misses):
+    out = replay_misses(("torch", "fused"))
     assert out["torch"] == out["fused"] and np.asarray(out["torch"]).sum() > 0
 
 
@@ -225,13 +210,13 @@ def test_bookkeeping_benchmark_smoke_run(tmp_path):
 
 @interpreter
 @pytest.mark.parametrize("bins", [2048, 8])
-def test_histogram_select_equals_the_reference(bins, monkeypatch, check, random_steps, adversarial, mtp_own):
+def test_histogram_select_equals_the_reference(bins, monkeypatch, check, random_steps, adversarial, mtp_verify_trace):
     """SELECT = "histogram": victims by histograms over the key range instead of the bisection (8 bins: many passes),
     in registers and in chunks, decode and verify, ties and wide stamps."""
-    monkeypatch.setattr(lru_kernel, "SELECT", "histogram")
-    monkeypatch.setattr(lru_kernel, "HIST_BINS", bins)
+    monkeypatch.setattr(lru_step, "SELECT", "histogram")
+    monkeypatch.setattr(lru_step, "HIST_BINS", bins)
     test_decode_steps_equal_the_reference(1, check, random_steps)
     test_adversarial_steps_equal_the_reference(check, adversarial)
-    test_mtp_verify_steps_equal_the_reference(0, check, random_steps, mtp_own)
+    test_mtp_verify_steps_equal_the_reference(0, check, mtp_verify_trace)
     test_stamps_wrap_like_the_reference(STAMP_MOD - 5, check, random_steps)
     test_slots_beyond_the_register_block_take_the_chunked_path(monkeypatch, check, random_steps)

@@ -1,4 +1,4 @@
-"""ess.core.miss_attention: DA's Attn1 over the compacted miss lists and the fused copy-attend equal the reference split
+"""ess.core.kernels.miss_attention: DA's Attn1 over the compacted miss lists and the fused copy-attend equal the reference split
 attention's miss part, and Attn0 + Attn1 merged equals attention over every entry: the torch path exactly as
 ess.core.dsa_math computes it, the Triton kernel through Triton's CPU interpreter (float32 there, so within float32
 summation order) and compiled on a GPU (bf16 products, as FlashMLA)."""
@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from ess.core import dsa_math, flashtrans, layout
-from ess.core import miss_attention as MA
+from ess.core import dsa_math, layout
+from ess.core.kernels import flashtrans
+from ess.core.kernels import miss_attention as MA
 from ess.core.policy import lru_update
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")

@@ -92,14 +92,20 @@ def test_every_step_reads_the_rows_written(tmp_path):
     assert 1 < report["read_amplification"] <= 2 * 4096 / 656
 
 
-def written_tier(tmp_path, quarantine=False):
-    """One layer of 4 pages through 2 frames: pages 0 and 1 end on disk only."""
+def filled_tier(tmp_path, quarantine=False):
+    """One layer of 4 pages through 2 frames, each page written in turn: pages 0 and 1 out on disk, 2 and 3 in frames."""
     t = PagedHostTier(1, 4 * 64, 2 * PAGE_BYTES, str(tmp_path), quarantine=quarantine)
     rows = truth()[0, : 4 * 64]
     for j in range(4):
         v = torch.arange(64 * j, 64 * (j + 1))
         t.ensure(t.pages(0, v), dirty=True)
         t.frame_rows[t.rows(0, v)] = rows[v]
+    return t, rows
+
+
+def written_tier(tmp_path, quarantine=False):
+    """One layer of 4 pages through 2 frames: pages 0 and 1 end on disk only."""
+    t, rows = filled_tier(tmp_path, quarantine)
     t.ensure([2, 3])  # pages 0 and 1 written out
     return t, rows
 
@@ -240,12 +246,7 @@ def test_a_serving_tier_quarantines_a_changed_page_and_charges_its_readers(tmp_p
     """quarantine=True: the changed page enters its frame zeroed, its rows lost; a reader of a lost row is charged
     with the message, readers of other rows are not; rows written again are found; a read ahead of a changed page
     raises nothing."""
-    t = PagedHostTier(1, 4 * 64, 2 * PAGE_BYTES, str(tmp_path), quarantine=True)
-    rows = truth()[0, : 4 * 64]
-    for j in range(4):
-        v = torch.arange(64 * j, 64 * (j + 1))
-        t.ensure(t.pages(0, v), dirty=True)
-        t.frame_rows[t.rows(0, v)] = rows[v]
+    t, rows = filled_tier(tmp_path, quarantine=True)
     t.clock += 1
     corrupt(t, 0)
     t.ensure([0, 1])

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from ess.core import flashtrans, pinned
+from ess.core import pinned
+from ess.core.kernels import flashtrans
 
 GIB = 1 << 30
 

@@ -1,11 +1,11 @@
-"""Residency's step glue (ess.core.region_map): the Triton kernels (in Triton's CPU interpreter) equal the torch
+"""Residency's step glue (ess.core.kernels.residency_map): the Triton kernels (in Triton's CPU interpreter) equal the torch
 reference, and the reference maps as docs/design.md says."""
 
 import pytest
 import torch
 
-from ess.core import flashtrans
-from ess.core import region_map as RM
+from ess.core.kernels import flashtrans
+from ess.core.kernels import residency_map as RM
 from ess.core.policy import PolicyResult
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="Triton's CPU interpreter needs Triton >= 3.8")

@@ -1,6 +1,6 @@
 import pytest
 
-from ess.core.regions import RowRegions, split
+from ess.core.residency import RowRegions, split
 
 
 def test_regions_first_fit_merge_and_refusals():

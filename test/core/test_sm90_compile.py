@@ -5,7 +5,8 @@ test_indexer_kernel.py and test_topk_select.py, and on a GPU by their CUDA tests
 
 import pytest
 
-from ess.core import flashtrans, indexer_kernel, layout, topk_select, topk_split
+from ess.core import layout
+from ess.core.kernels import flashtrans, indexer, topk_select, topk_split
 
 pytestmark = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8 (the pinned torch's)")
 
@@ -13,9 +14,9 @@ SM90 = ("cuda", 90, 32)
 
 SCORES_SIG = {"q_ptr": "*bf16", "w_ptr": "*fp32", "rows": "*u8", "loc": "*i32", "pos_ptr": "*i64", "out": "*fp32",
               "hist": "*i32", "T": "i32", "H": "i32", "row_n": "i64", "row_t": "i64", "loc_n": "i32", "loc_t": "i32"}
-SCORES = dict(D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=indexer_kernel.BLOCK_T, BLOCK_H=64,
+SCORES = dict(D=layout.INDEX_DIM, SCALE_OFFSET=layout.INDEX_SCALE_OFFSET, BLOCK_T=indexer.BLOCK_T, BLOCK_H=64,
               PAGED=False, KEYS=False, UPCAST=False, PRECISION=None, WORDS=False, HIST=False,
-              HIST_STRIDE=topk_split.WORK, PAGE=0, STARTS=False, SPAN=indexer_kernel.SPAN)
+              HIST_STRIDE=topk_split.WORK, PAGE=0, STARTS=False, SPAN=indexer.SPAN)
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
@@ -40,7 +41,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
 ])
 def test_the_indexer_kernel_compiles_for_sm90(name, change):
     sig = SCORES_SIG | ({"out": "*i64"} if change.get("KEYS") else {})
-    assert compile_sm90(indexer_kernel._scores_kernel, sig, SCORES | change).asm["cubin"], name
+    assert compile_sm90(indexer._scores_kernel, sig, SCORES | change).asm["cubin"], name
 
 
 def test_the_radix_selects_compile_for_sm90():

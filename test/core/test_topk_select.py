@@ -1,4 +1,4 @@
-"""The radix selects, one program a request (ess.core.topk_select) and split across programs (ess.core.topk_split),
+"""The radix selects, one program a request (ess.core.kernels.topk_select) and split across programs (ess.core.kernels.topk_split),
 against select_topk, their oracle: the same positions in the same order, on scores built to break them (ties, -0.0
 against +0.0, -inf, keys equal in their high digits, k at and beyond the candidates, positions beyond pos), in Triton's
 CPU interpreter; on a GPU, the compiled kernels at k = 2048."""
@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from ess.core import dsa_math, flashtrans
-from ess.core.topk_select import PAD_KEY, positions_from_keys, radix_keys, radix_topk
-from ess.core.topk_split import new_work, split_keys, split_topk
+from ess.core import dsa_math
+from ess.core.kernels import flashtrans
+from ess.core.kernels.topk_select import PAD_KEY, positions_from_keys, radix_keys, radix_topk
+from ess.core.kernels.topk_split import new_work, split_keys, split_topk
 
 interpreter = pytest.mark.skipif(not flashtrans.INTERPRETER_OK, reason="needs Triton >= 3.8's interpreter")
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or flashtrans.triton is None, reason="needs a CUDA GPU")

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("sglang")
 
 from ess.reference import checkpoint  # noqa: E402
-from ess.reference import server as S  # noqa: E402
+from ess.harness import servers as S  # noqa: E402
 from sglang_ess.cpu import hisparse  # noqa: E402
 
 HISPARSE_FLAGS = ["--enable-hisparse", "--hisparse-config", '{"top_k":64,"device_buffer_size":128}']

@@ -43,9 +43,9 @@ def test_dockerfile_builds_on_sglang_0_5_23():
 
 def test_cpu_compose_runs_the_pd_tests_servers():
     """docker/compose.cpu.yaml (scripts/docker_pd.sh) starts the servers of the CPU PD test (test_pd_servers.py) with
-    their flags, on the ports ess.reference.pd_check is given."""
-    from ess.reference import pd_servers as PD
-    from ess.reference import server as S
+    their flags, on the ports ess.harness.pd_check is given."""
+    from ess.harness import pd_servers as PD
+    from ess.harness import servers as S
 
     doc = yaml.safe_load((ROOT / "docker/compose.cpu.yaml").read_text())
     flags = doc["x-flags"]

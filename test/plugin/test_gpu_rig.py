@@ -6,7 +6,6 @@ sgl_kernel stand-in gives weak_ref_tensor and refuses the rest. The rig itself r
 import importlib
 import importlib.util
 import inspect
-import math
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import torch
 
 pytest.importorskip("sglang")
 
-from ess.core import flashtrans, layout  # noqa: E402
+from ess.core.kernels import flashtrans  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RIG = os.path.join(ROOT, "python", "ess_gpu_rig")
@@ -29,7 +28,7 @@ def _load_rig():
                                                       submodule_search_locations=[RIG])
         sys.modules["ess_gpu_rig"] = module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    return importlib.import_module("ess_gpu_rig.patches")
+    return importlib.import_module("ess_gpu_rig.rig_patches")
 
 
 patches = _load_rig()
@@ -91,10 +90,10 @@ def test_the_logits_kernels_pass_the_check_they_take_on_the_device(monkeypatch):
     runs on its GPU before its weights load), here in Triton's interpreter: equal at every position within each
     row's context on exact values, -inf past it (SGLang's writes 0, its top-k masks by length), SGLang's row
     stride."""
-    from ess.core import indexer_kernel
+    from ess.core.kernels import indexer
 
     check = importlib.import_module("ess_gpu_rig.logits_check")
-    monkeypatch.setattr(indexer_kernel, "kernel_backend", lambda backend, device, what: "interpret")
+    monkeypatch.setattr(indexer, "kernel_backend", lambda backend, device, what: "interpret")
     assert check.check("cpu", patches.fp8_paged_mqa_logits, patches.fp8_mqa_logits, *sglang_logits()) is None
     case = check.decode_case(1)
     with pytest.raises(ValueError, match="indices"):
@@ -162,7 +161,7 @@ print("ok")
 def test_the_standin_gives_weak_ref_tensor_and_refuses_the_rest():
     python = os.path.join(ROOT, "python")
     env = dict(os.environ, ESS_GPU_RIG="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(python, "ess_gpu_rig", "standin"), python, ROOT]))
+               PYTHONPATH=os.pathsep.join([os.path.join(python, "sglang_ess", "cpu", "standin"), python, ROOT]))
     done = subprocess.run([sys.executable, "-c", STANDIN_CHECK], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     env.pop("ESS_GPU_RIG")

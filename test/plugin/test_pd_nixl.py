@@ -1,4 +1,4 @@
-"""PD for real over NIXL (docs/plugin.md, "PD on one machine"): a prefill server and an ESS decode server (every
+"""PD for real over NIXL (docs/pd.md, "PD on one machine"): a prefill server and an ESS decode server (every
 request offloaded: the warm-up state path; or residency first: each request's region filled from the host pool NIXL
 wrote) with `--disaggregation-transfer-backend nixl`, KV and ESS's warm-up metadata moved by NIXL's UCX backend on
 this host, SGLang's router in front; greedy tokens equal to a co-located stock server's, each request sent alone. A
@@ -10,8 +10,8 @@ import pytest
 sglang = pytest.importorskip("sglang")
 
 from ess.reference import checkpoint  # noqa: E402
-from ess.reference import pd_servers as PD  # noqa: E402
-from ess.reference import server as S  # noqa: E402
+from ess.harness import pd_servers as PD  # noqa: E402
+from ess.harness import servers as S  # noqa: E402
 
 MISSING = PD.engine_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no transfer engine or router here: {MISSING}")

@@ -1,14 +1,14 @@
 """A PD decode node with residency first: every state change a request can undergo between its request-table row and
 its KV landing (a demotion, a promotion, both, a warm-up row after the demotion, an abort, a retraction's restore),
 through the runtime as the plugin's hooks drive it over SGLang's real request table. Whatever happened before, once
-the KV lands every row a step reads is the token's own (docs/plugin.md, "Residency first on a PD decode node")."""
+the KV lands every row a step reads is the token's own (docs/pd.md, "Residency first on a PD decode node")."""
 
 import pytest
 import torch
 
 from sglang_ess.args import EssArgs
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.validate import EssFacts
+from sglang_ess.args import EssFacts
 
 sglang = pytest.importorskip("sglang")
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402

@@ -1,4 +1,4 @@
-"""PD for real on the CPU (docs/plugin.md, "PD on one machine"): a prefill server and ESS decode servers
+"""PD for real on the CPU (docs/pd.md, "PD on one machine"): a prefill server and ESS decode servers
 (`--disaggregation-mode`), KV and ESS's warm-up metadata moved by Mooncake's transfer engine over TCP on this host
 (NIXL: test_pd_nixl.py), SGLang's router in front of each pair; greedy tokens equal to one co-located stock server's.
 SGLang's CPU kernels are not batch-invariant, so every request goes alone, to stock and to each router in turn (a
@@ -16,9 +16,9 @@ import pytest
 sglang = pytest.importorskip("sglang")
 
 from ess.reference import checkpoint  # noqa: E402
-from ess.reference import pd_check  # noqa: E402
-from ess.reference import pd_servers as PD  # noqa: E402
-from ess.reference import server as S  # noqa: E402
+from ess.harness import pd_check  # noqa: E402
+from ess.harness import pd_servers as PD  # noqa: E402
+from ess.harness import servers as S  # noqa: E402
 
 MISSING = PD.engine_missing()
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no transfer engine or router here: {MISSING}")
@@ -110,7 +110,7 @@ def test_the_decode_counters_show_what_arrived(deployment):
 
 
 def test_the_docker_runs_check_passes_here(deployment, capsys):
-    """ess.reference.pd_check (the check scripts/docker_pd.sh runs against docker/compose.cpu.yaml's servers) on this
+    """ess.harness.pd_check (the check scripts/docker_pd.sh runs against docker/compose.cpu.yaml's servers) on this
     deployment's stock server and offloaded pair, as those flags are: it passes, every token equal. Stock's radix
     cache is emptied first, so stock prefills the prompts whole again, as the first time."""
     live = deployment["live"]

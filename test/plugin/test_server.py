@@ -9,7 +9,7 @@ test_sglang_plugin checks its refusal without it.) A second pair of servers runs
 verify steps through ESS, tokens equal too. A third pair serves with a disk tier whose page file is changed under
 the ESS server: the one request that reads a changed page is aborted, the others get stock's tokens.
 
-Every workload waits for the previous one (ess.reference.server): a server's batches then depend on the calls only,
+Every workload waits for the previous one (ess.harness.servers): a server's batches then depend on the calls only,
 not on timing, so stock and ESS compute the same batches (SGLang's CPU kernels are not batch-invariant).
 """
 
@@ -25,7 +25,7 @@ pytest.importorskip("sglang")
 
 from ess.core.disk_tier import DISK_PAGE  # noqa: E402
 from ess.reference import checkpoint  # noqa: E402
-from ess.reference import server as S  # noqa: E402
+from ess.harness import servers as S  # noqa: E402
 
 NEW_TOKENS = 24
 

@@ -98,7 +98,7 @@ def build(plugin, sa, mc):
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
-    from sglang_ess.launch import ess_launch
+    from sglang_ess.args import ess_args
     from sglang_ess.pool import EssDSATokenToKVPool, pool_class
     from sglang_ess.sizing import disk_tier_spec
 
@@ -109,7 +109,7 @@ def build(plugin, sa, mc):
     tokens.req_to_token[REQ] = (locs[: len(REQ) * MAX_LEN] + 1).int().view(len(REQ), -1)
     stock_pool = DSATokenToKVPool(**kw)
     ess_pool = pool_class(scratch_rows=8, stage_rows=64, backend="torch",
-                          tier=disk_tier_spec(ess_launch(sa).args, 1))(**kw)
+                          tier=disk_tier_spec(ess_args(sa), 1))(**kw)
     assert isinstance(ess_pool, EssDSATokenToKVPool)
 
     runner = model_runner(sa, mc, ess_pool, tokens)

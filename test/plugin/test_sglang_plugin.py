@@ -139,10 +139,11 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
                       "--ess-host-pool-gib", "512", "--ess-layer-plan", str(plan), "--ess-warmup-windows", "16",
                       "--ess-record-trace", str(tmp_path / "traces"), "--ess-da-attn1", "fused"))
     from sglang_ess.args import EssArgs, EssArgsError
-    from sglang_ess.launch import ess_launch, validate_server_args
-    from sglang_ess.validate import EssFacts
+    from sglang_ess.args import ess_args
+    from sglang_ess.validate import validate_server_args
+    from sglang_ess.args import EssFacts
 
-    ess = ess_launch(pickle.loads(pickle.dumps(sa))).args  # as the scheduler processes receive it
+    ess = ess_args(pickle.loads(pickle.dumps(sa)))  # as the scheduler processes receive it
     assert (ess.enable, ess.buffer_tokens, ess.host_pool_gib, ess.warmup_windows) == (True, 6400, 512.0, 16)
     assert ess.layer_plan == str(plan) and ess.record_trace == str(tmp_path / "traces") and ess.da_attn1 == "fused"
     assert EssArgs().da_attn1 == "calls"  # one FlashMLA call unless asked (docs/plugin.md, "Overlap")
@@ -153,7 +154,7 @@ def test_parsed_flags_reach_server_args_and_survive_pickling(plugin, hopper, tmp
     # DBA is DA over SGLang's two-batch overlap: without it the plan's dba layers run as da
     assert facts.plan == ("da",) * 61 and facts.role == "co-located"
     assert facts.residency is True and facts.fixed_step is False  # residency first by default; no CUDA graphs on a CPU
-    assert ess_launch(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).args.enable is False
+    assert ess_args(resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3"))).enable is False
     prefill = resolve(base(tmp_path, "--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-warmup-windows", "24",
                            "--disaggregation-mode", "prefill"))
     assert validate_server_args(prefill) == EssFacts("pd-prefill", 2048, 61, 163840, windows=24)
@@ -165,7 +166,7 @@ BAD = [
     ("bf16", {}, ["--enable-ess"], "--kv-cache-dtype fp8_e4m3"),
     ("buffer", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-buffer-tokens", "2048"], "below top-k \\+ 1 = 2049"),
     ("ratio", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-sparse-ratio", "0.01", "--context-length", "32768"],
-     "--ess-sparse-ratio 0.01 x context 32768 gives 328 GPU slots"),
+     "--ess-sparse-ratio 0.01 of 32768 tokens: a GPU buffer of 328 tokens"),
     ("plan", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768", "--ess-layer-plan", "PLAN10"], "--ess-layer-plan: .*plan for 10 layers, the model has 61"),
     ("plan-not-utf8", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--context-length", "32768",
                            "--ess-layer-plan", "PLANBIN"],
@@ -207,7 +208,7 @@ BAD = [
     # residency first: not with rows that page through or land in the host pool over time (docs/plugin.md)
     ("residency-progressive", {}, [*PROGRESSIVE, "--disaggregation-transfer-backend", "mooncake", "--ess-residency",
                                    "on"], "--ess-residency on: a disk tier \\(--ess-disk-dir\\) and --ess-progressive-pd"),
-    # progressive PD (docs/plugin.md, "Progressive PD transfer")
+    # progressive PD (docs/pd.md, "Progressive PD transfer")
     ("progressive-without-ess", {}, ["--ess-progressive-pd", "--disaggregation-mode", "decode"],
      "--ess-progressive-pd given without --enable-ess"),
     ("progressive-prefill-node", {}, ["--kv-cache-dtype", "fp8_e4m3", "--enable-ess", "--ess-progressive-pd",
@@ -279,9 +280,9 @@ def test_bad_launches_fail_with_their_message(plugin, hopper, tmp_path, name, mo
 
 def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
     """Without --ess-progressive-pd a PD decode node's record says so."""
-    from sglang_ess.launch import ess_launch
+    from sglang_ess.args import ess_args
 
-    assert ess_launch(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).args.progressive_pd is False
+    assert ess_args(resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:]))).progressive_pd is False
 
 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
@@ -289,10 +290,11 @@ def test_progressive_pd_is_off_by_default(plugin, hopper, tmp_path):
 def test_progressive_pd_resolves_over_mooncake_and_nixl(plugin, hopper, tmp_path, graphs, backend):
     """A PD decode node with --ess-progressive-pd over Mooncake or NIXL: SGLang's resolution keeps it, decode CUDA
     graphs on or off (on: a batch holding a request still landing runs eagerly)."""
-    from sglang_ess.launch import ess_launch, validate_server_args
+    from sglang_ess.args import ess_args
+    from sglang_ess.validate import validate_server_args
 
     sa = resolve(base(tmp_path, *PROGRESSIVE[:-4], *graphs, "--disaggregation-transfer-backend", backend))
-    assert ess_launch(pickle.loads(pickle.dumps(sa))).args.progressive_pd is True
+    assert ess_args(pickle.loads(pickle.dumps(sa))).progressive_pd is True
     facts = validate_server_args(sa)
     assert facts.role == "pd-decode" and facts.residency is False  # rows land over time: every request offloaded
     plain = resolve(base(tmp_path, *PROGRESSIVE[:5], *PROGRESSIVE[6:-4], *graphs, "--disaggregation-transfer-backend", backend))
@@ -301,11 +303,12 @@ def test_progressive_pd_resolves_over_mooncake_and_nixl(plugin, hopper, tmp_path
 
 def test_a_disk_tier_launch_resolves(plugin, hopper, tmp_path):
     """--ess-disk-dir with CUDA graphs off on a co-located node: SGLang's resolution keeps the flags for the pool."""
-    from sglang_ess.launch import ess_launch, validate_server_args
+    from sglang_ess.args import ess_args
+    from sglang_ess.validate import validate_server_args
 
     (tmp_path / "disk").mkdir()
     sa = resolve(base(tmp_path, *DISK[:-1], str(tmp_path / "disk"), "--ess-disk-gib", "100", *NO_GRAPHS))
-    ess = ess_launch(pickle.loads(pickle.dumps(sa))).args
+    ess = ess_args(pickle.loads(pickle.dumps(sa)))
     assert (ess.disk_dir, ess.disk_gib, ess.host_pool_gib) == (str(tmp_path / "disk"), 100.0, 8.0)
     facts = validate_server_args(sa)
     assert facts.role == "co-located" and facts.residency is False  # a disk tier keeps every request offloaded

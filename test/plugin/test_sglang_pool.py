@@ -18,7 +18,7 @@ from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang_ess.args import EssArgs  # noqa: E402
 from sglang_ess.pool import DECODE, EXTEND, pool_class  # noqa: E402
 from sglang_ess.runtime import EssRuntime  # noqa: E402
-from sglang_ess.validate import EssFacts  # noqa: E402
+from sglang_ess.args import EssFacts  # noqa: E402
 
 L, K, C, SIZE, MAX_LEN = 2, 8, 12, 40 * 64, 200
 REQ = [3, 1]  # request-pool slots (0 is SGLang's padding row)
@@ -131,7 +131,7 @@ def make_runtime(ess, tokens, **flags):
 @pytest.mark.parametrize("overlap", ["none", "da"])
 def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatch, overlap):
     """Decode through the pool and the runtime; with DA the step starts in the plugin's indexer hook."""
-    from sglang_ess import hooks
+    from sglang_ess.hooks import registry as hooks
 
     stock, ess, tokens = pools
     rng = random.Random(1)
@@ -211,7 +211,7 @@ def test_a_retraction_restore_lands_the_request_s_rows_in_its_region(pools, monk
 def test_move_reads_every_source_before_writing_any_target(pools, monkeypatch, backend):
     """Overlapping moves (SGLang's own reads before it writes): the host rows go through device memory, every layer
     in one gather and one scatter (the FlashTrans kernel through Triton's interpreter here, on the GPU's stream there)."""
-    from ess.core import flashtrans
+    from ess.core.kernels import flashtrans
 
     if backend == "interpret" and not flashtrans.INTERPRETER_OK:
         pytest.skip("Triton < 3.8 cannot interpret the FlashTrans kernel")
@@ -351,7 +351,7 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_ess import hooks
+    from sglang_ess.hooks import registry as hooks
 
     stock, ess, tokens = pools
     backend = types.SimpleNamespace(token_to_kv_pool=ess, req_to_token=tokens.req_to_token)
@@ -379,7 +379,7 @@ def test_backend_hooks_stage_prefill_and_set_the_phase(pools):
 def test_indexer_hook_skips_prefill_and_the_draft_worker(pools, monkeypatch):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_ess import hooks
+    from sglang_ess.hooks import registry as hooks
 
     stock, ess, tokens = pools
     rt = make_runtime(ess, tokens, overlap="da")
@@ -405,7 +405,7 @@ def test_prefill_top_k_warms_up_through_the_hooks(pools):
 
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sglang_ess import hooks
+    from sglang_ess.hooks import registry as hooks
 
     stock, ess, tokens = pools
     rt = make_runtime(ess, tokens, warmup_windows=2)
@@ -455,7 +455,7 @@ def by_location(ess, layer, locs):
 def test_prefill_and_decode_through_a_disk_tier_equal_the_stock_pool(tiered, monkeypatch):
     """Chunked prefill (its cached prefix staged from the tier) and DA decode steps (misses paged in at the indexer
     hook) read exactly the stock pool's rows, with half the pages on disk; every row comes back from host or disk."""
-    from sglang_ess import hooks
+    from sglang_ess.hooks import registry as hooks
 
     stock, ess, tokens = tiered
     rng = random.Random(2)

@@ -82,8 +82,8 @@ def test_attn0_on_flashmla_and_the_miss_kernel_merge_to_one_flashmla_call():
     """DA as issue 33 builds it: Attn0 = FlashMLA over the top-k with the misses set to -1, Attn1 = ess.core's miss
     kernel over each row's compacted misses (and the same fused with their H2D from a pinned host pool), merged by
     log-sum-exp: within FlashMLA's own error against the float32 reference of one call over every entry."""
-    from ess.core import flashtrans
-    from ess.core import miss_attention as MA
+    from ess.core.kernels import flashtrans
+    from ess.core.kernels import miss_attention as MA
 
     qn, qp, pool, idx = (t.cuda() for t in _case(4, N=8, H=128, K=2048, rows=8192))
     scale = 576**-0.5

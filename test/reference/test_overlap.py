@@ -75,7 +75,7 @@ def test_tokens_identical_in_every_mode_end_to_end():
 
 def test_demo_overlap_modes_share_one_hash(tmp_path, capsys):
     small = ["demo", "--ess", "--batch", "2", "--context", "96", "--steps", "3", "--layers", "2", "--topk", "16",
-             "--buffer-tokens", "24", "--quiet", "--json"]
+             "--ess-buffer-tokens", "24", "--quiet", "--json"]
     hashes = set()
     for mode in MODES:
         assert main(small + ["--overlap", mode]) == 0

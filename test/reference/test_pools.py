@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ess.core import lru_cuda
+from ess.core.kernels import lru_step_cuda
 from ess.reference.ess_cache import EssLatentCache
 from ess.core.settings import EssConfig, KnobError as EssConfigError
 from ess.reference.host_pool import PAGE_TOKENS, HostPoolExhausted, TotalMemoryPool
@@ -87,7 +87,7 @@ def test_host_and_gpu_rows_stay_intact_over_many_steps():
     assert cache.sparse.resident(0, int(cache.req[0])) == set()
 
 
-@pytest.mark.skipif(lru_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
+@pytest.mark.skipif(lru_step_cuda.find_cxx() is None, reason="the CUDA kernel's CPU emulation needs g++ (C++20)")
 def test_the_cuda_lru_step_serves_the_reference_cache():
     """The CUDA LRU step (its CPU emulation) behind the reference cache: it takes the cache's token table as it is
     (an int64 table failed every step on an H200) and decodes the dense baseline's tokens."""

@@ -1,4 +1,4 @@
-"""Residency first (ess.core.regions, docs/design.md): requests whose rows all fit on the GPU skip the LRU step and
+"""Residency first (ess.core.residency, docs/design.md): requests whose rows all fit on the GPU skip the LRU step and
 never miss; offloaded ones share the batch (one attention call); both decode the dense baseline's tokens."""
 
 import pytest
@@ -81,9 +81,9 @@ def test_promotion_without_room_keeps_the_request_in_its_slots():
 @pytest.mark.parametrize("kernel", ["fused", "cuda"])
 def test_the_lru_kernels_step_a_mixed_batch(baseline, kernel):
     """The kernels a GPU runs take the mixed batch as the torch step does: resident requests' rows masked out."""
-    from ess.core import lru_cuda
+    from ess.core.kernels import lru_step_cuda
 
-    if kernel == "cuda" and lru_cuda.find_cxx() is None:
+    if kernel == "cuda" and lru_step_cuda.find_cxx() is None:
         pytest.skip("the CUDA kernel's CPU emulation needs g++ (C++20)")
     res, cache = tiny_model().generate(tiny_prompts(), 4, lambda ctx, max_len: EssLatentCache(
         CFG, TINY.num_layers, ctx, max_len, "cpu", kernel=kernel, device_rows=max_len + 2 * BUFFER))

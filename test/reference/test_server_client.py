@@ -1,4 +1,4 @@
-"""ess.reference.server without a server: what the client does around the processes it starts."""
+"""ess.harness.servers without a server: what the client does around the processes it starts."""
 
 import os
 import signal
@@ -9,7 +9,7 @@ import time
 
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
-    from ess.reference import server as S
+    from ess.harness import servers as S
     with S.terminate_as_exit():
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         try:
@@ -41,7 +41,7 @@ def test_sigterm_unwinds_so_started_servers_are_stopped():
 def test_a_server_whose_port_was_taken_starts_again_on_a_new_port(tmp_path):
     """wait_ready_or_rebind: a real process that logs uvicorn's bind failure and lives on (as SGLang's scheduler does)
     is stopped and started again on a new port; any other failure is raised as it is."""
-    from ess.reference import server as S
+    from ess.harness import servers as S
 
     class Fake(S.Server):  # a Server whose command is a stand-in: the first one logs the bind failure, the next one READY
         @property

@@ -11,7 +11,7 @@
                        scaled); linear in batch
     split(mode, batch, misses)
                        what DA / DBA add to one layer. DA: with kit.json da_split.miss_kernel (DA's Attn1 over the
-                       misses, ess.core.miss_attention), Attn0 + miss kernel + merge - one FlashMLA call, by misses
+                       misses, ess.core.kernels.miss_attention), Attn0 + miss kernel + merge - one FlashMLA call, by misses
                        per request, at the split's batch; without it (an older kit.json), the overlap rows at 0
                        misses (one full layer, CUDA graphs, Attn1 a second full call): DA - NONE, at the kit's batch.
                        Either scales with the attention time by batch (kit.json flashmla.attn_us). DBA: DA's plus
@@ -20,7 +20,7 @@
     attention(batch)   one FlashMLA V3.2 sparse decode call, reported beside the modelled one
     rest               with a decode.json of the whole layer (benchmark/decode_gpu.py --rest measured): one layer's
                        compute after attention by tokens (MeasuredRest), for the baseline and ESS alike
-    indexer            with benchmark/indexer.py's indexer.json: the indexer's logits and top-k by query rows x
+    indexer            with benchmark/indexer_kernels.py's indexer.json: the indexer's logits and top-k by query rows x
                        context (MeasuredIndexer), for the baseline and ESS alike
 
 Linear interpolation between measured points and linear extrapolation past them (the two nearest points); what a
@@ -305,10 +305,10 @@ class MeasuredRest:
 
 
 class MeasuredIndexer:
-    """The indexer's logits and top-k measured on a GPU by benchmark/indexer.py (indexer.json's `cases`), by the
+    """The indexer's logits and top-k measured on a GPU by benchmark/indexer_kernels.py (indexer.json's `cases`), by the
     index-K positions a layer scores (query rows x context: every query row reads its request's rows): time(tokens,
     context) in seconds. Per case the fastest path whose top-k equalled select_topk's (keys, radix or fused: what
-    ess.core.indexer_kernel.SELECT would be set to), as the LRU step's fastest exact kernel; the indexer's projections
+    ess.core.kernels.indexer.SELECT would be set to), as the LRU step's fastest exact kernel; the indexer's projections
     stay the roofline's. Linear between the measured products and past them (the two nearest)."""
 
     PATHS = (("keys", "indexer_topk_us", "topk_exact"), ("radix", "indexer_radix_us", "radix_exact"),

@@ -10,7 +10,7 @@ in place of each kernel where SGLang calls it and sets the launch settings a CPU
     patches.py              every other patch point: a named SGLang target, its hook, the parameters it reads, and why
 Every target is checked by the tests to exist in the installed version, as the plugin's hook table is; every
 replacement keeps SGLang's contract, and one that takes tensors runs only for CPU tensors (a CUDA tensor goes to
-SGLang's own kernel). docs/plugin.md, "The CPU path".
+SGLang's own kernel). docs/cpu-path.md.
 """
 
 import importlib
@@ -51,7 +51,7 @@ def install() -> None:
     patched."""
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
-    from sglang_ess import hook_table
+    from sglang_ess.hooks import table
     from sglang_ess.cpu import hisparse
     from sglang_ess.cpu.patches import PATCHES
     from sglang_ess.cpu.resolution import RESOLUTION_STEPS
@@ -59,6 +59,6 @@ def install() -> None:
     for step, wrapper in RESOLUTION_STEPS.items():
         register_resolution_hook(step)(wrapper)
     if kernels_needed():
-        hook_table.register(PATCHES)
-        hook_table.register(hisparse.PATCHES)
+        table.register(PATCHES)
+        table.register(hisparse.PATCHES)
         install_flash_mla_interface()

@@ -4,8 +4,8 @@ HiSparse keeps every token's latent row in a host pool and a small LRU hot buffe
 decode layer swaps the indexer's top-k into that buffer. Off CUDA five things fail: the host pool pins its memory
 (cudaHostRegister), the host backup and the swap-in are CUDA JIT kernels, the decode backup builds a pinned tensor
 every step, and torch.cpu.Stream has no synchronize(). On the CPU path (`--device cpu`) each is done in torch here,
-as one sglang_ess.hook_table (SGLang target, hook type, hook, the parameters it reads, why); every hook acts only
-for CPU tensors or a CPU coordinator and leaves CUDA to SGLang's own code. docs/plugin.md, "The CPU path".
+as one sglang_ess.hooks.table (SGLang target, hook type, hook, the parameters it reads, why); every hook acts only
+for CPU tensors or a CPU coordinator and leaves CUDA to SGLang's own code. docs/cpu-path.md, "SGLang\'s HiSparse on the CPU path".
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.cpu.patches import on_cpu
 from sglang_ess.cpu.resolution import replaced
-from sglang_ess.hook_table import Hook, expected_params
+from sglang_ess.hooks.table import Hook, expected_params
 
 logger = logging.getLogger(__name__)
 

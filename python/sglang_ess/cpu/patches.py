@@ -1,4 +1,4 @@
-"""The CPU path's patch points: one table of sglang_ess.hook_table rows (SGLang target, hook type, hook, the
+"""The CPU path's patch points: one table of sglang_ess.hooks.table rows (SGLang target, hook type, hook, the
 parameters it reads, why), registered through SGLang's own HookRegistry as the plugin's hooks are (sglang_ess.hooks).
 Every hook that takes tensors hands CUDA tensors to SGLang's own code unchanged; the others act only for a DSA model
 on the CPU. The tests resolve every target in the installed sglang and check the parameters each row names, so an
@@ -14,9 +14,9 @@ from typing import Callable
 import torch
 
 from sglang.srt.plugins.hook_registry import HookType
-from sglang_ess.cpu import indexer, kernels
+from sglang_ess.cpu import indexer_forward, kernels
 from sglang_ess.cpu.resolution import capability_answered, replaced
-from sglang_ess.hook_table import Hook, expected_params
+from sglang_ess.hooks.table import Hook, expected_params
 
 
 def _on_cpu(t) -> bool:
@@ -160,31 +160,40 @@ def after_mooncake_sender_init(result, self, *args, **kwargs):
     self.supports_host_tensor_indices = False
 
 
+# The memory kind a NIXL agent is asked for on the CPU, by the kind SGLang names: all of SGLang's buffers are host
+# memory there. (A test whose loopback agent stands for a GPU machine's NIXL sets this empty: kinds pass unchanged.)
+HOST_MEMORY_KINDS = {"VRAM": "DRAM"}
+
+
 class _HostMemoryAgent:
-    """A NIXL agent whose every "VRAM" memory type is "DRAM": on the CPU all of SGLang's buffers are host memory."""
+    """A NIXL agent asked for host memory kinds (HOST_MEMORY_KINDS) wherever SGLang names a device kind. Its
+    attributes read and write through to the agent (the manager keeps the wrapped agent in its place)."""
 
     def __init__(self, agent):
-        self._agent = agent
+        object.__setattr__(self, "_agent", agent)
 
     def __getattr__(self, name):
         attr = getattr(self._agent, name)
         if not callable(attr):
             return attr
 
+        def host(value):
+            return HOST_MEMORY_KINDS.get(value, value) if isinstance(value, str) else value
+
         def call(*args, **kwargs):
-            args = tuple("DRAM" if isinstance(a, str) and a == "VRAM" else a for a in args)
-            kwargs = {k: "DRAM" if isinstance(v, str) and v == "VRAM" else v for k, v in kwargs.items()}
-            return attr(*args, **kwargs)
+            return attr(*map(host, args), **{k: host(v) for k, v in kwargs.items()})
 
         return call
+
+    def __setattr__(self, name, value):
+        setattr(self._agent, name, value)
 
 
 def around_nixl_register_buffers(original, self, *args, **kwargs):
     """A PD node over NIXL on the CPU: SGLang registers and addresses its KV and state buffers as VRAM, which UCX
     refuses for host addresses ("VRAM memory is detected as host by UCX"); the agent is asked for DRAM instead, here
-    and in every later call (the manager keeps the wrapped agent). Only NIXL's own agent (nixl_cu12 / nixl_cu13): a
-    stand-in (the progressive-PD tests' loopback agent, which keeps the two kinds apart on purpose) is left as it is."""
-    if type(self.agent).__module__.startswith("nixl"):
+    and in every later call (the manager keeps the wrapped agent; a registration again keeps it wrapped once)."""
+    if not isinstance(self.agent, _HostMemoryAgent):
         self.agent = _HostMemoryAgent(self.agent)
     return original(self, *args, **kwargs)
 
@@ -197,7 +206,7 @@ PATCHES = [
          "asks torch.cuda for the device capability (no driver: RuntimeError)"),
     Hook(f"{INDEXER}.Indexer.forward_native", HookType.REPLACE, indexer_forward_native, ("self",),
          "raises NotImplementedError ('Indexer has no native (pure-torch) path')"),
-    Hook(f"{INDEXER}.Indexer.forward_cuda", HookType.AROUND, on_cpu("x", indexer.forward),
+    Hook(f"{INDEXER}.Indexer.forward_cuda", HookType.AROUND, on_cpu("x", indexer_forward.forward),
          ("self", "x", "q_lora", "positions", "forward_batch", "layer_id", "return_indices", "use_cuda_graph"),
          "refuses devices other than CUDA, HIP and XPU, and reaches DeepGEMM's logits and CUDA-only asserts"),
     Hook(f"{INDEXER}.rotate_activation", HookType.AROUND, on_cpu("x", kernels.rotate_activation), ("x",),

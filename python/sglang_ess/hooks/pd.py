@@ -10,9 +10,10 @@ import logging
 import torch
 
 from sglang_ess.hooks.shared import state
+from sglang_ess.kv_arrivals import WarmupRefused
 from sglang_ess.pd import engines, sending
 from sglang_ess.pd import warmup as pd_warmup
-from sglang_ess.runtime import WarmupRefused, request_slot
+from sglang_ess.runtime import request_slot
 
 logger = logging.getLogger("sglang_ess")
 
@@ -113,7 +114,7 @@ def _streaming() -> bool:
 
 def after_can_run_graph(result, runner, *a, **kw):
     """A decode batch replays its CUDA graph only when no joined request's transfer is still landing: a step may then
-    wait for a row, a host wait no graph holds (docs/plugin.md, "Progressive PD transfer")."""
+    wait for a row, a host wait no graph holds (docs/pd.md, "Progressive PD transfer")."""
     if result and _streaming():
         return False
     return None

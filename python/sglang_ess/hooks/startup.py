@@ -1,18 +1,17 @@
 """ESS's hooks as a server starts: its flags, the KV pool and its sizing, the device check before the weights load,
 and the runtime that answers the DSA backend. Each reads ESS's settings of the launch through
-sglang_ess.launch.ess_launch (the launch's checks run inside SGLang's argument resolution: launch.resolution_step)."""
+sglang_ess.args.ess_args (the launch's checks run inside SGLang's argument resolution: validate.resolution_step)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from ess.core.landing import LandingTracker
+from ess.core.landed_rows import LandingTracker
 from ess.core.settings import GIB, PROGRESSIVE_REQUESTS
 from sglang_ess import sizing
-from sglang_ess.args import EssArgsError, add_cli_args
+from sglang_ess.args import EssArgs, EssArgsError, add_cli_args, attach_flags, ess_args
 from sglang_ess.hooks.shared import state
-from sglang_ess.launch import EssLaunch, attach_flags, ess_launch
 from sglang_ess.pd.engines import sglang_engines
 from sglang_ess.pd.landing import ProgressiveDecode
 from sglang_ess.pd.warmup import WarmupSender
@@ -47,27 +46,27 @@ def launch_error_hook(previous):
 
 
 # -- pool: ESS's DSA pool class and its sizing -------------------------------------------------------------------------
-def _ess_target(kvc) -> EssLaunch | None:
+def _ess_target(kvc) -> EssArgs | None:
     """ESS's settings when this configurator builds an ESS target pool (not the MTP draft worker's; a PD prefill node
     keeps SGLang's pool)."""
-    launch = ess_launch(kvc.server_args)
-    if not launch.on or getattr(kvc, "is_draft_worker", False) or launch.facts.role == "pd-prefill":
+    ess = ess_args(kvc.server_args)
+    if not ess.on or getattr(kvc, "is_draft_worker", False) or ess.facts.role == "pd-prefill":
         return None
-    return launch
+    return ess
 
 
 def around_resolve_memory_pool_config(original, kvc, pre_model_load_memory, *a, **kw):
-    launch = _ess_target(kvc)
-    if launch is None:
+    ess = _ess_target(kvc)
+    if ess is None:
         return original(kvc, pre_model_load_memory, *a, **kw)
-    config, state.tier_spec = sizing.resolve_memory_pool_config(kvc, pre_model_load_memory, launch.args, launch.facts)
+    config, state.tier_spec = sizing.resolve_memory_pool_config(kvc, pre_model_load_memory, ess, ess.facts)
     return config
 
 
 def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_class, **kw):
-    launch = _ess_target(kvc)
-    if launch is not None:
-        facts = launch.facts
+    ess = _ess_target(kvc)
+    if ess is not None:
+        facts = ess.facts
         rows = max_running_requests  # SGLang passes its request table's rows here (requests, padding, PD transfers)
         dsa_pool_class = pool_class(
             scratch_rows=sizing.scratch_requests(rows) * facts.query_rows,
@@ -79,17 +78,17 @@ def around_build_dsa_kv_pool(original, kvc, *a, max_running_requests, dsa_pool_c
 
 # -- runtime -----------------------------------------------------------------------------------------------------------
 def before_load_model(model_runner, *a, **kw):
-    """In each scheduler, before its weights load: the launch's device check (sglang_ess.validate.check_device) again
+    """In each scheduler, before its weights load: the ess's device check (sglang_ess.validate.check_device) again
     with the free memory SGLang measured after its own start-up (`pre_model_load_memory`, what its KV budget is taken
     from), so memory other processes hold is found before the load, not after it."""
-    launch = ess_launch(model_runner.server_args)
+    ess = ess_args(model_runner.server_args)
     free_gib = getattr(model_runner, "pre_model_load_memory", None)
-    if not launch.on or launch.facts.role == "pd-prefill" or getattr(model_runner, "is_draft_worker", False) \
+    if not ess.on or ess.facts.role == "pd-prefill" or getattr(model_runner, "is_draft_worker", False) \
             or free_gib is None:
         return
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    check_device(resolving_view(model_runner.server_args), launch.facts, free_gib * 1024 * MIB,
+    check_device(resolving_view(model_runner.server_args), ess.facts, free_gib * 1024 * MIB,
                  f"the free memory of {model_runner.device} before the load")
 
 
@@ -98,10 +97,10 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     install it as the runner's sparse-offload coordinator: the DSA backend (built later) then asks it for the selected
     rows in decode and verify, takes un-fused top-k positions, and keeps the token-granular page table."""
     server_args = model_runner.server_args
-    launch = ess_launch(server_args)
-    if not launch.on or getattr(model_runner, "is_draft_worker", False):
+    ess = ess_args(server_args)
+    if not ess.on or getattr(model_runner, "is_draft_worker", False):
         return
-    ess, facts = launch.args, launch.facts
+    facts = ess.facts
     pool = model_runner.token_to_kv_pool
     if facts.role == "pd-prefill":
         if facts.windows:

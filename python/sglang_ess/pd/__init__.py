@@ -1,4 +1,4 @@
-"""ESS across PD disaggregation (docs/plugin.md, "LRU-Warmup with PD" and "Progressive PD transfer"):
+"""ESS across PD disaggregation (docs/pd.md, "LRU-Warmup with PD" and "Progressive PD transfer"):
     warmup.py    LRU-Warmup over the wire: the warm-up state a prefill node sends in the request's metadata
     sending.py   progressive transfer, the prefill node: a request's last chunk in ordered parts, each reported
     landing.py   progressive transfer, the decode node: a request joins once its warm-up pages landed, a step waits

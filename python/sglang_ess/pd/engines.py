@@ -1,4 +1,4 @@
-"""The PD transfer engines as progressive PD transfer uses them (docs/plugin.md, "Progressive PD transfer"): one
+"""The PD transfer engines as progressive PD transfer uses them (docs/pd.md, "Progressive PD transfer"): one
 interface, `Engine`, with a half for each node; SGLang's Mooncake and NIXL managers behind it (`Mooncake`, `Nixl`);
 and the messages ESS sends over their sockets.
 

@@ -1,9 +1,9 @@
-"""Progressive PD transfer, the decode node (--ess-progressive-pd; docs/plugin.md, "Progressive PD transfer"): its
+"""Progressive PD transfer, the decode node (--ess-progressive-pd; docs/pd.md, "Progressive PD transfer"): its
 requests' landing.
 
 A request joins decode once its phase 1 (index-K rows, warm-up state and SGLang's metadata) and phase 2 (the warm-up
 set's latent pages) have landed, while phase 3 streams on; a step that needs a row not landed yet waits for it
-(`wait`, called by the runtime before each layer's LRU step). What has landed is `ess.core.landing.LandingTracker`'s.
+(`wait`, called by the runtime before each layer's LRU step). What has landed is `ess.core.landed_rows.LandingTracker`'s.
 
 A receiver takes part when its engine reports its progress (sglang_ess.pd.engines.Engine, the decode node's half:
 SGLang's Mooncake and NIXL through the prefill node's reports, or an engine a test plugs in): the events since the
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ess.core import settings
-from ess.core.landing import LandingTracker
+from ess.core.landed_rows import LandingTracker
 from sglang_ess.pd.engines import Engine
 
 logger = logging.getLogger("sglang_ess")

@@ -1,4 +1,4 @@
-"""Progressive PD transfer, the prefill node (`--enable-ess`; docs/plugin.md, "Progressive PD transfer"): its ordered
+"""Progressive PD transfer, the prefill node (`--enable-ess`; docs/pd.md, "Progressive PD transfer"): its ordered
 sends and progress reports over SGLang's Mooncake and NIXL engines (sglang_ess.pd.engines).
 
 SGLang queues a request's KV as chunks to one transfer worker per room, FIFO; its last chunk carries the last pages,

@@ -29,7 +29,7 @@ import torch
 
 from ess.core.serving import batch_tokens
 from ess.core.settings import WARMUP_WINDOWS
-from sglang_ess.warmup_plan import WarmupPlan
+from ess.core.warmup_plan import WarmupPlan
 
 logger = logging.getLogger("sglang_ess")
 

@@ -1,7 +1,7 @@
 """Stand-ins that the CPU path puts first on the import path (sglang_ess.cpu.resolution.enable_cpu_engine), and the
 machinery that makes one: `stand_in(name)` turns the package being imported as `name` (sgl_kernel) into a module
 whose every attribute and submodule is a kernel that raises when called, naming itself, except the kernels given as
-`provided` (the GPU rig's, python/ess_gpu_rig)."""
+`provided` (weak_ref_tensor, for the GPU rig: python/ess_gpu_rig)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+
+STANDIN_VERSION = "0+ess.standin"  # the stand-in's __version__: never a real sglang-kernel's
 
 
 class MissingKernel:
@@ -19,7 +21,7 @@ class MissingKernel:
 
     def __call__(self, *args, **kwargs):
         raise NotImplementedError(f"{self._name}: a kernel of sgl_kernel, which cannot load on this machine, and the ESS "
-                                  "CPU path (or GPU rig) has no torch replacement for it (docs/plugin.md, 'The CPU path')")
+                                  "CPU path (or GPU rig) has no torch replacement for it (docs/cpu-path.md)")
 
     def __getattr__(self, name: str):
         if name.startswith("__"):

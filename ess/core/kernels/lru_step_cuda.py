@@ -1,6 +1,6 @@
 """The LRU step of ess.core.policy.lru_update as one CUDA kernel (sgl-kernel/csrc/lru_step.cu; docs/gpu.md, "The CUDA
 LRU step"): one block per batch row, the row's slots staged in shared memory, victims by a histogram select. Same
-arguments and results as ess.core.lru_kernel.lru_update_fused (byte for byte, sink columns aside).
+arguments and results as ess.core.kernels.lru_step.lru_update_fused (byte for byte, sink columns aside).
 
 The source is built on first use into a shared library (settings.KERNEL_CACHE_DIR, keyed by the source's hash and the
 target) and called through ctypes with the tensors' addresses on the current stream, so a CUDA graph captures it:
@@ -27,7 +27,7 @@ import torch
 from ess.core import settings
 from ess.core.policy import PolicyResult, check_capacity, check_step_tables
 
-SOURCE = pathlib.Path(__file__).resolve().parents[2] / "sgl-kernel" / "csrc" / "lru_step.cu"
+SOURCE = pathlib.Path(__file__).resolve().parents[3] / "sgl-kernel" / "csrc" / "lru_step.cu"
 ARGS = 26  # the launcher's argument words (lru_step.cu, ess_lru::ARGS)
 EMULATION = "emulate"  # the CPU tensors' target: 32 threads per block ("emulate512": the GPU's 512, slower)
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def lru_update_cuda(
     staged: bool | None = None,
 ) -> PolicyResult:
     """ess.core.policy.lru_update's step as one CUDA kernel (the arguments and results of
-    ess.core.lru_kernel.lru_update_fused; the tables must be contiguous int32). On CPU tensors the kernel runs in its
+    ess.core.kernels.lru_step.lru_update_fused; the tables must be contiguous int32). On CPU tensors the kernel runs in its
     CPU emulation. num_rows: a one-element int32 device tensor; rows at or past it are empty rows (no entry, no own
     token) whatever they hold: a CUDA graph's padding, skipped. profile [B, 8] int64 (GPU): thread 0's global timer
     (ns) at the kernel's 7 phase boundaries. staged: force the slots in (True) or out of (False) shared memory; None:
@@ -220,7 +220,7 @@ def self_check(device: torch.device) -> None:
 
 
 def main(argv=None) -> int:
-    """`python -m ess.core.lru_cuda [--target sm_90 | emulate] [--compile-only]`: build the kernel now (default: for
+    """`python -m ess.core.kernels.lru_step_cuda [--target sm_90 | emulate] [--compile-only]`: build the kernel now (default: for
     this machine's GPU), printing the library's path, or why it did not build (exit 1)."""
     import argparse
 

@@ -1,11 +1,11 @@
-"""Progressive PD transfer (issue 36), simulated: what the plugin runs over Mooncake (docs/plugin.md, "Progressive PD
+"""Progressive PD transfer (issue 36), simulated: what the plugin runs over Mooncake (docs/pd.md, "Progressive PD
 transfer"), not timed on a cluster.
 
 Without it a decode node waits for a request's whole cache before its first step. Progressive transfer sends, in
 order, (1) every token's index-K rows and the LRU-Warmup state, (2) the latent pages of the warm-up set, (3) the other
 latent pages in slices; decode starts once (1) and (2) have landed, and a step whose misses include a row not yet
 landed waits: its decode node names the (layer, page) blocks, which the prefill node sends after the slice in flight.
-The model and every term's source: docs/simulator.md, "Progressive PD transfer (issue 36)".
+The model and every term's source: docs/simulator.md, "Progressive PD transfer".
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ PAGE_TOKENS = 64  # SGLang's KV page for DeepSeek-V3.2 (FlashMLA's FP8 sparse de
 
 def warmup_state_bytes(spec: ModelSpec) -> int:
     """The LRU-Warmup row a prefill node sends per request: an 8-int32 header and 4 x top-k int32 entries per layer
-    (sglang_ess.pd.warmup.row_ints; docs/plugin.md, "LRU-Warmup with PD")."""
+    (sglang_ess.pd.warmup.row_ints; docs/pd.md, "LRU-Warmup with PD")."""
     return 4 * (8 + spec.layers * 4 * spec.index_topk)
 
 
 def warm_rows(spec: ModelSpec, context: int, ratio: float) -> int:
     """Latent rows per layer the warm-up set names: what the decode node's slots keep of the N = 4 x top-k entries
-    (docs/plugin.md). Taken as full (the warm-up windows' union has at least that many positions): an upper bound on
+    (docs/pd.md). Taken as full (the warm-up windows' union has at least that many positions): an upper bound on
     phase 2."""
     slots = capacity(None, ratio, context, spec.index_topk)
     return min(slots, 4 * spec.index_topk, context)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ess.core.flashtrans import compiled, triton
+from ess.core.kernels.flashtrans import compiled, triton
 from ess.core.policy import STAMP_MOD, PolicyResult, check_capacity, check_step_tables
 
 REGISTER_SLOTS = 8192  # up to this many slots a program keeps the victim keys in registers; beyond, it re-reads them

@@ -1,4 +1,4 @@
-"""Progressive PD transfer on a decode node: which latent rows of a request have landed (docs/plugin.md,
+"""Progressive PD transfer on a decode node: which latent rows of a request have landed (docs/pd.md,
 "Progressive PD transfer").
 
 A request may decode before its whole latent cache has arrived. Per tracked request and layer a landed bitmap over its

@@ -1,11 +1,11 @@
-"""Where the decode indexer's time goes: ESS's indexer kernel (ess.core.indexer_kernel) and its top-k, part by part,
+"""Where the decode indexer's time goes: ESS's indexer kernel (ess.core.kernels.indexer) and its top-k, part by part,
 at the decode stack's shapes, against the byte floor of reading every token's index-K row once.
 
 On the H200 (docs/gpu.md) the indexer and its top-k took 1.91 of about 3.2 ms per layer of ESS's step at 32K, batch
 204: about 10x the floor. This splits that time: the scores kernel (fp32 out), the same kernel writing the int64 keys
 the exact top-k ranks, torch.topk over those keys (what indexer_topk_fp8 runs), the radix select over the fp32 scores
-(ess.core.topk_select, one program a request: its kernel, then the sort of the k it picked; select="radix"), the
-radix select split across programs (ess.core.topk_split) over the same scores, the fused path whole (select="fused":
+(ess.core.kernels.topk_select, one program a request: its kernel, then the sort of the k it picked; select="radix"), the
+radix select split across programs (ess.core.kernels.topk_split) over the same scores, the fused path whole (select="fused":
 the scores kernel counting the split select's first histogram, the other passes, the sort), the scores kernel over
 the same rows in SGLang's own pages (the GPU rig's logits), and, for comparison only,
 torch.topk over the fp32 scores (not select_topk's tie rule), sorted and unsorted; then the keys kernel under other
@@ -14,8 +14,8 @@ registers, since a 132-byte row is not 16-byte aligned; and blocks per program, 
 the largest case. Each figure: the median of CUDA graph
 replays; each path's top-k is checked against select_topk over the kernel's scores (`*_exact`).
 
-    python benchmark/indexer.py OUT_DIR            # on a GPU: OUT_DIR/indexer.json
-    python benchmark/indexer.py --smoke OUT_DIR    # tiny shapes on the CPU (the kernel in Triton's interpreter where
+    python benchmark/indexer_kernels.py OUT_DIR            # on a GPU: OUT_DIR/indexer.json
+    python benchmark/indexer_kernels.py --smoke OUT_DIR    # tiny shapes on the CPU (the kernel in Triton's interpreter where
                                                    # it runs, else the torch reference): checks the script only
 """
 
@@ -31,12 +31,13 @@ import torch
 
 from ess.analysis.sim.specs import get_hardware
 from ess.analysis.timing import graph_us
-from ess.core import dsa_math, flashtrans, layout
-from ess.core import indexer_kernel
-from ess.core.indexer_kernel import (BLOCK_T, LOADS, NUM_WARPS, SPAN, indexer_keys_fp8, indexer_scores_fp8,
+from ess.core import dsa_math, layout
+from ess.core.kernels import flashtrans
+from ess.core.kernels import indexer
+from ess.core.kernels.indexer import (BLOCK_T, LOADS, NUM_WARPS, SPAN, indexer_keys_fp8, indexer_scores_fp8,
                                      indexer_scores_pages, indexer_topk_fp8, topk_from_keys)
-from ess.core.topk_select import positions_from_keys, radix_keys
-from ess.core.topk_split import CHUNK, split_keys
+from ess.core.kernels.topk_select import positions_from_keys, radix_keys
+from ess.core.kernels.topk_split import CHUNK, split_keys
 
 HEADS, TOPK = 64, 2048  # DeepSeek-V3.2's indexer: 64 heads of 128, top-2048
 # (context, batch): batch 1, the baseline's memory wall and ESS's largest batch at ratio 0.1 (decode_gpu.py's)
@@ -47,7 +48,7 @@ ESS_SHAPES = [(32768, 204), (131072, 51)]  # issue 48's two shapes: ESS's larges
 SWEEP = [(64, 4, "bytes", 1), (128, 4, "bytes", 1), (128, 8, "bytes", 1), (256, 8, "bytes", 1), (64, 2, "bytes", 1),
          (64, 4, "words", 1), (128, 4, "words", 1), (128, 8, "words", 1), (256, 8, "words", 1),
          (128, 4, "bytes", 4), (128, 4, "words", 4), (64, 4, "words", 8)]
-# each of indexer_kernel.SELECTS: the row field of its whole time (scores and top-k), and of that over the byte floor
+# each of indexer.SELECTS: the row field of its whole time (scores and top-k), and of that over the byte floor
 SERVED = {"keys": "indexer_topk_us", "radix": "indexer_radix_us", "fused": "indexer_fused_us"}
 OVER_FLOOR = {"keys": "over_floor", "radix": "over_floor_radix", "fused": "over_floor_fused"}
 SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK = [(300, 1), (300, 3)], 8, 64
@@ -101,12 +102,12 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
            "topk_float_sorted_us": us(lambda: torch.topk(scores, k, dim=1)),
            "topk_float_unsorted_us": us(lambda: torch.topk(scores, k, dim=1, sorted=False))}
     interpret = backend == "interpret"
-    if backend != "torch":  # the radix select over the fp32 scores (ess.core.topk_select): kernel, then sort of k
+    if backend != "torch":  # the radix select over the fp32 scores (ess.core.kernels.topk_select): kernel, then sort of k
         picked = radix_keys(scores, pos, k, interpret=interpret)
         row["radix_select_us"] = us(lambda: radix_keys(scores, pos, k, interpret=interpret))
         row["radix_sort_us"] = us(lambda: positions_from_keys(picked))
         row["indexer_radix_us"] = round(row["scores_kernel_us"] + row["radix_select_us"] + row["radix_sort_us"], 1)
-        # the split select (ess.core.topk_split) over the same scores, its own pass 0 included; then the fused path
+        # the split select (ess.core.kernels.topk_split) over the same scores, its own pass 0 included; then the fused path
         # whole (select="fused": zeroed state, scores kernel counting pass 0, passes 1-7, write, sort), as it runs
         row["split_select_us"] = us(lambda: split_keys(scores, pos, k, interpret=interpret))
         row["indexer_fused_us"] = us(lambda: indexer_topk_fp8(q, w, rows, pos, k, backend=backend, select="fused"))
@@ -135,7 +136,7 @@ def time_case(inputs, k, backend, iters, hbm_tbps) -> dict:
 
 
 def worst_over_floor(cases: list[dict], select: str, shapes=ESS_SHAPES) -> dict:
-    """The larger of the served path's time over its byte floor at `shapes` (`select`: indexer_kernel.SELECT, the
+    """The larger of the served path's time over its byte floor at `shapes` (`select`: indexer.SELECT, the
     path the stack and a GPU server run), and the same for the faster path at each shape; {} without them."""
     served = OVER_FLOOR[select]
     at = [c for c in cases if (c["context"], c["batch"]) in shapes and served in c]
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         cases, heads, k = SMOKE_CASES, SMOKE_HEADS, SMOKE_TOPK
     os.makedirs(args.out, exist_ok=True)
     doc = {"device": name, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "backend": backend,
-           "command": " ".join(["python", "benchmark/indexer.py", *(argv if argv is not None else sys.argv[1:])]),
+           "command": " ".join(["python", "benchmark/indexer_kernels.py", *(argv if argv is not None else sys.argv[1:])]),
            "timing": "median of CUDA graph replays" if cuda else "wall clock (smoke)", "hbm_tbps": hbm,
            "default_launch": {"block_t": BLOCK_T, "num_warps": NUM_WARPS, "loads": LOADS, "span": SPAN,
                               "split_chunk": CHUNK},
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         log(json.dumps(doc["cases"][-1]))
         if (context, batch) == largest and backend != "torch":  # launch configurations belong to the kernel
             doc["sweep"] = sweep(inputs, min(k, context), backend, iters)
-        doc |= worst_over_floor(doc["cases"], indexer_kernel.SELECT)
+        doc |= worst_over_floor(doc["cases"], indexer.SELECT)
         with open(path, "w") as f:  # after every case: a cut run keeps what it measured
             json.dump(doc, f, indent=1)
     log(f"wrote {path}")

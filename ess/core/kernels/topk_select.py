@@ -3,21 +3,21 @@ torch.topk over int64 keys.
 
     radix_topk(scores, pos, k)      int32 [N, k]: equal to ess.core.dsa_math.select_topk(scores, pos, k)
 
-scores fp32 [N, T] (the indexer's, ess.core.indexer_kernel; -inf: no row), pos [N]: positions t <= pos[n] only.
+scores fp32 [N, T] (the indexer's, ess.core.kernels.indexer; -inf: no row), pos [N]: positions t <= pos[n] only.
 Ties go to the lower position, -inf never chosen, -1 padded, best first (-0.0 ties with +0.0; inputs finite).
 
 How. One program per request. Each score becomes a 32-bit unsigned key whose order is the float's. Four passes of
 an 8-bit digit, most significant first, each a 256-bin histogram of the candidates that still match the digits
 found so far, find the k-th largest key exactly (the threshold) and how many keys equal to it are taken (the lowest
 positions among them: the tie rule). A fifth pass writes the chosen positions as select_topk's int64 keys
-(ess.core.indexer_kernel.score_keys: high word the score's order, low word 2^32 - 1 - t); a sort of those k keys
+(ess.core.kernels.indexer.score_keys: high word the score's order, low word 2^32 - 1 - t); a sort of those k keys
 (torch.sort over [N, k], not [N, T]) gives the best-first order. Each pass reads the request's scores once (4 bytes a
 position), so the select reads 20 bytes a position, against the 132 of its index-K row, where torch.topk over int64
 keys [N, T] wrote and read 8 bytes a position and ran a radix select over 64 bits.
 
 Backends: "triton" (CUDA tensors), "interpret" (Triton's CPU interpreter, from Triton 3.8: how CI checks it),
 "torch" (select_topk itself). "auto": "triton" for CUDA tensors, else "torch". Untimed on a GPU so far
-(benchmark/indexer.py, `--select`).
+(benchmark/indexer_kernels.py, `--select`).
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 
 from ess.core import dsa_math
-from ess.core.flashtrans import compiled, kernel_backend, triton
+from ess.core.kernels.flashtrans import compiled, kernel_backend, triton
 
 BLOCK = 1024  # positions per loop step of a program
 NUM_WARPS = 4
 PAD_KEY = -(2**63)  # an unfilled slot: below every score's key, read back as -1
 LOW_WORD = 0xFFFFFFFF
-NEG_INF_KEY = -2139095041  # the high word of -inf's key (ess.core.indexer_kernel)
+NEG_INF_KEY = -2139095041  # the high word of -inf's key (ess.core.kernels.indexer)
 
 if triton is not None:
     import triton.language as tl

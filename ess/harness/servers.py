@@ -1,6 +1,6 @@
 """Real SGLang servers on this machine: start `python -m sglang.launch_server` on a checkpoint, stock or with
 `--enable-ess`, and talk to it over its HTTP API. The real-server test (test/plugin/test_server.py) and
-`ess demo --server` use it; on a CPU the plugin's CPU path serves the model (docs/plugin.md, "The CPU path").
+`ess demo --server` use it; on a CPU the plugin's CPU path serves the model (docs/cpu-path.md).
 
 The workloads are deterministic: a server's batches, and so its float rounding, depend only on the order of the calls,
 because every call waits for the server to be idle (SGLang's kernels on a CPU are not batch-invariant: the same

@@ -47,15 +47,15 @@ are multiplied in fp32, since the interpreter's tl.dot multiplies bf16 as raw in
 a fast path). "auto": "triton" for CUDA tensors, else "torch".
 
 Timed on a GPU only inside the decode stack so far (docs/gpu.md: with the indexer's projections, 1.91 ms per layer at
-32K, batch 204, on an H200, about 10x the byte floor); benchmark/indexer.py times the parts apart. BLOCK_T and
+32K, batch 204, on an H200, about 10x the byte floor); benchmark/indexer_kernels.py times the parts apart. BLOCK_T and
 NUM_WARPS are untuned first choices; the top-k is torch.topk over int64 keys (a radix select over 64 instead of 32
 bits), and the keys take 8 bytes a position ([N, T] int64; the rows read are 132); select="radix" writes fp32 scores
-instead and picks the k with ess.core.topk_select's radix select over 32-bit keys, one program a request;
-select="fused" writes fp32 scores and counts the first histogram of ess.core.topk_split's radix select as it does,
+instead and picks the k with ess.core.kernels.topk_select's radix select over 32-bit keys, one program a request;
+select="fused" writes fp32 scores and counts the first histogram of ess.core.kernels.topk_split's radix select as it does,
 whose other passes then spread each request over many programs (same sets; neither timed on a GPU yet). A
 132-byte row is 4-byte but not 16-byte aligned, so the FP8 values may be loaded byte by byte; LOADS = "words" reads
 them as 32 aligned 4-byte words unpacked in registers instead (equal keys, tested; which is faster waits for
-benchmark/indexer.py on a GPU).
+benchmark/indexer_kernels.py on a GPU).
 """
 
 from __future__ import annotations
@@ -64,17 +64,18 @@ import math
 
 import torch
 
-from ess.core import dsa_math, layout, topk_select, topk_split
-from ess.core.flashtrans import compiled, kernel_backend, triton
+from ess.core import dsa_math, layout
+from ess.core.kernels import topk_select, topk_split
+from ess.core.kernels.flashtrans import compiled, kernel_backend, triton
 
 BLOCK_T = 128  # positions per block
-SPAN = 1  # blocks per program, the queries loaded once for them (> 1: untimed on a GPU, benchmark/indexer.py sweeps)
+SPAN = 1  # blocks per program, the queries loaded once for them (> 1: untimed on a GPU, benchmark/indexer_kernels.py sweeps)
 NUM_WARPS = 4  # per program (GPU only)
 LOADS = "bytes"  # how a program reads its rows' FP8 values: "bytes", or "words" (4-byte loads; untimed on a GPU)
 # How indexer_topk_fp8 selects: "keys" (int64 keys, torch.topk: the path timed in the decode stack), "radix" (fp32
-# scores, ess.core.topk_select's radix select: the same sets, 4 instead of 8 bytes a position written) or "fused" (fp32
-# scores and the first histogram of ess.core.topk_split's split radix select in one kernel, then its passes); the two
-# last untimed on a GPU until benchmark/indexer.py runs there
+# scores, ess.core.kernels.topk_select's radix select: the same sets, 4 instead of 8 bytes a position written) or "fused" (fp32
+# scores and the first histogram of ess.core.kernels.topk_split's split radix select in one kernel, then its passes); the two
+# last untimed on a GPU until benchmark/indexer_kernels.py runs there
 SELECT = "keys"
 SELECTS = ("keys", "radix", "fused")
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -143,7 +144,7 @@ if triton is not None:
                     tl.store(out + n * T + t, (mono.to(tl.int64) << 32) | low, mask=t < T)
                 else:
                     tl.store(out + n * T + t, score, mask=t < T)
-                if HIST:  # pass 0 of ess.core.topk_split: the finite scores' top 8 key bits
+                if HIST:  # pass 0 of ess.core.kernels.topk_split: the finite scores' top 8 key bits
                     cand = score > float("-inf")  # positions beyond pos[n] and missing rows score -inf
                     digit = tl.where(cand, ((mono.to(tl.int64) + 2147483648) >> 24).to(tl.int32), 0)
                     outside = BLOCK_T - tl.reduce(cand.to(tl.int32), 0, _ADD)  # counted in bin 0: taken out again
@@ -249,7 +250,7 @@ def _torch_scores(q, w, rows, pos, loc) -> torch.Tensor:
 def _launch(q, w, rows, pos, loc, N, H, T, interpret: bool, keys: bool, block_t: int = BLOCK_T,
             num_warps: int = NUM_WARPS, loads: str = LOADS, hist: torch.Tensor | None = None,
             page: int = 0, starts: torch.Tensor | None = None, span: int | None = None) -> torch.Tensor:
-    """The kernel over [N, T] (block_t, num_warps, loads, span: the launch configuration, for benchmark/indexer.py; hist:
+    """The kernel over [N, T] (block_t, num_warps, loads, span: the launch configuration, for benchmark/indexer_kernels.py; hist:
     topk_split.new_work's state, whose pass-0 histograms the kernel counts as it writes fp32 scores; page: tokens a
     page of SGLang's layout, rows then [pages, page * 132] and loc the page table; starts: each row's first scored
     position)."""
@@ -393,7 +394,7 @@ def indexer_keys_fp8(q: torch.Tensor, w: torch.Tensor, rows: torch.Tensor, pos: 
                      loc: torch.Tensor | None = None, backend: str = "auto", block_t: int = BLOCK_T,
                      num_warps: int = NUM_WARPS, loads: str = LOADS, span: int | None = None) -> torch.Tensor:
     """The kernel's int64 score keys [N, T] (score_keys of indexer_scores_fp8's scores), under a given launch
-    configuration: what indexer_topk_fp8 hands topk_from_keys (benchmark/indexer.py times the two apart)."""
+    configuration: what indexer_topk_fp8 hands topk_from_keys (benchmark/indexer_kernels.py times the two apart)."""
     N, H, T = _check(q, w, rows, pos, loc)
     backend = kernel_backend(backend, rows.device, "indexer")
     if backend == "torch":

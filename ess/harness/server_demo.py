@@ -20,7 +20,7 @@ import os
 import tempfile
 
 from ess.reference import checkpoint
-from ess.reference import server as S
+from ess.harness import servers as S
 
 MODES = ("none", "da")  # DBA needs SGLang's two-batch overlap (docs/plugin.md), which the CPU path does not run
 

@@ -4,7 +4,7 @@ prefill and ESS decode servers (SGLang's CPU kernels are not batch-invariant: on
 the same batches). Greedy tokens must be equal, and the decode server's ESS counters must show each request's
 warm-up state arrived. Prints a JSON summary; exits 1 on a mismatch.
 
-    python -m ess.reference.pd_check --stock 30100 --router 30180 --decode 30102
+    python -m ess.harness.pd_check --stock 30100 --router 30180 --decode 30102
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from ess.reference.server import Server, ServerError, prompts
+from ess.harness.servers import Server, ServerError, prompts
 
 NEW_TOKENS = 16
 PROMPTS = 8
@@ -53,7 +53,7 @@ def check(stock: Server, router: Server, decode: Server) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ess.reference.pd_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ess.harness.pd_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--stock", type=int, required=True, help="the co-located stock server's HTTP port")
     p.add_argument("--router", type=int, required=True, help="SGLang's router's port (PD: prefill + ESS decode)")
     p.add_argument("--decode", type=int, required=True, help="the ESS decode server's HTTP port (its counters)")

@@ -1,4 +1,4 @@
-"""PD disaggregation on this machine, for real (docs/plugin.md, "PD on one machine"): a prefill server and decode
+"""PD disaggregation on this machine, for real (docs/pd.md, "PD on one machine"): a prefill server and decode
 servers (`--disaggregation-mode prefill / decode`), their KV moved by Mooncake's transfer engine over its TCP
 transport, or by NIXL over UCX, on this host; SGLang's router (`sglang_router`, `--pd-disaggregation`) in front of
 each pair.
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from ess.reference.server import Server, ServerError, free_port
+from ess.harness.servers import Server, ServerError, free_port
 
 ENGINE_LIBS = os.path.join(sys.prefix, "lib", "pd-engine")  # scripts/setup.sh's copy of libibverbs and libnl
 

@@ -6,7 +6,7 @@ in Triton's CPU interpreter; the two are equal (integers only)."""
 
 import torch
 
-from ess.core.flashtrans import compiled, triton
+from ess.core.kernels.flashtrans import compiled, triton
 from ess.core.policy import PolicyResult
 
 if triton is not None:

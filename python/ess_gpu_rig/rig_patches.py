@@ -3,7 +3,7 @@ dense bf16 DeepSeek-V3.2 server still reaches on SGLang's torch paths, each repl
 rotary fix the CPU path also needs; and the indexer's logits, which SGLang's torch path computes by copying every
 page it reads to bf16 (decode) and by multiplying every query row by every key, head by head (prefill), by ESS's
 Triton kernel over the pages in place and over each query row's window (DeepGEMM's does not load here). A table of
-sglang_ess.hook_table rows, as sglang_ess.cpu.patches's; the tests resolve every target in the installed SGLang and
+sglang_ess.hooks.table rows, as sglang_ess.cpu.patches's; the tests resolve every target in the installed SGLang and
 check the parameters each row names."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ess.core import layout
-from ess.core.indexer_kernel import indexer_scores_pages, indexer_scores_ragged
+from ess.core.kernels.indexer import indexer_scores_pages, indexer_scores_ragged
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.cpu import kernels
 from sglang_ess.cpu.patches import ROTARY, around_rotary_native
-from sglang_ess.hook_table import Hook, expected_params
+from sglang_ess.hooks.table import Hook, expected_params
 
 
 def hadamard_transform(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -53,7 +53,7 @@ def fp8_paged_mqa_logits(q_fp8: torch.Tensor, kv_cache_fp8: torch.Tensor, weight
                          context_lens: torch.Tensor, block_table: torch.Tensor, schedule_metadata, max_seq_len: int,
                          clean_logits: bool = False, indices=None) -> torch.Tensor:
     """The indexer's decode logits (DeepGEMM's fp8_paged_mqa_logits contract) by ESS's Triton indexer kernel over
-    SGLang's index-K pages in place (ess.core.indexer_kernel.indexer_scores_pages), in place of SGLang's torch
+    SGLang's index-K pages in place (ess.core.kernels.indexer.indexer_scores_pages), in place of SGLang's torch
     version, which dequantises every page the batch reaches into a bf16 copy. q_fp8 [B, next_n, H, 128] FP8,
     weights [B * next_n, H], context_lens [B] or [B, next_n], block_table [B, P]: fp32 [B * next_n, max_seq_len],
     -inf past each row's context (SGLang's top-k masks by length there; the torch version writes 0)."""
@@ -73,7 +73,7 @@ def fp8_mqa_logits(q_fp8: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], w
                    max_seqlen_k: int = 0) -> torch.Tensor:
     """The indexer's prefill logits (DeepGEMM's fp8_mqa_logits contract): query row m of q_fp8 [M, H, 128] FP8 over
     rows ks[m]:ke[m] of the batch's gathered index-K kv = (k_fp8 [N, 128], k_scale [N]), by ESS's Triton kernel
-    (ess.core.indexer_kernel.indexer_scores_ragged), in place of SGLang's torch version, which multiplies every query
+    (ess.core.kernels.indexer.indexer_scores_ragged), in place of SGLang's torch version, which multiplies every query
     row by every key, head by head. fp32 [M, N] in a row stride padded to 4 as SGLang's; -inf outside each window
     (SGLang's top-k masks by window; the torch version writes 0)."""
     if clean_logits:

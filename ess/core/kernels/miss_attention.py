@@ -9,7 +9,7 @@ compact kernel over each query row's compacted miss list instead (the LRU step's
         per query row n: attention over pool[slots[n, i]] for i < counts[n] (slot -1: skipped)
     copy_attend(q_nope, q_pe, host, host_rows, gpu, gpu_slots, counts, scale)
         the same over the misses as they land: for i < counts[n], gpu[gpu_slots[n, i]] = host[host_rows[n, i]]
-        (FlashTrans' H2D, ess.core.flashtrans.gather_lists) and the row is attended, in one kernel that reads each
+        (FlashTrans' H2D, ess.core.kernels.flashtrans.gather_lists) and the row is attended, in one kernel that reads each
         missing row from the pinned host pool once (UVA)
     merge(o0, lse0, o1, lse1)
         Attn0 (FlashMLA over the top-k with the misses set to -1) and Attn1 merged by log-sum-exp (a kernel of its
@@ -45,8 +45,9 @@ import math
 
 import torch
 
-from ess.core import dsa_math, flashtrans, layout
-from ess.core.flashtrans import compiled, kernel_backend, triton
+from ess.core import dsa_math, layout
+from ess.core.kernels import flashtrans
+from ess.core.kernels.flashtrans import compiled, kernel_backend, triton
 
 BLOCK_H = 32  # heads per block (tl.dot's minimum is 16)
 BLOCK_N = 32  # entries per chunk of the online softmax
@@ -56,7 +57,7 @@ if triton is not None:
     import triton.language as tl
 
     # Reductions through tl.reduce with the standard library's combine functions: tl.sum / tl.max are jit functions,
-    # which Triton's interpreter cannot call unless TRITON_INTERPRET was set at import (as in ess.core.flashtrans).
+    # which Triton's interpreter cannot call unless TRITON_INTERPRET was set at import (as in ess.core.kernels.flashtrans).
     _ADD, _MAX = tl.standard._sum_combine, tl.standard._elementwise_max
 
     def _miss_kernel(qn_ptr, qp_ptr, src, src_idx, dst, dst_idx, counts, o_ptr, lse_ptr, scale, W, H,
@@ -249,7 +250,7 @@ def copy_attend(q_nope: torch.Tensor, q_pe: torch.Tensor, host: torch.Tensor, ho
                 block_h: int | None = None, block_n: int | None = None,
                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The misses' H2D and Attn1 in one kernel: for i < counts[n], gpu[gpu_slots[n, i]] = host[host_rows[n, i]]
-    (pairs with a -1 skipped, as ess.core.flashtrans.gather_lists) and query row n attends to the rows it copied.
+    (pairs with a -1 skipped, as ess.core.kernels.flashtrans.gather_lists) and query row n attends to the rows it copied.
     host [rows, 656] the pinned host pool (on a GPU; a CPU tensor in the interpreter and the torch path), gpu [slots,
     656]; the lists and counts as miss_attention's. Returns miss_attention's (o, lse) over gpu[gpu_slots] after the
     copy."""

@@ -1,5 +1,5 @@
 """The indexer's top-k as a radix select split across programs, whose first histogram the indexer kernel can write
-as it scores (ess.core.indexer_kernel, select="fused"): select_topk's sets with the whole GPU at work.
+as it scores (ess.core.kernels.indexer, select="fused"): select_topk's sets with the whole GPU at work.
 
     split_topk(scores, pos, k)             int32 [N, k]: equal to ess.core.dsa_math.select_topk(scores, pos, k)
     split_keys(scores, pos, k, work=None)  int64 [N, k]: the chosen positions' keys, PAD_KEY in unfilled slots
@@ -8,7 +8,7 @@ as it scores (ess.core.indexer_kernel, select="fused"): select_topk's sets with 
 scores fp32 [N, T] (-inf: no row), pos [N]: positions t <= pos[n] only. Ties go to the lower position, -inf never
 chosen, -1 padded, best first (-0.0 ties with +0.0; inputs finite).
 
-Why. ess.core.topk_select runs one program a request: at 128K context and batch 51, 51 programs on a 132-SM part,
+Why. ess.core.kernels.topk_select runs one program a request: at 128K context and batch 51, 51 programs on a 132-SM part,
 each walking its 128K scores five times, 1024 at a time. Here every pass is a grid of (chunks of CHUNK positions,
 requests), and each program adds its counts to its request's histogram with atomics: a pass reads the scores with
 every SM.
@@ -24,12 +24,12 @@ and exits at once when its request needs no finer digit: when it has at most k c
 the candidates sharing the threshold's digits so far are exactly those still to take. Distinct scores settle within
 the high word; the position passes (4..7) count only ties at the k-th score. The write pass takes every key at or
 above the threshold (exactly min(k, candidates) of them) into slots an atomic counter a request hands out, and a sort
-of the k keys gives the best-first order (ess.core.topk_select.positions_from_keys, as the one-program select).
+of the k keys gives the best-first order (ess.core.kernels.topk_select.positions_from_keys, as the one-program select).
 Every pass that runs reads 4 bytes a position; fused with the indexer kernel, pass 0 reads nothing more.
 
 Backends: "triton" (CUDA tensors), "interpret" (Triton's CPU interpreter, from Triton 3.8: how CI checks it),
 "torch" (select_topk itself). "auto": "triton" for CUDA tensors, else "torch". Untimed on a GPU so far
-(benchmark/indexer.py).
+(benchmark/indexer_kernels.py).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 
 from ess.core import dsa_math
-from ess.core.flashtrans import compiled, kernel_backend, triton
-from ess.core.topk_select import PAD_KEY, check_inputs, positions_from_keys
+from ess.core.kernels.flashtrans import compiled, kernel_backend, triton
+from ess.core.kernels.topk_select import PAD_KEY, check_inputs, positions_from_keys
 
 CHUNK = 4096  # positions a program covers in a pass
 BLOCK = 1024  # positions a program reads a loop step

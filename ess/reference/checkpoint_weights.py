@@ -1,0 +1,95 @@
+"""The tiny DeepSeek-V3.2 checkpoint's config.json and weights (ess.reference.checkpoint writes them): DeepSeek-V3.2's
+config with SHAPE's widths (or FULL_WIDTH's), and every tensor SGLang's DeepSeek loader reads, drawn from one seeded
+generator. A module of its own so that ess.reference.locality (which rebuilds some of these tensors, and which the
+writer calls) reads them without importing the writer: no import circle.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ess.core import dsv32
+
+VOCAB = 320  # the embedding rows
+SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "q_lora_rank": 64,
+         "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 4, "index_topk": 64, "n_routed_experts": 4,
+         "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_intermediate_size": 64, "intermediate_size": 256,
+         "n_group": 1, "topk_group": 1, "vocab_size": VOCAB}
+# DeepSeek-V3.2's own widths (its config.json), at a depth a single GPU's lease can write and load: every layer dense
+# (first_k_dense_replace = the depth), so no MoE kernel is needed; the experts' keys stay for SGLang's config checks.
+FULL_WIDTH = {**{key: dsv32.CONFIG[key] for key in SHAPE}, "num_hidden_layers": 4, "first_k_dense_replace": 4}
+
+
+def config(mtp: bool = True, full: bool = False) -> dict:
+    """config.json: DeepSeek-V3.2's keys, the formats' widths as the real model's, SHAPE's widths shrunk (FULL_WIDTH's
+    where full); with its MTP layer (one, as the real model) unless mtp is False."""
+    shape = FULL_WIDTH if full else SHAPE
+    return {
+        **copy.deepcopy(dsv32.CONFIG),  # the real model's keys and values, then its widths shrunk
+        **shape,
+        "num_key_value_heads": shape["num_attention_heads"],
+        "num_nextn_predict_layers": int(mtp),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def weights(cfg: dict, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor SGLang's DeepSeek loader reads, by the checkpoint's names, drawn in name order from one generator
+    on `device` (a GPU draws a full-width model in a second; the same seed and device, the same bytes): linear layers
+    N(0, 1 / fan_in), norms 1, biases 0. The tensors are returned on the CPU."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    vocab = cfg["vocab_size"]
+    H, hid, ql = cfg["num_attention_heads"], cfg["hidden_size"], cfg["q_lora_rank"]
+    nope, rope, vd, kvl = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    ih, idim, E = cfg["index_n_heads"], cfg["index_head_dim"], cfg["n_routed_experts"]
+    shapes: dict[str, tuple] = {"model.embed_tokens.weight": (vocab, hid), "model.norm.weight": (hid,),
+                                "lm_head.weight": (vocab, hid)}
+
+    def mlp(prefix: str, inner: int) -> None:
+        shapes.update({f"{prefix}gate_proj.weight": (inner, hid), f"{prefix}up_proj.weight": (inner, hid),
+                       f"{prefix}down_proj.weight": (hid, inner)})
+
+    L = cfg["num_hidden_layers"]
+    for i in range(L + cfg["num_nextn_predict_layers"]):  # the MTP layers follow the decoder's, numbered on
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        if i >= L:  # an MTP layer's own tensors, around a decoder block like the others
+            shapes.update({f"{p}embed_tokens.weight": (vocab, hid), f"{p}enorm.weight": (hid,), f"{p}hnorm.weight": (hid,),
+                           f"{p}eh_proj.weight": (hid, 2 * hid), f"{p}shared_head.norm.weight": (hid,),
+                           f"{p}shared_head.head.weight": (vocab, hid)})
+        shapes.update({
+            f"{p}input_layernorm.weight": (hid,), f"{p}post_attention_layernorm.weight": (hid,),
+            f"{a}q_a_proj.weight": (ql, hid), f"{a}q_a_layernorm.weight": (ql,),
+            f"{a}q_b_proj.weight": (H * (nope + rope), ql),
+            f"{a}kv_a_proj_with_mqa.weight": (kvl + rope, hid), f"{a}kv_a_layernorm.weight": (kvl,),
+            f"{a}kv_b_proj.weight": (H * (nope + vd), kvl), f"{a}o_proj.weight": (hid, H * vd),
+            f"{a}indexer.wq_b.weight": (ih * idim, ql), f"{a}indexer.wk.weight": (idim, hid),
+            f"{a}indexer.k_norm.weight": (idim,), f"{a}indexer.k_norm.bias": (idim,),
+            f"{a}indexer.weights_proj.weight": (ih, hid),
+        })
+        if i < cfg["first_k_dense_replace"]:
+            mlp(f"{p}mlp.", cfg["intermediate_size"])
+        else:
+            shapes.update({f"{p}mlp.gate.weight": (E, hid), f"{p}mlp.gate.e_score_correction_bias": (E,)})
+            for e in range(E):
+                mlp(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
+            mlp(f"{p}mlp.shared_experts.", cfg["moe_intermediate_size"] * cfg["n_shared_experts"])
+
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("bias"):
+            t = torch.zeros(shape)
+        elif len(shape) == 1:
+            t = torch.ones(shape)
+        else:
+            t = (torch.randn(shape, generator=gen, device=device) * shape[1] ** -0.5).to(torch.bfloat16).cpu()
+        # the router's correction bias in float32
+        out[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    return out
