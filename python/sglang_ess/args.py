@@ -99,10 +99,6 @@ class EssArgs:
     hisparse: bool = False  # SGLang's own --enable-hisparse, which excludes ESS
     facts: EssFacts | None = None  # what the launch checks resolved; None while ESS is off, and before SGLang resolves
 
-    @property
-    def on(self) -> bool:
-        return self.enable
-
     def check(self) -> "EssArgs":
         """Checks that need no model: combinations of the ESS flags themselves."""
         set_flags = [FLAGS[f.name] for f in dataclasses.fields(self)
@@ -173,7 +169,7 @@ OFF = EssArgs()
 
 
 def ess_args(server_args: Any) -> EssArgs:
-    """ESS's settings of a ServerArgs record. ESS is off (`on` False) unless it was launched with --enable-ess: OFF
+    """ESS's settings of a ServerArgs record. ESS is off (`enable` False) unless it was launched with --enable-ess: OFF
     for a record built elsewhere (Engine(...), which takes no ESS flag). SGLang resolves a record in the launcher,
     before any scheduler process receives it, so there an ESS launch has its facts."""
     return getattr(server_args, ATTR, None) or OFF
@@ -182,3 +178,8 @@ def ess_args(server_args: Any) -> EssArgs:
 def attach_flags(server_args: Any, namespace: argparse.Namespace) -> None:
     """SGLang made the record from a command line: its ESS flags ride on it."""
     setattr(server_args, ATTR, from_namespace(namespace))
+
+
+def attach_facts(server_args: Any, facts: EssFacts) -> None:
+    """SGLang resolved the record: what the launch checks resolved rides on it beside the flags."""
+    setattr(server_args, ATTR, dataclasses.replace(ess_args(server_args), facts=facts))

@@ -55,11 +55,12 @@ def state(rt) -> dict:
     """The runtime's state (an EssRuntime): device, host and disk bytes, layer modes, PD loads, residency, the tier."""
     cache, tier = rt.cache, rt.cache.tier
     out = {"device_bytes": cache.device_bytes(), "modes": rt.modes,
-           "pd": {"warm_states_loaded": rt.warm_loaded, "resident_regions_filled": rt.filled_from_host}}
+           "pd": {"warm_states_loaded": rt.arrivals.warm_loaded,
+                  "resident_regions_filled": rt.arrivals.filled_from_host}}
     if cache.regions is not None:
         out |= {"residency": {"device_rows": cache.regions.rows, "resident_requests": len(cache.resident_requests()),
-                              "offloaded_requests": len(cache.offloaded), "demoted": rt.demoted,
-                              "promoted": rt.promoted, "fixed_path": cache.fixed_path}}
+                              "offloaded_requests": len(cache.offloaded), "demoted": rt.residency.demoted,
+                              "promoted": rt.residency.promoted, "fixed_path": cache.fixed_path}}
     if tier is None:
         return out | {"host_bytes": cache.host.numel()}
     return out | {"host_bytes": tier.frame_rows.numel(), "disk_bytes": tier.L * tier.P * DISK_PAGE,

@@ -289,36 +289,6 @@ class EssRuntime:
         return readout.state(self)
 
     @property
-    def demoted(self) -> int:
-        return self.residency.demoted
-
-    @property
-    def promoted(self) -> int:
-        return self.residency.promoted
-
-    @property
-    def warm_loaded(self) -> int:
-        return self.arrivals.warm_loaded
-
-    @property
-    def filled_from_host(self) -> int:
-        return self.arrivals.filled_from_host
-
-    @property
-    def _pending(self) -> dict:
-        """The overlap steps started at an indexer and not yet taken by their attention call."""
-        return self.overlap.pending
-
-    @property
-    def attn1(self) -> str:
-        """--ess-da-attn1: DA's Attn1 ("miss" / "fused" split the attention, "calls" keeps one call)."""
-        return self.overlap.attn1
-
-    @attn1.setter
-    def attn1(self, value: str) -> None:
-        self.overlap.attn1 = value
-
-    @property
     def split_ok(self) -> bool:
         """Set by the plugin around a decode call of a backend that attends through FlashMLA."""
         return self.overlap.split_ok

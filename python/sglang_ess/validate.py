@@ -4,7 +4,6 @@ resolved). What they resolve, EssFacts, rides on the launch's EssArgs into every
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -12,7 +11,7 @@ from ess.core.disk_tier import PAGE_BYTES
 from ess.core.plan import PlanError, load_plan
 from ess.core import settings
 from ess.core.settings import GIB
-from sglang_ess.args import ATTR, FLAGS, EssArgs, EssArgsError, EssFacts, ess_args
+from sglang_ess.args import FLAGS, EssArgs, EssArgsError, EssFacts, attach_facts, ess_args
 from sglang_ess.pd import warmup as pd_warmup
 
 logger = logging.getLogger("sglang_ess")
@@ -303,7 +302,7 @@ def validate_prefill_node(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
 def validate_server_args(server_args: Any) -> EssFacts | None:
     """The launch checks of a record, against its model and its resolved settings; None when ESS is off."""
     ess = ess_args(server_args)
-    if not ess.on:
+    if not ess.enable:
         return None
     from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
 
@@ -317,7 +316,7 @@ def resolution_step(server_args: Any, previous) -> None:
     facts = validate_server_args(server_args)
     if facts is None:
         return
-    setattr(server_args, ATTR, dataclasses.replace(ess_args(server_args), facts=facts))
+    attach_facts(server_args, facts)
     if facts.role != "pd-prefill":
         from sglang.srt.arg_groups.overrides import resolving_view
 

@@ -113,8 +113,9 @@ def _sglang_req(slot: int | None, room: int = 0, metadata_index: int = -1, promp
     return req
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def rows_of():
+    """rows_of(loc, layer): a distinct, recognisable 656-byte row per (layer, token location)."""
     return _rows_of
 
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from sglang_ess import sizing
-from sglang_ess.args import EssArgs
+from sglang_ess.args import EssArgs, EssFacts
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.args import EssFacts
 
 sglang = pytest.importorskip("sglang")
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool  # noqa: E402

@@ -6,9 +6,8 @@ the KV lands every row a step reads is the token's own (docs/pd.md, "Residency f
 import pytest
 import torch
 
-from sglang_ess.args import EssArgs
+from sglang_ess.args import EssArgs, EssFacts
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.args import EssFacts
 
 sglang = pytest.importorskip("sglang")
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
@@ -90,7 +89,7 @@ def demoted_runtime(warmup: int = 0, forward_after: bool = True) -> EssRuntime:
     allocate(rt, B, 8)
     if forward_after:
         forward(rt)
-        assert rt.demoted == 1 and A in rt.cache.offloaded
+        assert rt.residency.demoted == 1 and A in rt.cache.offloaded
     return rt
 
 
@@ -106,7 +105,7 @@ def promoted_runtime(positions: int) -> EssRuntime:
     assert rt.cache.offloaded == {A}
     rt.release(B)
     forward(rt)
-    assert rt.promoted == 1 and rt.cache.resident_requests() == [A]
+    assert rt.residency.promoted == 1 and rt.cache.resident_requests() == [A]
     return rt
 
 
@@ -123,7 +122,7 @@ def test_a_request_demoted_in_the_forward_its_kv_lands_reads_its_own_rows():
     rt = demoted_runtime(forward_after=False)
     land(rt, A)
     decode_reads_true_rows(rt, A, [0, 1, 5, 7])
-    assert rt.demoted == 1
+    assert rt.residency.demoted == 1
 
 
 def test_rows_are_admitted_in_the_order_they_were_given():
@@ -140,7 +139,7 @@ def test_rows_are_admitted_in_the_order_they_were_given():
     allocate(rt, D, 40)  # the first request given a row: D's row, reset last
     allocate(rt, B, 8)
     forward(rt)
-    assert D in rt.cache.offloaded and rt.cache.resident_requests() == [B] and rt.demoted == 1
+    assert D in rt.cache.offloaded and rt.cache.resident_requests() == [B] and rt.residency.demoted == 1
 
 
 def test_a_warmup_row_after_the_demotion_replaces_what_it_held():
@@ -151,7 +150,7 @@ def test_a_warmup_row_after_the_demotion_replaces_what_it_held():
     land(rt, A, entries)
     forward(rt)
     held = rt.cache.sparse.slot_pos[:, A, :C]
-    assert sorted(held[0][held[0] >= 0].tolist()) == list(range(PROMPT - 6, PROMPT)) and rt.warm_loaded == 1
+    assert sorted(held[0][held[0] >= 0].tolist()) == list(range(PROMPT - 6, PROMPT)) and rt.arrivals.warm_loaded == 1
     decode_reads_true_rows(rt, A, [PROMPT - 1, PROMPT - 2, 0, 1])
 
 
@@ -167,7 +166,7 @@ def test_promoted_then_demoted_before_its_kv_lands():
     rt = promoted_runtime(35)  # 40 rows: the whole pool
     allocate(rt, D, 8)
     forward(rt)
-    assert A in rt.cache.offloaded and rt.demoted == 1 and rt.promoted == 1
+    assert A in rt.cache.offloaded and rt.residency.demoted == 1 and rt.residency.promoted == 1
     land(rt, A)
     decode_reads_true_rows(rt, A, [3, 2, 1, 0])
 
@@ -191,7 +190,7 @@ def test_an_abort_before_the_landing_leaves_nothing_for_the_row_s_next_request(l
     assert int((rt.cache.sparse.slot_pos[:, A] >= 0).sum()) == 0 and rt.cache.resident_requests() == [A]
     land(rt, A)
     decode_reads_true_rows(rt, A, [4, 3, 2, 1])
-    assert rt.filled_from_host == 1
+    assert rt.arrivals.filled_from_host == 1
 
 
 def test_a_retracted_request_restored_from_its_backup_reads_its_own_rows():

@@ -43,12 +43,8 @@ def run_pair(tmp_path, model, stock_flags, ess_flags, workload):
     servers = {"stock": S.Server(model, S.CPU_FLAGS + stock_flags, str(tmp_path / "stock.log")),
                "ess": S.Server(model, S.CPU_FLAGS + stock_flags + ess_flags, str(tmp_path / "ess.log"))}
     try:
-        for srv in servers.values():
-            srv.start()
-        results = {}
-        for name, srv in servers.items():
-            srv.wait_ready()
-            results[name] = workload(srv, name == "ess")
+        S.start_all(list(servers.values()))  # they load together; one whose port was taken first starts again
+        results = {name: workload(srv, name == "ess") for name, srv in servers.items()}
         readout = servers["ess"].state()
         return results, readout["ess"] | {"memory_usage": readout.get("memory_usage")}, servers["ess"].log()
     finally:

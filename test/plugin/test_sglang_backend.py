@@ -194,7 +194,7 @@ def test_resident_and_offloaded_requests_through_the_real_backend_equal_the_stoc
     assert rt.counts()["missed_rows"] > 0 and int((rt.cache.sparse.slot_pos[:, 3] >= 0).sum()) == 0
 
 
-# DA's Attn1 (EssRuntime.attn1): the split over the misses, fused with their copy, or one call over every entry
+# DA's Attn1 (OverlapSteps.attn1): the split over the misses, fused with their copy, or one call over every entry
 DA_EVENTS = {"miss": ["indexer", "h2d of the misses", "attention", "attn1 over the misses"],
              "fused": ["indexer", "attention", "h2d and attn1 fused"],
              "calls": ["indexer", "h2d of the misses", "attention"]}
@@ -211,7 +211,7 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
 
     flags = [*(tier_flags(tmp_path) if tier else []), *([] if attn1 == "calls" else ["--ess-da-attn1", attn1])]
     tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch(*flags))
-    assert rt.attn1 == attn1  # the flag's, or its default ("calls": one call)
+    assert rt.overlap.attn1 == attn1  # the flag's, or its default ("calls": one call)
     events, misses = [], []
     fetch, attend, fetch_attend = rt.cache.fetch, rt.cache.attend_misses, rt.cache.fetch_attend
 
@@ -259,7 +259,7 @@ def test_da_decode_through_the_real_backend_equals_the_stock_backend(launch, plu
                 events.append("attention")
                 got = ess.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
             assert events == DA_EVENTS[attn1], events  # DA: the H2D started at the indexer (fused: at the attention)
-            assert not rt._pending and not rt.split_pending  # the attention call took the step the indexer started
+            assert not rt.overlap.pending and not rt.split_pending  # the attention call took the step the indexer started
             with forward_context(ForwardContext(attn_backend=stock)):
                 # the stock backend maps the same positions to token locations through its own page table
                 want = stock.forward_decode(q, k, k, layer, batch, q_rope=q_rope, k_rope=k_rope, topk_indices=topk)
@@ -366,10 +366,10 @@ def test_mtp_verify_through_the_real_backend_equals_the_stock_backend(launch, pl
             k = torch.randn(len(pos), 1, 576, generator=gen).bfloat16()
             with forward_context(ForwardContext(attn_backend=ess)):
                 plugin.forward.after_indexer(topk, None, None, None, batch.positions, batch, layer.layer_id)
-                assert len(rt._pending) == 1  # DA: the union's step started at the indexer
+                assert len(rt.overlap.pending) == 1  # DA: the union's step started at the indexer
                 got = ess.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch, q_rope=q[..., 512:],
                                          k_rope=k[..., 512:], topk_indices=topk)
-            assert not rt._pending
+            assert not rt.overlap.pending
             with forward_context(ForwardContext(attn_backend=stock)):
                 want = stock.forward_extend(q[..., :512], k[..., :512], k[..., :512], layer, batch,
                                             q_rope=q[..., 512:], k_rope=k[..., 512:], topk_indices=topk)
@@ -524,7 +524,7 @@ def test_a_decode_step_relabelled_by_dp_attention_reads_its_rows_without_losing_
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     tokens, stock_pool, ess_pool, rt, ess, stock = build(plugin, *launch())
-    rt.attn1 = "calls"  # DA's decode steps in one attention call: every output compares bit for bit
+    rt.overlap.attn1 = "calls"  # DA's decode steps in one attention call: every output compares bit for bit
     layers = attention_layers()
     gen, rng = torch.Generator().manual_seed(6), random.Random(6)
     req, ctx = torch.tensor(REQ), [40, 33]

@@ -15,10 +15,9 @@ sglang = pytest.importorskip("sglang")
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from sglang_ess.args import EssArgs  # noqa: E402
+from sglang_ess.args import EssArgs, EssFacts  # noqa: E402
 from sglang_ess.pool import DECODE, EXTEND, pool_class  # noqa: E402
 from sglang_ess.runtime import EssRuntime  # noqa: E402
-from sglang_ess.args import EssFacts  # noqa: E402
 
 L, K, C, SIZE, MAX_LEN = 2, 8, 12, 40 * 64, 200
 REQ = [3, 1]  # request-pool slots (0 is SGLang's padding row)
@@ -147,14 +146,14 @@ def test_decode_reads_through_the_runtime_equal_the_stock_pool(pools, monkeypatc
         for layer in range(L):
             with in_forward(ess):
                 hooks.forward.after_indexer(topk, None, None, None, positions=pos, forward_batch=batch, layer_id=layer)
-            assert len(rt._pending) == (overlap == "da")
+            assert len(rt.overlap.pending) == (overlap == "da")
             write(stock, ess, layer, tokens.req_to_token[req, pos], salt=step)
             slots = rt.swap_in_selected_pages(req, seq_lens, topk, layer)
             got = ess.get_key_buffer(layer)[slots.long()]
             want = stock.get_key_buffer(layer)[tokens.req_to_token[req.unsqueeze(1), topk.long()].long()]
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (step, layer)
         pos = pos + 1
-    assert not rt._pending
+    assert not rt.overlap.pending
     # the new decode rows reached the host pool too
     for layer in range(L):
         assert torch.equal(ess.ess_host[layer, : SIZE + 64], stock.kv_buffer[layer][:, 0])
@@ -391,10 +390,10 @@ def test_indexer_hook_skips_prefill_and_the_draft_worker(pools, monkeypatch):
     with in_forward(ess):
         hooks.forward.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), L)  # the NextN layer
     hooks.forward.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)  # outside a forward
-    assert not rt._pending
+    assert not rt.overlap.pending
     with in_forward(ess):  # the target's decode forward: the step starts at its indexer
         hooks.forward.after_indexer(topk, None, None, None, pos, decode_batch(torch.tensor(REQ), pos), 0)
-    assert len(rt._pending) == 1
+    assert len(rt.overlap.pending) == 1
 
 
 def test_prefill_top_k_warms_up_through_the_hooks(pools):

@@ -36,7 +36,7 @@ def test_mtp_verify_rows_translate_as_one_step(overlap, setup_runtime, store, ro
             assert slots.shape == (2, S, K)
             want = rows_of(pool.req_to_token[req.view(2, 1, 1), topk.long()], layer)
             assert torch.equal(rt.latent_buffer(layer)[slots.long(), 0], want)
-    assert not rt._pending
+    assert not rt.overlap.pending
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_overlap_layers_start_at_the_indexer_and_equal_none(mode, kernel, attn1,
     fused miss kernel; a call that attends in one piece (no FlashMLA split here) copies first."""
     ref, pool = setup_runtime(overlap="none")
     rt, _ = setup_runtime(overlap=mode, pool=pool, kernel=kernel)
-    rt.attn1 = attn1
+    rt.overlap.attn1 = attn1
     req = torch.tensor(SLOTS)
 
     def both(layer, pos, topk, own_loc):
@@ -79,7 +79,7 @@ def test_overlap_layers_start_at_the_indexer_and_equal_none(mode, kernel, attn1,
 
     for layer, got, want in decode_steps(random.Random(3), pool, STEPS, both):
         assert torch.equal(got, want)
-    assert not rt._pending
+    assert not rt.overlap.pending
 
 
 def test_tbo_micro_batches_keep_the_lru_of_one_batch(setup_runtime, store, rows_of, decode_steps):
@@ -125,11 +125,11 @@ def test_cuda_graph_padding_rows_take_no_step_and_stale_overlap_steps_are_droppe
     assert rt.begin(0, req, pos, topk)  # an indexer whose attention call never comes (an aborted forward)
     with caplog.at_level("WARNING", logger="sglang_ess"):  # the next forward (SGLang's ModelRunner.forward)
         plugin.forward.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
-    assert not rt._pending and "never consumed" in caplog.text
-    rt.attn1 = "fused"  # a dropped step whose misses the fused miss kernel was to copy: they land all the same
+    assert not rt.overlap.pending and "never consumed" in caplog.text
+    rt.overlap.attn1 = "fused"  # a dropped step whose misses the fused miss kernel was to copy: they land all the same
     step = 5
     topk = torch.tensor([list(range(step, step + K))] * 3, dtype=torch.int32)
-    assert rt.begin(0, req, pos, topk) and rt._pending[next(iter(rt._pending))][1] is None
+    assert rt.begin(0, req, pos, topk) and rt.overlap.pending[next(iter(rt.overlap.pending))][1] is None
     plugin.forward.around_model_forward(lambda runner: None, types.SimpleNamespace(ess_runtime=rt))
     held = rt.cache.sparse.pos_slot[0, SLOTS[0], step : step + K].long()
     assert bool((held >= 0).all())

@@ -50,7 +50,7 @@ def _ess_target(kvc) -> EssArgs | None:
     """ESS's settings when this configurator builds an ESS target pool (not the MTP draft worker's; a PD prefill node
     keeps SGLang's pool)."""
     ess = ess_args(kvc.server_args)
-    if not ess.on or getattr(kvc, "is_draft_worker", False) or ess.facts.role == "pd-prefill":
+    if not ess.enable or getattr(kvc, "is_draft_worker", False) or ess.facts.role == "pd-prefill":
         return None
     return ess
 
@@ -83,7 +83,7 @@ def before_load_model(model_runner, *a, **kw):
     from), so memory other processes hold is found before the load, not after it."""
     ess = ess_args(model_runner.server_args)
     free_gib = getattr(model_runner, "pre_model_load_memory", None)
-    if not ess.on or ess.facts.role == "pd-prefill" or getattr(model_runner, "is_draft_worker", False) \
+    if not ess.enable or ess.facts.role == "pd-prefill" or getattr(model_runner, "is_draft_worker", False) \
             or free_gib is None:
         return
     from sglang.srt.arg_groups.overrides import resolving_view
@@ -98,7 +98,7 @@ def after_init_sparse_coordinator(result, model_runner, *a, **kw):
     rows in decode and verify, takes un-fused top-k positions, and keeps the token-granular page table."""
     server_args = model_runner.server_args
     ess = ess_args(server_args)
-    if not ess.on or getattr(model_runner, "is_draft_worker", False):
+    if not ess.enable or getattr(model_runner, "is_draft_worker", False):
         return
     facts = ess.facts
     pool = model_runner.token_to_kv_pool

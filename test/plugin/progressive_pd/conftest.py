@@ -13,12 +13,11 @@ import torch
 
 from ess.core.landed_rows import LandingTracker
 from ess.core.send_order import send_order
-from sglang_ess.args import EssArgs
+from sglang_ess.args import EssArgs, EssFacts
 from sglang_ess.hooks.shared import state as ess_state
 from sglang_ess.pd import engines as pd_engines
 from sglang_ess.pd.landing import ProgressiveDecode
 from sglang_ess.runtime import EssRuntime
-from sglang_ess.args import EssFacts
 
 sglang = pytest.importorskip("sglang")
 import torch.distributed as dist  # noqa: E402
@@ -257,9 +256,10 @@ def steps_wait_and_equal_the_full_transfers(run, full, full_pool, rt, pool, q) -
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-# each constant and helper above, as a session fixture of its name (tests import no test module: test/test_repo.py);
-# the default argument binds the value (pytest takes no fixture for an argument with a default)
-for _name in ("L", "K", "CTX", "STEPS", "PAGE", "SLOT", "FIRST_TOKEN", "rows_of", "transfer_queue", "decode_node",
+# each constant and helper above, as a session fixture of its name (tests import no test module: test/test_repo.py;
+# rows_of is the plugin tests' own fixture, the same rows); the default argument binds the value (pytest takes no
+# fixture for an argument with a default)
+for _name in ("L", "K", "CTX", "STEPS", "PAGE", "SLOT", "FIRST_TOKEN", "transfer_queue", "decode_node",
               "topk_of", "decode", "verify", "hot_and_rest", "join", "land", "full_and_joining",
               "steps_wait_and_equal_the_full_transfers"):
     globals()[f"shared_{_name}"] = pytest.fixture(name=_name, scope="session")(lambda _v=globals()[_name]: _v)
