@@ -30,6 +30,21 @@ rm -rf .rehearsal/site .rehearsal/out "$TMPDIR"
 PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model" ESS_DEVICE=cpu \
   bash benchmark/gpu/server.sh .rehearsal/out --servers stock-eager,ess-none-eager,hisparse-eager --lengths 200,420 \
   --buffer-tokens 96 --requests 4 --bench stock-eager,ess-none-eager --bench-output 16
+# lease.sh's resident step at the CPU's sizes: every request resident at the workload's context length
+rm -rf .rehearsal/resident
+PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model" ESS_DEVICE=cpu \
+  bash benchmark/gpu/server.sh .rehearsal/resident --servers stock,ess-fit --bench stock,ess-fit --requests 2 \
+  --lengths 300,300 --context-length 384 --new-tokens 16 --bench-output 16
+"$VENV/bin/python" - <<'EOF'
+import json
+
+report = json.load(open(".rehearsal/resident/server.json"))
+fit = report["servers"]["ess-fit"]
+assert report["tokens_identical"], report["pairs"]
+assert fit["residency"]["offloaded_requests"] == 0 and fit["ess"]["resident_forwards"] > 0, fit
+assert report["resident_over_stock"]["context_length"] == 384, report.get("resident_over_stock")
+print("gpu_rehearsal: resident step", report["resident_over_stock"])
+EOF
 # the gain run (lease.sh's server step) at the CPU's sizes: each server's device bytes checked against the plan's one
 # budget, then benchmarked with the same prompts (3x stock's requests), gain.json written after each with ESS's
 # counters; ESS at stock's concurrency too

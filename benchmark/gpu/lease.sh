@@ -11,6 +11,9 @@
 #             one has not run)
 #             Both server steps write the checkpoint with a real model's top-k locality (ESS_LOCALITY, default the
 #             fitted 0.125; empty: the random checkpoint, as every GPU figure before).
+#   resident  every request resident at the workload's context length (issue 58): stock and ESS with C = the request's
+#             reach (ess-fit), 8 prompts of 32K at --context-length 33088, tokens compared, SGLang's serving benchmark
+#             on each (256 out) with CUDA graphs: server.json's resident_over_stock, the context length beside it
 #   server128k  the same at 128K in / 2K out: stock holds 2 requests, ESS (C = 0.1 x context) 6, 6 prompts; only
 #             with --steps (a second call: --steps server128k,decode47)
 #   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
@@ -21,7 +24,7 @@
 # tiny sizes (the server step is rehearsed by scripts/gpu_rehearsal.sh), as CI checks this script.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="" budget=9.5 smoke="" steps="server,decode47,indexer"
+OUT="" budget=9.5 smoke="" steps="server,resident,decode47,indexer"
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget-min) budget=${2:?--budget-min needs minutes}; shift ;;
@@ -34,7 +37,7 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$OUT" ] || { echo "usage: bash benchmark/gpu/lease.sh OUT [--budget-min M] [--steps LIST] [--smoke]" >&2; exit 2; }
 for s in ${steps//,/ }; do
-  case "$s" in server|server128k|decode47|indexer) ;; *) echo "lease.sh: --steps: unknown step $s (server, server128k, decode47, indexer)" >&2; exit 2 ;; esac
+  case "$s" in server|resident|server128k|decode47|indexer) ;; *) echo "lease.sh: --steps: unknown step $s (server, resident, server128k, decode47, indexer)" >&2; exit 2 ;; esac
 done
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 [[ "$budget" =~ ^[0-9]+([.][0-9]+)?$ ]] && awk "BEGIN{exit !($budget > 0)}" \
@@ -89,13 +92,17 @@ decode47() {  # 32K MTP verify, then 128K decode appended: baseline and none, as
 # the server steps' checkpoint: a real model's top-k locality (the CPU fit, benchmark/results/locality/fit.json);
 # ESS_LOCALITY= (empty) for the random checkpoint
 LOCALITY=${ESS_LOCALITY-0.125}
-for name in server server128k; do
+for name in server resident server128k; do
   wanted "$name" || continue
   if [ -n "$smoke" ]; then
     echo "$name: not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)" | tee -a "$RUN/steps.log"
   elif [ "$name" = server ]; then
     step server 540 env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" bash benchmark/gpu/server.sh "$RUN/server" --gain \
       --gain-modes none
+  elif [ "$name" = resident ]; then
+    step resident 240 env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" bash benchmark/gpu/server.sh "$RUN/resident" \
+      --servers stock,ess-fit --bench stock,ess-fit --requests 8 --lengths 32768,32768 --context-length 33088 \
+      --new-tokens 32 --bench-output 256
   else
     step server128k 540 env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" bash benchmark/gpu/server.sh "$RUN/server128k" \
       --gain --gain-modes none \

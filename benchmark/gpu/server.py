@@ -68,6 +68,9 @@ def parse(argv=None) -> argparse.Namespace:
                         " its start for activations; the servers start together, so each measures the others' weights"
                         " as used: a high fraction, with --max-total-tokens bounding each KV pool")
     p.add_argument("--max-total-tokens", type=int, default=300000)
+    p.add_argument("--context-length", type=int, default=None,
+                   help="every server's --context-length (default: the batch's tokens in one context, context_length); "
+                        "the workload's own (one request's reach) times the step as a deployment sized for it would")
     p.add_argument("--bench", default="stock,ess-fit,ess-none",
                    help="servers that then run SGLang's serving benchmark: --requests prompts of the longest length, "
                         "all at once (the same concurrency for each: ESS's cost, not its gain); '' for none")
@@ -107,9 +110,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def context_length(args) -> int:
-    """Room for every request of the batch in one context: ESS stages at most one context of tokens per prefill batch
-    (sglang_ess.hooks.forward.around_add_one_req), so with less, its prefill batches (and their float rounding) would
-    differ from stock's."""
+    """--context-length, or room for every request of the batch in one context: ESS stages at most one context of
+    tokens per prefill batch (sglang_ess.hooks.forward.around_add_one_req), so with less its prefill batches (and their
+    float rounding) could differ from stock's (not with 8K chunks of prompts longer than them: one request a batch)."""
+    if args.context_length is not None:
+        return args.context_length
     total = sum(S.prompt_lengths(args.requests, args.lengths))
     return whole_pages(total + args.requests * args.new_tokens + PAGE_TOKENS)
 
@@ -511,6 +516,9 @@ def main(argv=None) -> int:
         rate = report["servers"].get(name, {}).get("decode", {}).get("median_gen_throughput")
         if name != "stock" and rate and stock_rate:
             report[f"decode_ratio_{name}"] = round(rate / stock_rate, 3)
+    if "decode_ratio_ess-fit" in report:  # every request resident: ESS's cost where stock fits (issue 58)
+        report["resident_over_stock"] = {"ratio": report["decode_ratio_ess-fit"], "requests": args.requests,
+                                         "context_length": context_length(args), "prompt_tokens": args.lengths[1]}
     exact_pairs = [v for v in report["pairs"].values() if v["exact_required"]]
     report["tokens_identical"] = bool(exact_pairs) and all(v["tokens_identical"] for v in exact_pairs)
     report["cuda_graph"] = any(v["tokens_identical"] for k, v in report["pairs"].items()

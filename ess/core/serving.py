@@ -139,9 +139,9 @@ class ServingLatentCache:
     def demote(self, req: int, length: int | None = None) -> None:
         """A resident request (length positions written; None: at least C, or unknown) becomes offloaded without a
         copy: its region shrinks to the first C rows, which keep positions [0, min(length, C)) as LRU residents,
-        older than any step's; the host pool holds every row (each written row is backed up), so the rest are misses
-        to fetch. A position not written yet that the tables call resident is harmless: no step selects a position
-        past its own, and its own row lands in the slot its table names."""
+        older than any step's; the rest are misses to fetch from the host pool, which holds every row once the caller
+        flushed the rows that only the region held (`flush`). A position not written yet that the tables call resident
+        is harmless: no step selects a position past its own, and its own row lands in the slot its table names."""
         start, n = self.region[req]
         if req in self.offloaded:
             raise ValueError(f"request slot {req} is offloaded already")
@@ -213,6 +213,34 @@ class ServingLatentCache:
         """No offloaded request is live (host-known): the step skips the LRU policy and the fetch (not on the fixed
         path)."""
         return self.regions is not None and not self.offloaded and not self.fixed_path
+
+    def own_region_rows(self, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The resident step's new rows: (request slot req [N], position pos [N]) -> their region rows, int64; the sink
+        slot where the slot is not resident (CUDA-graph padding) or pos < 0. Device ops only."""
+        r = req.long()
+        keep = self.is_resident[r] & (pos >= 0)
+        return torch.where(keep, self.start[r] + pos.long(), self.sink_slot)
+
+    def flush(self, req: int, token_table: torch.Tensor, lo: int, hi: int) -> int:
+        """Host copies once: a resident request's region rows of positions [lo, hi) to their host rows, every layer in
+        one FlashTrans copy (docs/design.md, "Residency first"). The resident step writes a new row into the region
+        only; this runs when the host pool must hold it: before a demotion, before the request's rows go to the radix
+        cache, before a PD retraction's backup. Returns the rows copied per layer (0: not resident, or nothing)."""
+        if self.regions is None or req not in self.region or req in self.offloaded or self.tier is not None:
+            return 0
+        start, rows = self.region[req]
+        hi = min(hi, rows, token_table.shape[1])
+        if hi <= lo:
+            return 0
+        dev = self.gpu.device
+        pos = torch.arange(lo, hi, device=dev)
+        loc = token_table[req, lo:hi].long().to(dev)
+        layer = torch.arange(self.gpu.shape[0], device=dev).unsqueeze(1)
+        src = (layer * self.gpu.shape[1] + start + pos).flatten()
+        dst = (layer * self.host.shape[1] + loc).flatten()
+        flashtrans.scatter(self.gpu.view(-1, layout.LATENT_ROW_BYTES), src, self.host.view(-1, layout.LATENT_ROW_BYTES),
+                           dst, self.backend)
+        return hi - lo
 
     def fill_resident(self, layer: int, rows: torch.Tensor, req: torch.Tensor, pos: torch.Tensor) -> None:
         """Rows [N, 656] of (request slot req [N], position pos [N]; -1: none) into the regions of the resident ones

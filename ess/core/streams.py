@@ -26,6 +26,11 @@ class Streams:
         ev.record()
         return ev
 
+    def host_wait(self, ev) -> None:
+        """The host waits for ev (a host read of memory the device wrote before ev)."""
+        if self.cuda and ev is not None:
+            ev.synchronize()
+
     def on_copy(self):
         """Run the block on the copy stream (CPU: in place)."""
         return torch.cuda.stream(self.copy) if self.cuda else contextlib.nullcontext()

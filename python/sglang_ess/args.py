@@ -42,6 +42,9 @@ class EssFacts:
     windows: int = 0  # LRU-Warmup windows a prefill node sends
     residency: bool = False  # residency first (--ess-residency; docs/design.md, "Residency first")
     fixed_step: bool = False  # decode runs as CUDA graphs: one step path for every batch (no host-known skips)
+    # DP attention: a decode forward may run relabelled as one-token extends, which read the selected rows from the
+    # host pool (sglang_ess.pool.stage_selected), so every new row is backed up: no resident path
+    relabelled_decodes: bool = False
 
 
 def flag(default, name: str, help: str, **argparse_kw):

@@ -27,6 +27,8 @@ NOT_CHARGED = {
     "_split": "one forward's step results",
     "_own_rows": "views of the decode scratch",
     "next_ranked": "one forward's indexer output",
+    "_batch": "the decode call's request slots and positions (SGLang's forward batch)",
+    "_own_region": "one forward's region rows of its new rows (its activations; under CUDA graphs, graph memory)",
     "_warm": "one prefill forward's warm-up plan",
     "_loads": "PD warm-up states waiting for the next forward (host-sized, freed there)",
     "_stage_locs": "one prefill forward's staging plan",

@@ -14,7 +14,8 @@ Reads, by phase (set by the plugin around the DSA backend's forward calls):
     decode / verify   the backend asks the ESS runtime (its sparse-offload coordinator) for the selected rows,
                       which live in the runtime's per-request GPU slots (ess.core.serving).
 Writes: SGLang's own quantiser (`_write_mla_kv_buffer`) makes the 656-byte FP8 rows in GPU memory, then FlashTrans
-copies them to their host rows (D2H); in decode the same rows are the step's own rows for the runtime.
+copies them to their host rows (D2H); in decode the same rows are the step's own rows for the runtime. On the resident
+path (docs/plugin.md, "Two paths") a decode row is written straight into its request's region and not backed up.
 
 With --ess-disk-dir the host pool is a disk tier (ess.core.disk_tier) whose virtual rows are the token locations:
 `ess_host` holds its frames, every access first brings the locations' pages into frames (`_pages_in`, host work
@@ -189,6 +190,13 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         local = layer_id - self.start_layer
         n = loc.shape[0]
+        rt = self.ess_runtime
+        if self.ess_phase != EXTEND and rt is not None and rt.resident_forward:
+            # the resident path: the new rows straight into their regions (SGLang's quantiser writing there), no backup
+            # (host copies once: EssRuntime.flush)
+            self._write_mla_kv_buffer(rt.latent_buffer(layer_id), rt.own_region_rows(layer_id, n), cache_k_nope,
+                                      cache_k_rope)
+            return
         if self.ess_phase == EXTEND:
             self._stage_layer(local)
             buf, rows = self.ess_stage, self.ess_stage_of_loc[loc.long()].long()
@@ -254,6 +262,12 @@ class EssDSATokenToKVPool(DSATokenToKVPool):
         return self.ess_tier.rows(layer, idx.to(self.device)).cpu()
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
+        """A PD decode node's retraction backup of a request's rows (their locations `indices`, positions from 0): a
+        resident request's rows that its region alone holds go to the host pool first."""
+        if self.ess_runtime is not None and req_pool_index is not None:
+            rt = self.ess_runtime
+            if rt.flush(int(req_pool_index), indices.numel()):
+                rt.streams.host_wait(rt.streams.recorded())  # the copy below reads the host pool on the host
         idx = indices.long()
         if self.ess_tier is None:
             kv = self.ess_host[:, idx.cpu()].clone()

@@ -60,7 +60,8 @@ def state(rt) -> dict:
     if cache.regions is not None:
         out |= {"residency": {"device_rows": cache.regions.rows, "resident_requests": len(cache.resident_requests()),
                               "offloaded_requests": len(cache.offloaded), "demoted": rt.residency.demoted,
-                              "promoted": rt.residency.promoted, "fixed_path": cache.fixed_path}}
+                              "promoted": rt.residency.promoted, "fixed_path": cache.fixed_path,
+                              "graphs_captured": dict(rt.graphs_captured)}}
     if tier is None:
         return out | {"host_bytes": cache.host.numel()}
     return out | {"host_bytes": tier.frame_rows.numel(), "disk_bytes": tier.L * tier.P * DISK_PAGE,

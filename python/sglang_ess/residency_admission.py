@@ -20,18 +20,42 @@ class ResidencyAdmission:
         self._positions: dict[int, int] = {}  # request slot -> the positions its request can reach, as given
         self._finished: set[int] = set()  # request slots let go since the last forward
         self._reach: dict[int, int] = {}  # request slot -> its resident region's rows (a multiple of C)
+        self._reqs: dict[int, object] = {}  # request slot -> SGLang's Req: how far its rows reach, for a flush
         self.demoted = self.promoted = 0  # requests that crossed the wall, each way (host counts)
 
-    def plan(self, req_slot: int, positions: int) -> None:
-        """The scheduler gave request slot req_slot to a request that can reach `positions` positions (its prompt, its
-        most new tokens and the draft tokens): its region is sized for them at the next forward."""
+    def plan(self, req_slot: int, positions: int, req=None) -> None:
+        """The scheduler gave request slot req_slot to a request (SGLang's Req; None: unknown) that can reach
+        `positions` positions (its prompt, its most new tokens and the draft tokens): its region is sized for them at
+        the next forward."""
         self._positions[req_slot] = min(positions, self.width)
+        if req is None:
+            self._reqs.pop(req_slot, None)
+        else:
+            self._reqs[req_slot] = req
+
+    def tracks_all(self) -> bool:
+        """Every resident request's Req is known, so a flush knows its rows (a row given by SGLang's alloc_rows alone,
+        which the reach hook does not see, keeps its forwards on the general path, which backs every row up)."""
+        return all(r in self._reqs for r in self.cache.resident_requests())
+
+    def flush(self, req_slot: int, upto: int | None = None) -> int:
+        """Host copies once: the rows of a resident request that only its region may hold go to the host pool
+        (ServingLatentCache.flush). The prompt's rows are there already (a prefill writes every row it stages to the
+        host pool; a PD decode node receives them there), so positions [prompt, upto) go: upto, SGLang's KV kept
+        (radix cache, backup), or the positions allocated to the request (a demotion: rows in flight included, each
+        of its own locations). Returns the rows copied per layer."""
+        req = self._reqs.get(req_slot)
+        if req is None:
+            return 0
+        hi = req.kv.kv_allocated_len if upto is None else upto
+        return self.cache.flush(req_slot, self.token_table, len(req.origin_input_ids), hi)
 
     def release(self, req_slot: int) -> None:
         """The request of req_slot finished or was aborted: its region is freed with its row's reset."""
         self._finished.add(req_slot)
         self._positions.pop(req_slot, None)
         self._reach.pop(req_slot, None)
+        self._reqs.pop(req_slot, None)
 
     def admit(self, resets: list[int]) -> None:
         """At the start of a forward, in stream order, after the rows in `resets` were reset: the rows given to new
@@ -65,6 +89,7 @@ class ResidencyAdmission:
                     if not residents:
                         raise
                     victim = max(residents, key=lambda r: cache.region[r][1])
+                    self.flush(victim)  # its rows the region alone holds, to the host pool first
                     cache.demote(victim)
                     self.demoted += 1
         if changed and cache.offloaded:  # a request came or went: room for an offloaded one, perhaps

@@ -4,9 +4,14 @@ backend's sparse-offload call, the same call SGLang's HiSparse answers: swap_in_
 seq_lens, top_k, layer_id) -> indices of the selected rows in the device latent buffer, which FlashMLA's sparse
 decode then reads.
 
-Here: the LRU step of a layer (padding rows and stale entries masked, a progressive PD decode's wait for landed rows,
-the disk tier's page-in, the step counted and recorded) and the order of a forward (admissions first, the counters
-and the trace after). Its parts, one concern each:
+Here: the path of a forward, the LRU step of a layer (padding rows and stale entries masked, a progressive PD decode's
+wait for landed rows, the disk tier's page-in, the step counted and recorded) and the order of a forward (admissions
+first, the counters and the trace after). A forward takes one of two paths, chosen from what the host knows after the
+admissions (docs/plugin.md, "Two paths"): with no offloaded request live, the resident path (stock's step over the
+regions: each entry start + position, each new row written straight into its region, no LRU step, no fetch, no
+counters, no D2H backup: a resident request's rows go to the host pool once, when they must, `flush`); else the
+general path. Under CUDA graphs each batch size has a graph of each path (sglang_ess.hooks.graphs). Its parts, one
+concern each:
     sglang_ess.overlap_steps        DA / DBA: the step started at the indexer, and the split FlashMLA call
     sglang_ess.prefill_warmup       LRU-Warmup from a prefill forward's top-k
     sglang_ess.residency_admission  residency first: regions for the request slots given since the last forward
@@ -75,6 +80,7 @@ class EssRuntime:
             device_rows=rows,
         )
         self.cache.fixed_path = facts.fixed_step
+        self.relabelled_decodes = facts.relabelled_decodes
         self.query_rows = facts.query_rows
         self.req_pool = None  # SGLang's request pool whose rows this runtime serves (set by the plugin)
         self.streams = Streams(device)
@@ -89,6 +95,14 @@ class EssRuntime:
         self.next_ranked: list[torch.Tensor] = []
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)  # read by SGLang's graph runners
         self._own_rows: list[torch.Tensor | None] = [None] * self.num_layers
+        # the path of the forward in flight (set by start_forward, or by a CUDA graph's capture), and the decode/verify
+        # forwards each path took (host counts: a graph's replay is counted when chosen)
+        self.resident_forward = False
+        self.paths = {"resident": 0, "general": 0}
+        self.graphs_captured: dict[str, int] = {}  # decode CUDA graphs captured per path (sglang_ess.hooks.graphs)
+        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None  # the decode call's (request slots, positions)
+        self._own_region: dict[int, torch.Tensor] = {}  # req tensor's data_ptr -> its new rows' region rows
+        self._flushed = None  # an event after the last flush outside a forward (GPU), waited for by the next forward
         self.progressive = None  # a PD decode node's --ess-progressive-pd (sglang_ess.pd.landing.ProgressiveDecode)
         self.released = 0  # requests let go (finished or aborted), a host count
         self.step_counters = readout.StepCounters(token_table.shape[0], device)
@@ -103,11 +117,18 @@ class EssRuntime:
         self._resets: list[int] = []
 
     # -- a forward -----------------------------------------------------------------------------------------------------
-    def start_forward(self) -> None:
+    def start_forward(self, decode: bool = True) -> None:
         """A forward of the target model begins: overlap steps never taken are dropped, the admissions since the last
-        forward applied; the trace ring and the tally start empty."""
+        forward applied, the forward's path chosen (decode: a decode or verify forward, counted); the trace ring and
+        the tally start empty."""
         self.overlap.drop_unconsumed()
+        self.streams.wait(self._flushed)
+        self._flushed = None
         self.apply_admissions()
+        self.resident_forward = self.resident_path_ok()
+        self._own_region.clear()  # a forward's own (under CUDA graphs, each graph computes and reads its own)
+        if decode:
+            self.paths["resident" if self.resident_forward else "general"] += 1
         if self.ring is not None:
             self.ring.reset()
         self.next_ranked.clear()
@@ -124,6 +145,34 @@ class EssRuntime:
             if real.any():
                 self.recorder.record(layer, req[real], topk[real], own[real])
 
+    def resident_path_ok(self) -> bool:
+        """The resident path serves the next forward: regions exist and no offloaded request is live (host-known), no
+        disk tier (whose host rows are paged: every new row is backed up), no DP attention (a relabelled decode reads
+        the host pool), no trace being recorded (the LRU step is what it records), and the host knows how far each
+        resident request's rows reach (its flush)."""
+        return (self.cache.regions is not None and not self.cache.offloaded and self.cache.tier is None
+                and not self.relabelled_decodes and self.recorder is None and self.residency.tracks_all())
+
+    @staticmethod
+    def _masked(req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """own [B] or [B, S] (padding rows -1) and sets [B, S*K] with entries past the request's newest own position
+        set to -1 (stale or padded top-k; SGLang's HiSparse had the same hole, its issue 32771: they would translate to
+        another token's slot or index past the tables). Device ops."""
+        own = own.long().reshape(req.shape[0], S) if S > 1 else own.long()  # [B], or [B, S]
+        real = req != PADDING_SLOT  # padding rows get no own token, and so (below) no set: they touch only sinks
+        own = torch.where(real.unsqueeze(1) if own.dim() == 2 else real, own, -1)
+        newest = own if own.dim() == 1 else own.max(dim=1).values
+        return torch.where(sets > newest.unsqueeze(1), -1, sets), own
+
+    def _resident_step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor,
+                       S: int) -> torch.Tensor:
+        """The resident path's step of one layer: every entry start + position (residency_map.map_result without an
+        LRU result); the new rows are in their regions already (own_region_rows). Returns the slots [B, S*K]."""
+        sets, own = self._masked(req, sets, own, S)
+        if self.progressive is not None:  # a request still landing: the rows this step reads have landed
+            self.progressive.wait(layer, req, sets)
+        return self.cache._mapped(None, req, sets, own).attn_slot
+
     def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, S: int, serial: bool = False,
               own_rows: torch.Tensor | None = None) -> PolicyResult:
         """The LRU step of one layer for a (micro-)batch: sets [B, S*K] positions, own [B*S] the own positions of S
@@ -132,13 +181,7 @@ class EssRuntime:
         the misses, own rows); else the step alone."""
         if layer == 0:
             self.cache.next_step()
-        own = own.long().reshape(req.shape[0], S) if S > 1 else own.long()  # [B], or [B, S]
-        real = req != PADDING_SLOT  # padding rows get no own token, and so (below) no set: they touch only sinks
-        own = torch.where(real.unsqueeze(1) if own.dim() == 2 else real, own, -1)
-        # Entries past the request's newest own position (stale or padded top-k; SGLang's HiSparse had the same hole,
-        # its issue 32771) would translate to another token's slot or index past the tables: mask them (device op).
-        newest = own if own.dim() == 1 else own.max(dim=1).values
-        sets = torch.where(sets > newest.unsqueeze(1), -1, sets)
+        sets, own = self._masked(req, sets, own, S)
         if self.progressive is not None:  # --ess-progressive-pd: the rows this step reads have landed (a host wait)
             self.progressive.wait(layer, req, sets)
         if self.cache.tier is not None:
@@ -158,6 +201,23 @@ class EssRuntime:
         return r
 
     # -- the decode step's calls: the pool's write, the indexer, the backend -------------------------------------------
+    def set_batch(self, req_pool_indices: torch.Tensor, positions: torch.Tensor) -> None:
+        """The decode / verify call's request slots [B] and positions [B * S] (the backend's forward batch, before its
+        pool write)."""
+        self._batch = (req_pool_indices, positions)
+
+    def own_region_rows(self, layer_id: int, n: int) -> torch.Tensor:
+        """The resident path: the region rows [n] of this call's n new rows (S = n / B per request), where the pool
+        writes them. Computed at the first layer of each (micro-)batch, then reused by its other layers (graph-safe:
+        the same tensors in a capture)."""
+        req, pos = self._batch
+        key = req.data_ptr()
+        if layer_id == self.start_layer or key not in self._own_region:
+            S = n // max(1, req.shape[0])
+            slots = req.repeat_interleave(S) if S > 1 else req
+            self._own_region[key] = self.cache.own_region_rows(slots, pos.reshape(-1)[:n])
+        return self._own_region[key]
+
     def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
         """This decode/verify step's new rows [B(*S), 656] (the ESS KV pool wrote them to the host pool already),
         which swap_in_selected_pages puts into their GPU slots."""
@@ -171,7 +231,10 @@ class EssRuntime:
     def begin(self, layer_id: int, req_pool_indices: torch.Tensor, positions: torch.Tensor,
               top_k: torch.Tensor) -> bool:
         """Right after a layer's indexer (top_k [B*S, K] positions for the query rows at positions [B*S]): a DA / DBA
-        layer's step and its H2D start here (OverlapSteps.begin). Returns whether they did."""
+        layer's step and its H2D start here (OverlapSteps.begin). Returns whether they did (never on the resident
+        path: nothing to fetch)."""
+        if self.resident_forward:
+            return False
         return self.overlap.begin(layer_id - self.start_layer, req_pool_indices, positions, top_k)
 
     def swap_in_selected_pages(
@@ -184,6 +247,9 @@ class EssRuntime:
         if B == 0:  # an empty batch: nothing to translate
             return torch.full(top_k.shape, -1, dtype=torch.int32, device=top_k.device)
         S = top_k.shape[1] if top_k.dim() == 3 else 1
+        if self.resident_forward:
+            return self._resident_step(layer, req_pool_indices, top_k.reshape(B, -1), seq_lens - 1, S).reshape(
+                top_k.shape)
         own_rows, self._own_rows[layer] = self._own_rows[layer], None
         slots = self.overlap.take(layer, req_pool_indices, S, own_rows)  # a step started at the indexer
         if slots is None:  # mode none (or no indexer call seen): the whole step here, in the serial order
@@ -227,9 +293,10 @@ class EssRuntime:
         self.cache.fill_resident(layer_id - self.start_layer, rows, req, pos)
 
     # -- request lifecycle (scheduler side), applied at the next forward -----------------------------------------------
-    def plan_positions(self, req_slot: int, positions: int) -> None:
-        """Request slot req_slot went to a request that can reach `positions` positions (ResidencyAdmission.plan)."""
-        self.residency.plan(req_slot, positions)
+    def plan_positions(self, req_slot: int, positions: int, req=None) -> None:
+        """Request slot req_slot went to a request (SGLang's Req) that can reach `positions` positions
+        (ResidencyAdmission.plan)."""
+        self.residency.plan(req_slot, positions, req)
 
     def reset_rows(self, rows: list[int]) -> None:
         """Request-table rows handed to new requests: at the next forward they start with empty tables."""
@@ -263,11 +330,23 @@ class EssRuntime:
             self.residency.admit(resets)
         self.arrivals.apply(*arrived)
 
-    def release(self, req_slot: int, rid: str = "") -> str | None:
+    def flush(self, req_slot: int, upto: int | None = None) -> int:
+        """Host copies once, outside a forward: a resident request's rows that only its region holds to the host pool
+        (ResidencyAdmission.flush; upto: positions [0, upto) at most), before SGLang's radix cache or a PD backup reads
+        them. The next forward waits for the copy. Returns the rows copied per layer."""
+        n = self.residency.flush(req_slot, upto)
+        if n:
+            self._flushed = self.streams.recorded()
+        return n
+
+    def release(self, req_slot: int, rid: str = "", keep_upto: int | None = None) -> str | None:
         """A request finished or was aborted: its GPU rows are forgotten at the next forward (reset_rows; its tokens go
-        back through SGLang's allocator). Returns the trace file written for it, if recording."""
+        back through SGLang's allocator); keep_upto: SGLang keeps its positions [0, keep_upto) (the radix cache), so
+        a resident request's rows go to the host pool first. Returns the trace file written for it, if recording."""
         if self.progressive is not None:  # a request still landing comes here once its transfer ended (the hook holds it)
             self.progressive.release(req_slot)
+        if keep_upto:
+            self.flush(req_slot, keep_upto)
         self.reset_rows([req_slot])
         self.residency.release(req_slot)
         self.released += 1
@@ -282,7 +361,9 @@ class EssRuntime:
     # -- readout -------------------------------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """The step counters of the forwards that ended, and the requests released, as host ints: a device sync."""
-        return self.step_counters.read() | {"released_requests": self.released}
+        return self.step_counters.read() | {"released_requests": self.released,
+                                            "resident_forwards": self.paths["resident"],
+                                            "general_forwards": self.paths["general"]}
 
     def stats(self) -> dict:
         """The runtime's state for the readout (sglang_ess.readout.state)."""

@@ -139,7 +139,8 @@ def validate_model(ess: EssArgs, cfg: Any, hf_config: Any) -> EssFacts:
                            "offloaded (their rows page through, or land in, the host pool over time): use auto or off")
     residency = ess.residency == "on" or (ess.residency == "auto" and supported)
     return EssFacts(role, topk, layers, context, buffer, rows, None if modes is None else tuple(modes),
-                    residency=residency, fixed_step=_decode_graphs(cfg))
+                    residency=residency, fixed_step=_decode_graphs(cfg),
+                    relabelled_decodes=bool(getattr(cfg, "enable_dp_attention", False)))
 
 
 def _graph_phases(cfg: Any) -> list[str]:

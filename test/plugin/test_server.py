@@ -7,7 +7,9 @@ The ESS server's plan mixes the overlap modes across the two layers (none on lay
 tokens must equal stock's exactly, always. (DBA needs SGLang's two-batch overlap, which the CPU path does not run;
 test_sglang_plugin checks its refusal without it.) A second pair of servers runs MTP (EAGLE, one draft token):
 verify steps through ESS, tokens equal too. A third pair serves with a disk tier whose page file is changed under
-the ESS server: the one request that reads a changed page is aborted, the others get stock's tokens.
+the ESS server: the one request that reads a changed page is aborted, the others get stock's tokens. With residency
+first, both paths (docs/plugin.md, "Two paths") and each time a resident request's rows must reach the host pool (a
+demotion mid-decode, the radix cache's next turn) give stock's tokens too.
 
 Every workload waits for the previous one (ess.harness.servers): a server's batches then depend on the calls only,
 not on timing, so stock and ESS compute the same batches (SGLang's CPU kernels are not batch-invariant).
@@ -37,11 +39,13 @@ def model(tmp_path_factory):
     return str(out)
 
 
-def run_pair(tmp_path, model, stock_flags, ess_flags, workload):
-    """Start a stock and an ESS server together, then run `workload(server, is_ess)` on each in turn. Returns
-    {"stock": result, "ess": result} and the ESS server's state readout after the workload."""
-    servers = {"stock": S.Server(model, S.CPU_FLAGS + stock_flags, str(tmp_path / "stock.log")),
-               "ess": S.Server(model, S.CPU_FLAGS + stock_flags + ess_flags, str(tmp_path / "ess.log"))}
+def run_pair(tmp_path, model, stock_flags, ess_flags, workload, env=None):
+    """Start a stock and an ESS server together (env: beside this process's environment), then run
+    `workload(server, is_ess)` on each in turn. Returns {"stock": result, "ess": result} and the ESS server's state
+    readout after the workload."""
+    servers = {"stock": S.Server(model, S.CPU_FLAGS + stock_flags, str(tmp_path / "stock.log"), env=dict(env or {})),
+               "ess": S.Server(model, S.CPU_FLAGS + stock_flags + ess_flags, str(tmp_path / "ess.log"),
+                               env=dict(env or {}))}
     try:
         S.start_all(list(servers.values()))  # they load together; one whose port was taken first starts again
         results = {name: workload(srv, name == "ess") for name, srv in servers.items()}
@@ -178,7 +182,9 @@ def residency_workload(srv, is_ess):
     """Residency first on a device pool of 9 request rows x 96 slots (--max-running-requests 8): three requests of
     about 300 tokens (two fit whole, the third is offloaded: one batch of both kinds); then a burst of eight, which
     demotes the resident ones, finishing one after another (8 to 36 new tokens), which promotes offloaded ones; then
-    two short requests, which fit whole again, and two sharing a prefix with the first batch (from the radix cache,
+    two short requests, which fit whole again (the resident path: their new rows stay in their regions), and two that
+    continue them (their prompts, outputs and a new turn: the radix cache serves the outputs' rows, which the host
+    pool got when the short requests finished); then two sharing a prefix with the first batch (from the radix cache,
     written into their regions from the host pool). ESS's state after each."""
     first = S.prompts(3, (280, 320), seed=5)
     out = {"mixed": srv.generate(first, NEW_TOKENS)}
@@ -187,9 +193,14 @@ def residency_workload(srv, is_ess):
     out["burst"] = srv.generate(S.prompts(8, (200, 420), seed=6), [8, 12, 16, 20, 24, 28, 32, 36])
     if is_ess:
         out["state_burst"] = srv.state()["ess"]
-    out["after"] = srv.generate(S.prompts(2, (150, 160), seed=7), NEW_TOKENS)
+    short = S.prompts(2, (105, 110), seed=7)  # 24 new tokens reach past page 2 (64-token pages): cached rows
+    out["after"] = srv.generate(short, NEW_TOKENS)
     if is_ess:
         out["state_after"] = srv.state()["ess"]
+    turn = S.prompts(2, (20, 20), seed=10)
+    out["next_turn"] = srv.generate([p + a["output_ids"] + t for p, a, t in zip(short, out["after"], turn)], NEW_TOKENS)
+    if is_ess:
+        out["state_next_turn"] = srv.state()["ess"]
     out["shared_prefix"] = srv.generate(S.shared_prefix_prompts(first[:2], 128, 32, seed=9), NEW_TOKENS)
     if is_ess:
         out["state_shared"] = srv.state()["ess"]
@@ -219,8 +230,19 @@ def test_requests_cross_the_wall_both_ways_with_stock_tokens(residency):
     assert tokens(ess["burst"]) == tokens(stock["burst"]) and tokens(ess["after"]) == tokens(stock["after"])
     burst, after = ess["state_burst"], ess["state_after"]
     assert burst["residency"]["demoted"] >= 1 and burst["residency"]["promoted"] >= 1, burst
-    # the short requests fit whole: they ran without a miss
+    # the short requests fit whole: they ran without a miss, on the resident path
     assert after["residency"]["offloaded_requests"] == 0 and after["missed_rows"] == burst["missed_rows"], after
+    assert after["resident_forwards"] >= NEW_TOKENS - 1 > 0 and burst["general_forwards"] > 0, after
+
+
+def test_a_next_turn_reads_the_outputs_of_resident_requests_from_the_radix_cache(residency):
+    """The short requests' new rows lived in their regions only (the resident path backs nothing up); at their end the
+    radix cache keeps them, so they went to the host pool, from which the next turn's prefill reads them."""
+    results, _, _ = residency
+    stock, ess = results["stock"], results["ess"]
+    for a, prev in zip(ess["next_turn"], ess["after"]):  # the radix cache's whole pages hold decode rows
+        assert a["meta_info"]["cached_tokens"] > prev["meta_info"]["prompt_tokens"], a["meta_info"]
+    assert tokens(ess["next_turn"]) == tokens(stock["next_turn"])
 
 
 def test_resident_requests_take_shared_prefixes_from_the_radix_cache(residency):
@@ -232,17 +254,52 @@ def test_resident_requests_take_shared_prefixes_from_the_radix_cache(residency):
     assert shared["residency"]["offloaded_requests"] == 0 and shared["missed_rows"] == ess["state_after"]["missed_rows"]
 
 
+def test_a_request_demoted_mid_decode_keeps_stock_tokens(model, tmp_path):
+    """Residency first on a device pool of 5 request rows x 96 slots (--max-running-requests 4): request A (280 tokens,
+    150 new) takes 480 rows; B (280 tokens) arrives with it but waits for SGLang's own admission: under --max-total-
+    tokens 896 (14 pages of 64) it fits once A's reservation of new tokens shrinks, the new-token ratio decaying every
+    decode step (SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS 60; priority scheduling, all of one priority, so that admission is
+    tried again every step), so B joins after about 11 of A's decode steps. B's region demotes A mid- decode: the rows
+    of A's resident steps, which only its region held, go to the host pool first, and A's later steps fetch them from
+    there. Both servers schedule alike (the same token budget and ratio): tokens equal stock's."""
+    flags = ["--enable-priority-scheduling", "--max-running-requests", "4", "--max-total-tokens", "896"]
+    env = {"SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": "60"}
+    # no ignore_eos (the ratio decays only for such requests), the checkpoint's EOS (id 1) kept out by a logit bias
+    sampling = {"max_new_tokens": 150, "temperature": 0, "logit_bias": {"1": -1000.0}}
+
+    def workload(srv, is_ess):
+        before = srv.state().get("ess")  # after SGLang's warm-up request
+        out = srv.post("/generate", {"input_ids": S.prompts(2, (280, 280), seed=11), "sampling_params": sampling})
+        return out, before
+
+    results, state, _ = run_pair(tmp_path, model, flags, S.ESS_RESIDENT_FLAGS, workload, env=env)
+    (ess, before), (stock, _) = results["ess"], results["stock"]
+    assert tokens(ess) == tokens(stock) and [len(t) for t in tokens(ess)] == [150, 150]
+    r = state["residency"]
+    assert r["device_rows"] == 5 * 96 and r["demoted"] == 1, state
+    # A decoded on the resident path before B joined and demoted it, then both on the general path, A's own decode
+    # rows among its misses
+    resident, general = (state[k] - before[k] for k in ("resident_forwards", "general_forwards"))
+    assert resident >= 2 and general >= 140 and state["missed_rows"] > 0, (resident, general, state)
+
+
 def test_mtp_verify_with_resident_and_offloaded_requests_gives_stock_tokens(model, tmp_path):
     """Four requests on 9 request rows x 160 slots: two keep every row on the device, two are offloaded (one of them
-    demoted to make room), verify steps of both kinds in one batch."""
+    demoted to make room), verify steps of both kinds in one batch (the general path); then two short ones, both
+    resident: their verify steps take the resident path (S new rows a request written into its region)."""
     def workload(srv, is_ess):
-        return srv.generate(S.prompts(4, (280, 320), seed=8), NEW_TOKENS)
+        mixed = srv.generate(S.prompts(4, (280, 320), seed=8), NEW_TOKENS)
+        state = srv.state().get("ess")
+        return mixed, state, srv.generate(S.prompts(2, (100, 120), seed=12), NEW_TOKENS)
 
     results, state, _ = run_pair(tmp_path, model, S.MTP_FLAGS + ["--max-running-requests", "8"],
                                  ["--enable-ess", "--ess-buffer-tokens", "160"], workload)
-    assert tokens(results["ess"]) == tokens(results["stock"])
-    r = state["residency"]
-    assert r["resident_requests"] >= 1 and r["offloaded_requests"] >= 1 and state["missed_rows"] > 0, state
+    (mixed, mid, short), stock = results["ess"], results["stock"]
+    assert tokens(mixed) == tokens(stock[0]) and tokens(short) == tokens(stock[2])
+    r = mid["residency"]
+    assert r["resident_requests"] >= 1 and r["offloaded_requests"] >= 1 and mid["missed_rows"] > 0, mid
+    assert state["residency"]["offloaded_requests"] == 0, state
+    assert state["resident_forwards"] > mid["resident_forwards"], state
 
 
 def test_a_device_too_small_for_one_request_is_refused_before_the_weights_load(model):

@@ -52,7 +52,7 @@ def after_req_to_token_alloc(result, req_pool, reqs, *a, **kw):
         if slot is not None:
             new = getattr(req.sampling_params, "max_new_tokens", None)
             reach = len(req.origin_input_ids) + (rt.token_table.shape[1] if new is None else new) + rt.query_rows
-            rt.plan_positions(int(slot), reach)
+            rt.plan_positions(int(slot), reach, req)
     return result
 
 
@@ -126,7 +126,9 @@ def around_model_forward(original, model_runner, *a, **kw):
     rt = getattr(model_runner, "ess_runtime", None)
     if rt is None:
         return original(model_runner, *a, **kw)
-    rt.start_forward()
+    forward_batch = a[0] if a else kw.get("forward_batch")
+    mode = getattr(forward_batch, "forward_mode", None)
+    rt.start_forward(decode=mode is not None and (mode.is_decode() or mode.is_target_verify()))
     out = original(model_runner, *a, **kw)
     rt.end_forward()
     return out
@@ -138,6 +140,9 @@ def around_forward_decode(original, backend, *a, **kw):
     rt = state.runtime
     if rt is None or _ess_pool(backend) is None:
         return _in_phase(original, backend, DECODE, *a, **kw)
+    forward_batch = a[4] if len(a) > 4 else kw.get("forward_batch")
+    if forward_batch is not None:  # the new rows' slots and positions, for the resident path's writes
+        rt.set_batch(forward_batch.req_pool_indices, forward_batch.positions)
     rt.split_ok = getattr(backend, "dsa_decode_impl", None) == "flashmla_kv"
     try:
         out = _in_phase(original, backend, DECODE, *a, **kw)
@@ -174,6 +179,8 @@ def around_forward_extend(original, backend, q, k, v, layer, forward_batch, *a, 
         pool.stage_selected(backend.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                             layer.layer_id - pool.start_layer, top_k, backend.use_fused_topk)
         return _in_phase(original, backend, EXTEND, q, k, v, layer, forward_batch, *a, **kw)
+    if verify and pool is not None and pool.ess_runtime is not None:
+        pool.ess_runtime.set_batch(forward_batch.req_pool_indices, forward_batch.positions)
     out = _in_phase(original, backend, DECODE if verify else EXTEND, q, k, v, layer, forward_batch, *a, **kw)
     if _sending(backend) and not verify and top_k is not None:
         positions = ragged_positions(backend, forward_batch, top_k)
@@ -254,7 +261,10 @@ def around_release_kv_cache(original, req, *a, **kw):
 def _release(original, req, a, kw):
     rt, idx = state.runtime, request_slot(req)
     if rt is not None and idx is not None:
-        path = rt.release(int(idx), str(getattr(req, "rid", "")))
+        # what SGLang keeps of the request (its radix cache, or a streaming session's row) is read from the host pool
+        # later: a resident request's rows go there first (host copies once)
+        kept = (kw.get("checkpoint") and not req.skip_radix_cache_insert) or getattr(req, "session", None) is not None
+        path = rt.release(int(idx), str(getattr(req, "rid", "")), req.owned_kv_len() if kept else None)
         if path:
             logger.info("ESS trace written: %s", path)
     return original(req, *a, **kw)

@@ -5,6 +5,7 @@ server was launched with --enable-ess. The hooks themselves live by concern:
     startup.py   the flags, the KV pool and its sizing, the device check, the runtime
     forward.py   a prefill batch's admission and staging, each forward and the DSA backend's calls, a request's
                  release, a disk-tier page lost, the state readout
+    graphs.py    decode CUDA graphs of both paths (general and resident), one chosen per replay
     pd.py        PD disaggregation: the warm-up metadata, the decode node's transfer queue, the ordered sends and
                  progress reports over Mooncake and NIXL, the transfer engines' memory registration
     shared.py    what they share in one process (`state`; its PD part is sglang_ess.pd.state)
@@ -19,7 +20,7 @@ import sys
 from sglang.srt.plugins.hook_registry import HookType
 
 from sglang_ess import cpu
-from sglang_ess.hooks import forward, pd, startup, table
+from sglang_ess.hooks import forward, graphs, pd, startup, table
 from sglang_ess.hooks.table import Hook
 from sglang_ess.hooks.shared import state
 from sglang_ess.validate import resolution_step
@@ -116,6 +117,11 @@ TABLE = [
          "ESS's host layers registered with NIXL as DRAM"),
     Hook(f"{MOONCAKE_ENGINE}.batch_register", AFTER, pd.after_mooncake_register, ("self", "ptrs", "lengths"),
          "a failed Mooncake registration stops the node"),
+    Hook(f"{DECODE_GRAPH_RUNNER}.capture", BEFORE, graphs.before_capture, ("self",),
+         "residency first: the decode graphs of both paths, general and resident"),
+    Hook(f"{DECODE_GRAPH_RUNNER}.capture_one_shape", AROUND, graphs.around_capture_one_shape,
+         ("self", "size", "forward", "stream_idx", "variant_label", "attention_variant"),
+         "a graph's capture runs the path its label names"),
     Hook(f"{DECODE_GRAPH_RUNNER}.can_run_graph", AFTER, pd.after_can_run_graph, ("self", "forward_batch"),
          "a batch holding a request still landing runs eagerly"),
     Hook(DECODE_GRAPH_VOTE, AFTER, pd.after_decode_graph_vote, ("local_batch", "disable_cuda_graph"),
