@@ -82,7 +82,7 @@ def test_worst_over_floor_is_the_served_paths_larger_ratio_at_esss_two_shapes(mo
 
 
 def test_a_leases_first_call_rehearsed(tmp_path):
-    """benchmark/gpu/lease.sh --smoke: the prepared first device call's steps on the CPU (the server step is
+    """benchmark/gpu/lease.sh --smoke: the prepared first device call's steps on the CPU (the server steps are
     scripts/gpu_rehearsal.sh's), each logged, everything in OUT/gpu.tgz alone at OUT's top; bad flags refused."""
     import tarfile
 
@@ -91,8 +91,8 @@ def test_a_leases_first_call_rehearsed(tmp_path):
     subprocess.run([*lease, str(tmp_path), "--smoke"], check=True, env=env, timeout=600)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.tgz", "lease"]
     steps = (tmp_path / "lease" / "steps.log").read_text().splitlines()
-    assert steps[0].startswith("server: not run with --smoke")
-    assert [s.split(":")[0] for s in steps[1:]] == ["decode47", "indexer"] and all("exit 0" in s for s in steps[1:])
+    assert steps[0].startswith("server: not run with --smoke") and steps[1].startswith("resident: not run with --smoke")
+    assert [s.split(":")[0] for s in steps[2:]] == ["decode47", "indexer"] and all("exit 0" in s for s in steps[2:])
     names = tarfile.open(tmp_path / "gpu.tgz").getnames()
     assert {"lease/decode47/decode.json", "lease/indexer/indexer.json", "lease/steps.log"} <= set(names)
     decode = json.loads((tmp_path / "lease" / "decode47" / "decode.json").read_text())
