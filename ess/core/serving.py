@@ -214,12 +214,17 @@ class ServingLatentCache:
         path)."""
         return self.regions is not None and not self.offloaded and not self.fixed_path
 
-    def own_region_rows(self, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The resident step's new rows: (request slot req [N], position pos [N]) -> their region rows, int64; the sink
-        slot where the slot is not resident (CUDA-graph padding) or pos < 0. Device ops only."""
-        r = req.long()
-        keep = self.is_resident[r] & (pos >= 0)
+    def region_rows(self, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(request slot req [N], position pos [N]; -1: none) -> the rows of resident ones in their regions, int64; the
+        sink slot elsewhere (an offloaded slot, CUDA-graph padding). Device ops only."""
+        r = req.long().clamp(min=0)
+        keep = self.is_resident[r] & (req >= 0) & (pos >= 0)
         return torch.where(keep, self.start[r] + pos.long(), self.sink_slot)
+
+    def resident_result(self, req: torch.Tensor, topk: torch.Tensor, own_pos: torch.Tensor) -> PolicyResult:
+        """The step of a batch whose requests are all resident: every entry a hit at start + position, nothing to
+        fetch (residency_map.map_result without an LRU result)."""
+        return self._mapped(None, req, topk, own_pos)
 
     def flush(self, req: int, token_table: torch.Tensor, lo: int, hi: int) -> int:
         """Host copies once: a resident request's region rows of positions [lo, hi) to their host rows, every layer in
@@ -247,10 +252,7 @@ class ServingLatentCache:
         (a prefill's rows, as it writes them); the others go to the sink row. Device work only."""
         if self.regions is None or not self._any_resident():
             return
-        r = req.long().clamp(min=0)
-        keep = self.is_resident[r] & (req >= 0) & (pos >= 0)
-        dst = torch.where(keep, self.start[r] + pos.long(), self.sink_slot)
-        self.gpu[layer].index_copy_(0, dst, rows)
+        self.gpu[layer].index_copy_(0, self.region_rows(req, pos), rows)
 
     def forget(self, req: torch.Tensor) -> None:
         """Forget the LRU rows of request slots req (a new prefill of theirs), keeping their regions."""
@@ -346,7 +348,7 @@ class ServingLatentCache:
         if self.regions is None:
             return self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
         if not self.offloaded and not self.fixed_path:
-            return self._mapped(None, req, topk, own_pos)
+            return self.resident_result(req, topk, own_pos)
         if not self._any_resident() and not self.fixed_path:  # none resident: mapped only if moved
             r = self.sparse.step(layer, req, topk, own_pos, self.stamp, token_table)
             return self._mapped(r, req, topk, own_pos) if self.moved else r

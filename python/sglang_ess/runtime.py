@@ -166,12 +166,12 @@ class EssRuntime:
 
     def _resident_step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor,
                        S: int) -> torch.Tensor:
-        """The resident path's step of one layer: every entry start + position (residency_map.map_result without an
-        LRU result); the new rows are in their regions already (own_region_rows). Returns the slots [B, S*K]."""
+        """The resident path's step of one layer: every entry start + position (ServingLatentCache.resident_result);
+        the new rows are in their regions already (own_region_rows). Returns the slots [B, S*K]."""
         sets, own = self._masked(req, sets, own, S)
         if self.progressive is not None:  # a request still landing: the rows this step reads have landed
             self.progressive.wait(layer, req, sets)
-        return self.cache._mapped(None, req, sets, own).attn_slot
+        return self.cache.resident_result(req, sets, own).attn_slot
 
     def _step(self, layer: int, req: torch.Tensor, sets: torch.Tensor, own: torch.Tensor, S: int, serial: bool = False,
               own_rows: torch.Tensor | None = None) -> PolicyResult:
@@ -215,7 +215,7 @@ class EssRuntime:
         if layer_id == self.start_layer or key not in self._own_region:
             S = n // max(1, req.shape[0])
             slots = req.repeat_interleave(S) if S > 1 else req
-            self._own_region[key] = self.cache.own_region_rows(slots, pos.reshape(-1)[:n])
+            self._own_region[key] = self.cache.region_rows(slots, pos.reshape(-1)[:n])
         return self._own_region[key]
 
     def keep_own_rows(self, layer_id: int, rows: torch.Tensor) -> None:
