@@ -3,8 +3,8 @@
 # missing import: a Python 3.12 venv copying the GPU image (scripts/gpu_image_requirements.txt: its torch 2.11 and
 # the image's versions of what SGLang imports), the carry set (scripts/gpu_carry.sh), then benchmark/gpu/server.sh
 # on the CPU path: stock, --enable-ess and SGLang's HiSparse on the tiny checkpoint, the same batch, tokens equal, and
-# SGLang's serving benchmark; then the gain run (--gain) at the CPU's sizes. Everything lands in .rehearsal/ (git-ignored; about 5 GB,
-# most of it torch's CUDA libraries, which PyPI's torch 2.11 brings). Exit 0 when the tokens are equal and the gain
+# SGLang's serving benchmark; then the gain run (--gain) at the CPU's sizes. Everything lands in .rehearsal/ (git-ignored; about 3 GB:
+# torch 2.11's CUDA libraries are the project venv's, linked). Exit 0 when the tokens are equal and the gain
 # run benchmarked every server within the budget. CI runs it after the tests (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,14 +17,39 @@ find_python312() {
 }
 PY312=$(find_python312) || { echo "gpu_rehearsal: no Python 3.12 here (the GPU image's); set PYTHON312" >&2; exit 2; }
 VENV="$PWD/.rehearsal/venv"
+# torch 2.11's CUDA libraries (2.7 GB; the CPU path only loads them at import) are the project's venv's (cu13, same
+# layout: torch's RPATH finds them through a link), so that the rehearsal needs about 3 GB of disk, not 6
+MAIN_NVIDIA=$(ls -d "$PWD"/.venv/lib/python3*/site-packages/nvidia 2>/dev/null | head -n 1 || true)
 if [ ! -x "$VENV/bin/python" ]; then
+  need_gib=$([ -n "$MAIN_NVIDIA" ] && echo 5 || echo 9)
+  free_gib=$(df -P -BG "$PWD" | awk 'NR == 2 {print int($4)}')
+  if [ "$free_gib" -lt "$need_gib" ]; then
+    echo "gpu_rehearsal: NOT REHEARSED: $free_gib GiB free on this disk, the venv needs about $need_gib (the tests ran; free space and rerun)" >&2
+    exit 0
+  fi
   echo "gpu_rehearsal: a Python 3.12 venv copying the GPU image in .rehearsal/venv ($("$PY312" --version))"
   "$PY312" -m venv "$VENV"
 fi
 export TMPDIR="$PWD/.rehearsal/tmp"  # pip unpacks torch's CUDA libraries: on this disk, not in a small /tmp
 mkdir -p "$TMPDIR"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir -r scripts/gpu_image_requirements.txt \
-  2>&1 | { grep -v "is ignored" || true; }
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
+TORCH=(torch triton torchvision)
+TORCH_RE="^($(IFS='|'; echo "${TORCH[*]}"))=="
+if [ -n "$MAIN_NVIDIA" ]; then
+  grep -vE "$TORCH_RE" scripts/gpu_image_requirements.txt > "$TMPDIR/rest.txt"
+  "${PIP[@]}" --no-deps $(grep -E "$TORCH_RE" scripts/gpu_image_requirements.txt) 2>&1 | { grep -v "is ignored" || true; }
+  # torch's own requirements less its CUDA packages, as its metadata states them
+  "$VENV/bin/python" -c "from importlib.metadata import requires
+for r in requires('torch'):
+    if 'extra ==' not in r and not r.startswith(('nvidia-', 'cuda-toolkit', 'triton')):
+        print(r)" >> "$TMPDIR/rest.txt"
+  # pip names the CUDA packages torch asks for and the venv lacks: they are the link below
+  "${PIP[@]}" -r "$TMPDIR/rest.txt" 2>&1 | { grep -vE "is ignored|dependency (resolver|conflicts)|torch 2\.11\.0 requires" || true; }
+  SITE=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  [ -e "$SITE/nvidia" ] || ln -s "$MAIN_NVIDIA" "$SITE/nvidia"
+else
+  "${PIP[@]}" -r scripts/gpu_image_requirements.txt 2>&1 | { grep -v "is ignored" || true; }
+fi
 [ -f .whl/site.tar.xz ] || bash scripts/gpu_carry.sh
 rm -rf .rehearsal/site .rehearsal/out "$TMPDIR"
 PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model" ESS_DEVICE=cpu \
