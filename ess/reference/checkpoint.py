@@ -24,7 +24,7 @@ import itertools
 import json
 import os
 
-from ess.reference.checkpoint_weights import VOCAB, config, weights
+from ess.reference.checkpoint_weights import VOCAB, config, to_fp8, weights
 from ess.reference.locality import apply as apply_locality
 
 VOCAB_SPECIAL = ("<bos>", "<eos>")  # token ids 0 and 1 (the config's bos and eos); then "<unk>", then CHARS
@@ -62,10 +62,12 @@ def tokenizer(size: int = VOCAB):
 
 
 def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, device: str = "cpu",
-          locality: float | None = None) -> list[str]:
+          locality: float | None = None, fp8: bool = False) -> list[str]:
     """Write the checkpoint into out_dir (created; refused if it holds any of FILES already): SHAPE's widths, or
     FULL_WIDTH's where full; weights drawn on `device`. With `locality` (the noise share, ess.reference.locality) the
-    indexer's top-k is as sticky as a real model's; None: the random checkpoint. Returns the paths."""
+    indexer's top-k is as sticky as a real model's; None: the random checkpoint. With fp8, the projections in
+    DeepSeek's FP8 block format (ess.reference.checkpoint_weights.to_fp8), drawn as the bf16 ones are. Returns the
+    paths."""
     from safetensors.torch import save_file
 
     if full and mtp:
@@ -77,7 +79,7 @@ def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, dev
     if taken:
         raise FileExistsError(f"{out_dir} already holds {', '.join(taken)}: give an empty or new directory")
     os.makedirs(out_dir, exist_ok=True)
-    cfg = config(mtp, full)
+    cfg = config(mtp, full, fp8)
     paths = [os.path.join(out_dir, f) for f in FILES]
     with open(paths[0], "w") as f:
         json.dump(cfg, f, indent=1)
@@ -88,6 +90,8 @@ def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, dev
     if locality is not None:
         w = apply_locality(w, cfg, locality, seed)
         meta = {"ess_locality": str(locality), "format": "pt"}  # which checkpoint a report's figures used
+    if fp8:
+        w = to_fp8(w)
     save_file(w, paths[2], metadata=meta)
     write_tokenizer(out_dir, cfg["vocab_size"], cfg["max_position_embeddings"])
     return paths

@@ -20,13 +20,28 @@ SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "
 # DeepSeek-V3.2's own widths (its config.json), at a depth a single GPU's lease can write and load: every layer dense
 # (first_k_dense_replace = the depth), so no MoE kernel is needed; the experts' keys stay for SGLang's config checks.
 FULL_WIDTH = {**{key: dsv32.CONFIG[key] for key in SHAPE}, "num_hidden_layers": 4, "first_k_dense_replace": 4}
+# DeepSeek's FP8 checkpoint format (its config.json's quantization_config): e4m3 weights, one power-of-two (ue8m0)
+# scale per 128 x 128 block, stored as `<name>_scale_inv` (weight = fp8 x scale_inv)
+FP8_BLOCK = 128
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+              "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+# SHAPE's widths that a 128 x 128 block must divide in SGLang's FP8 loader: the query's low rank (its rows share
+# fused_qkv_a_proj's scale blocks with kv_a's) and the experts' width (gate and up merged)
+FP8_SHAPE = {"q_lora_rank": FP8_BLOCK, "moe_intermediate_size": FP8_BLOCK}
+# The linear layers DeepSeek ships in FP8 (SGLang builds them with the FP8 method); the embeddings, the heads, the
+# router, the indexer's head weights and the MTP layer's eh_proj stay bf16
+FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b", "indexer.wk",
+               "gate_proj", "up_proj", "down_proj")
 
 
-def config(mtp: bool = True, full: bool = False) -> dict:
+def config(mtp: bool = True, full: bool = False, fp8: bool = False) -> dict:
     """config.json: DeepSeek-V3.2's keys, the formats' widths as the real model's, SHAPE's widths shrunk (FULL_WIDTH's
-    where full); with its MTP layer (one, as the real model) unless mtp is False."""
-    shape = FULL_WIDTH if full else SHAPE
+    where full); with its MTP layer (one, as the real model) unless mtp is False; with fp8, DeepSeek's FP8 format
+    (FP8_CONFIG; SHAPE's widths FP8_SHAPE's where a block must divide them)."""
+    shape = FULL_WIDTH if full else {**SHAPE, **FP8_SHAPE} if fp8 else SHAPE
+    quant = {"quantization_config": copy.deepcopy(FP8_CONFIG)} if fp8 else {}
     return {
+        **quant,
         **copy.deepcopy(dsv32.CONFIG),  # the real model's keys and values, then its widths shrunk
         **shape,
         "num_key_value_heads": shape["num_attention_heads"],
@@ -92,4 +107,37 @@ def weights(cfg: dict, seed: int, device: str = "cpu") -> dict[str, torch.Tensor
             t = (torch.randn(shape, generator=gen, device=device) * shape[1] ** -0.5).to(torch.bfloat16).cpu()
         # the router's correction bias in float32
         out[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    return out
+
+
+def is_fp8_linear(name: str) -> bool:
+    """Whether DeepSeek's FP8 checkpoints hold this tensor in FP8 (FP8_LINEARS: a layer's projections)."""
+    return name.endswith(".weight") and name.removesuffix(".weight").endswith(FP8_LINEARS) and ".layers." in name
+
+
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D weight in DeepSeek's FP8 block format: (e4m3 values, float32 scale_inv of shape [ceil(rows / 128),
+    ceil(cols / 128)]), each block's scale the power of two (ue8m0) at or above its absolute maximum / 448, so that
+    values x scale_inv restore the weight to e4m3's precision."""
+    rows, cols = w.shape
+    b = FP8_BLOCK
+    nr, nc = -(-rows // b), -(-cols // b)
+    padded = torch.zeros(nr * b, nc * b, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(nr, b, nc, b)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / torch.finfo(torch.float8_e4m3fn).max)))
+    values = (blocks / scale[:, None, :, None]).view(nr * b, nc * b)[:rows, :cols].to(torch.float8_e4m3fn)
+    return values.contiguous(), scale
+
+
+def to_fp8(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in DeepSeek's FP8 format: each FP8_LINEARS weight as its e4m3 values and a
+    `<name>_scale_inv` beside it (fp8_blocks), the others unchanged."""
+    out = {}
+    for name, t in w.items():
+        if is_fp8_linear(name):
+            out[name], out[f"{name}_scale_inv"] = fp8_blocks(t)
+        else:
+            out[name] = t
     return out

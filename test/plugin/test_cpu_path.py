@@ -20,7 +20,8 @@ from ess.core.dsa_math import index_scores, sparse_attention  # noqa: E402
 from sglang_ess.cpu import kernels  # noqa: E402
 
 
-@pytest.mark.parametrize("table", ["patches", "hisparse"])  # the CPU path's, and its stand-ins for SGLang's HiSparse
+# the CPU path's, its stand-ins for SGLang's HiSparse, and its FP8 checkpoints without AMX
+@pytest.mark.parametrize("table", ["patches", "hisparse", "fp8"])
 def test_every_patch_target_is_a_real_sglang_target(plugin, table):
     from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
     from sglang.srt.plugins.hook_registry import HookRegistry

@@ -6,7 +6,7 @@ The ESS server's plan mixes the overlap modes across the two layers (none on lay
 `--ess-overlap none` or `da` alike the ESS server reads the same rows with the same kernel as stock SGLang, so its
 tokens must equal stock's exactly, always. (DBA needs SGLang's two-batch overlap, which the CPU path does not run;
 test_sglang_plugin checks its refusal without it.) A second pair of servers runs MTP (EAGLE, one draft token):
-verify steps through ESS, tokens equal too. A third pair serves with a disk tier whose page file is changed under
+verify steps through ESS, tokens equal too, and again on DeepSeek's FP8 checkpoint format. A third pair serves with a disk tier whose page file is changed under
 the ESS server: the one request that reads a changed page is aborted, the others get stock's tokens. With residency
 first, both paths (docs/plugin.md, "Two paths") and each time a resident request's rows must reach the host pool (a
 demotion mid-decode, the radix cache's next turn) give stock's tokens too.
@@ -151,6 +151,23 @@ def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path):
     assert tokens(results["ess"]) == tokens(results["stock"])
     assert state["device"]["measured"] == state["device"]["charged"]["total"]  # the verify rows' scratch too
     assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
+
+
+def test_deepseek_s_fp8_checkpoint_with_mtp_gives_stock_tokens(tmp_path):
+    """DeepSeek's FP8 format (`ess tiny-checkpoint --fp8`: e4m3 projections with a ue8m0 scale per 128 x 128 block,
+    the MTP layer's too) through SGLang's FP8 loader, computed on this CPU (no AMX) as SGLang's AMX kernels do,
+    W8A16 (sglang_ess.cpu.fp8); MTP verify steps through ESS; tokens equal stock's."""
+    model = str(tmp_path / "model")
+    checkpoint.write(model, seed=0, fp8=True)
+
+    def workload(srv, is_ess):
+        return srv.generate(S.prompts(8, (200, 420), seed=4), NEW_TOKENS)
+
+    results, state, log = run_pair(tmp_path, model, S.MTP_FLAGS, S.ESS_MTP_FLAGS, workload)
+    assert tokens(results["ess"]) == tokens(results["stock"])
+    assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
+    for kind in ("linear layers'", "the experts'"):  # the checkpoint's FP8 tensors reached SGLang's FP8 methods
+        assert f"ESS CPU path: {kind} FP8 block-scaled weights dequantized" in log
 
 
 def test_a_checkpoint_with_a_real_models_locality_misses_little_with_stock_tokens(plain, tmp_path_factory):

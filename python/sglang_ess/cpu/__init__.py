@@ -8,6 +8,7 @@ in place of each kernel where SGLang calls it and sets the launch settings a CPU
     standin/sgl_kernel      sgl_kernel's stand-in: importable, every kernel raises if called
     flash_mla_interface.py  SGLang's FlashMLA interface module, computed in torch
     patches.py              every other patch point: a named SGLang target, its hook, the parameters it reads, and why
+    fp8.py                  DeepSeek's FP8 checkpoints where SGLang's CPU FP8 path needs AMX: dequantized at load
 Every target is checked by the tests to exist in the installed version, as the plugin's hook table is; every
 replacement keeps SGLang's contract, and one that takes tensors runs only for CPU tensors (a CUDA tensor goes to
 SGLang's own kernel). docs/cpu-path.md.
@@ -52,7 +53,7 @@ def install() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
 
     from sglang_ess.hooks import table
-    from sglang_ess.cpu import hisparse
+    from sglang_ess.cpu import fp8, hisparse
     from sglang_ess.cpu.patches import PATCHES
     from sglang_ess.cpu.resolution import RESOLUTION_STEPS
 
@@ -61,4 +62,5 @@ def install() -> None:
     if kernels_needed():
         table.register(PATCHES)
         table.register(hisparse.PATCHES)
+        table.register(fp8.PATCHES)
         install_flash_mla_interface()
