@@ -73,6 +73,9 @@ def add_parsers(sub) -> None:
     t.add_argument("--full-width", action="store_true",
                    help="DeepSeek-V3.2's own widths at 4 dense layers (about 8.5 GB; the GPU server's model)")
     t.add_argument("--no-mtp", action="store_true", help="without the MTP layer (with --full-width it would be MoE)")
+    t.add_argument("--moe-layers", type=int, metavar="N",
+                   help="with --full-width: DeepSeek-V3.2's layer mix at one GPU's share of EP8, 3 dense layers then N "
+                        "MoE layers of 32 routed experts (top-1) and the shared expert; MTP allowed")
     t.add_argument("--fp8", action="store_true",
                    help="the layers' projections in DeepSeek's FP8 format (e4m3, a ue8m0 scale per 128x128 block), "
                         "as DeepSeek-V3.2 ships; default bf16")
@@ -214,7 +217,7 @@ def run_tiny_checkpoint(args) -> int:
 
     try:
         paths = checkpoint.write(args.out, args.seed, mtp=not args.no_mtp, full=args.full_width, device=args.device,
-                                 locality=args.locality, fp8=args.fp8)
+                                 locality=args.locality, fp8=args.fp8, moe_layers=args.moe_layers)
     except FileExistsError as e:
         raise ValueError(str(e)) from e
     width = ("full-width " if args.full_width else "") + ("FP8 " if args.fp8 else "")

@@ -62,24 +62,25 @@ def tokenizer(size: int = VOCAB):
 
 
 def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, device: str = "cpu",
-          locality: float | None = None, fp8: bool = False) -> list[str]:
+          locality: float | None = None, fp8: bool = False, moe_layers: int | None = None) -> list[str]:
     """Write the checkpoint into out_dir (created; refused if it holds any of FILES already): SHAPE's widths, or
     FULL_WIDTH's where full; weights drawn on `device`. With `locality` (the noise share, ess.reference.locality) the
     indexer's top-k is as sticky as a real model's; None: the random checkpoint. With fp8, the projections in
-    DeepSeek's FP8 block format (ess.reference.checkpoint_weights.to_fp8), drawn as the bf16 ones are. Returns the
-    paths."""
+    DeepSeek's FP8 block format (ess.reference.checkpoint_weights.to_fp8), drawn as the bf16 ones are. With full and
+    moe_layers, DeepSeek-V3.2's layer mix at one GPU's share of EP8 (checkpoint_weights.full_width_mix), its MTP
+    layer allowed. Returns the paths."""
     from safetensors.torch import save_file
 
-    if full and mtp:
+    if full and mtp and moe_layers is None:
         raise ValueError("a full-width checkpoint's MTP layer is an MoE layer of 256 experts (11B parameters): "
-                         "write it without (--no-mtp)")
+                         "write it without (--no-mtp), or at one GPU's share of EP8 (--moe-layers)")
     if locality is not None and not 0.0 <= locality <= 1.0:
         raise ValueError(f"locality (the indexer's noise share) must be in [0, 1], got {locality}")
+    cfg = config(mtp, full, fp8, moe_layers)  # refuses a bad layer mix before anything is written
     taken = [f for f in FILES if os.path.exists(os.path.join(out_dir, f))]
     if taken:
         raise FileExistsError(f"{out_dir} already holds {', '.join(taken)}: give an empty or new directory")
     os.makedirs(out_dir, exist_ok=True)
-    cfg = config(mtp, full, fp8)
     paths = [os.path.join(out_dir, f) for f in FILES]
     with open(paths[0], "w") as f:
         json.dump(cfg, f, indent=1)
@@ -91,7 +92,7 @@ def write(out_dir: str, seed: int = 0, mtp: bool = True, full: bool = False, dev
         w = apply_locality(w, cfg, locality, seed)
         meta = {"ess_locality": str(locality), "format": "pt"}  # which checkpoint a report's figures used
     if fp8:
-        w = to_fp8(w)
+        w = to_fp8(w, device)
     save_file(w, paths[2], metadata=meta)
     write_tokenizer(out_dir, cfg["vocab_size"], cfg["max_position_embeddings"])
     return paths

@@ -20,6 +20,24 @@ SHAPE = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "
 # DeepSeek-V3.2's own widths (its config.json), at a depth a single GPU's lease can write and load: every layer dense
 # (first_k_dense_replace = the depth), so no MoE kernel is needed; the experts' keys stay for SGLang's config checks.
 FULL_WIDTH = {**{key: dsv32.CONFIG[key] for key in SHAPE}, "num_hidden_layers": 4, "first_k_dense_replace": 4}
+# DeepSeek-V3.2's layer mix on one GPU: the share of a deployment with expert parallelism over EP GPUs. Its 3 dense
+# layers, then `moe_layers` MoE layers (the model has 58), each with 256 / EP routed experts of the real width and the
+# shared expert, a token routed to 8 / EP of them (8 of 256 over EP GPUs: that many local experts a token on
+# average, so each GPU's experts see the tokens they would); the MTP layer as another MoE layer. Left out: the
+# all-to-all of the tokens between the GPUs, and the other MoE layers (the simulator adds both: docs/simulator.md).
+EP = 8
+
+
+def full_width_mix(moe_layers: int) -> dict:
+    """FULL_WIDTH's widths with DeepSeek-V3.2's layer mix at one GPU's share of EP8 (EP above)."""
+    if moe_layers < 1:
+        raise ValueError(f"--moe-layers must be at least 1, got {moe_layers}")
+    dense = dsv32.CONFIG["first_k_dense_replace"]
+    return {**FULL_WIDTH, "num_hidden_layers": dense + moe_layers, "first_k_dense_replace": dense,
+            "n_routed_experts": dsv32.CONFIG["n_routed_experts"] // EP,
+            "num_experts_per_tok": dsv32.CONFIG["num_experts_per_tok"] // EP, "n_group": 1, "topk_group": 1}
+
+
 # DeepSeek's FP8 checkpoint format (its config.json's quantization_config): e4m3 weights, one power-of-two (ue8m0)
 # scale per 128 x 128 block, stored as `<name>_scale_inv` (weight = fp8 x scale_inv)
 FP8_BLOCK = 128
@@ -34,11 +52,17 @@ FP8_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
                "gate_proj", "up_proj", "down_proj")
 
 
-def config(mtp: bool = True, full: bool = False, fp8: bool = False) -> dict:
+def config(mtp: bool = True, full: bool = False, fp8: bool = False, moe_layers: int | None = None) -> dict:
     """config.json: DeepSeek-V3.2's keys, the formats' widths as the real model's, SHAPE's widths shrunk (FULL_WIDTH's
-    where full); with its MTP layer (one, as the real model) unless mtp is False; with fp8, DeepSeek's FP8 format
-    (FP8_CONFIG; SHAPE's widths FP8_SHAPE's where a block must divide them)."""
-    shape = FULL_WIDTH if full else {**SHAPE, **FP8_SHAPE} if fp8 else SHAPE
+    where full, with moe_layers its layer mix: full_width_mix); with its MTP layer (one, as the real model) unless mtp
+    is False; with fp8, DeepSeek's FP8 format (FP8_CONFIG; SHAPE's widths FP8_SHAPE's where a block must divide
+    them)."""
+    if moe_layers is not None and not full:
+        raise ValueError("--moe-layers is the full-width model's layer mix: give --full-width too")
+    if full:
+        shape = FULL_WIDTH if moe_layers is None else full_width_mix(moe_layers)
+    else:
+        shape = {**SHAPE, **FP8_SHAPE} if fp8 else SHAPE
     quant = {"quantization_config": copy.deepcopy(FP8_CONFIG)} if fp8 else {}
     return {
         **quant,
@@ -122,7 +146,7 @@ def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     b = FP8_BLOCK
     nr, nc = -(-rows // b), -(-cols // b)
-    padded = torch.zeros(nr * b, nc * b, dtype=torch.float32)
+    padded = torch.zeros(nr * b, nc * b, dtype=torch.float32, device=w.device)
     padded[:rows, :cols] = w.float()
     blocks = padded.view(nr, b, nc, b)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10)
@@ -131,13 +155,16 @@ def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.contiguous(), scale
 
 
-def to_fp8(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_fp8(w: dict[str, torch.Tensor], device: str = "cpu") -> dict[str, torch.Tensor]:
     """The checkpoint's tensors in DeepSeek's FP8 format: each FP8_LINEARS weight as its e4m3 values and a
-    `<name>_scale_inv` beside it (fp8_blocks), the others unchanged."""
+    `<name>_scale_inv` beside it (fp8_blocks, on `device`; the results on the CPU), the others unchanged. Takes the
+    tensors out of w as it goes (a full-width model is held once)."""
     out = {}
-    for name, t in w.items():
+    for name in sorted(w):
+        t = w.pop(name)
         if is_fp8_linear(name):
-            out[name], out[f"{name}_scale_inv"] = fp8_blocks(t)
+            values, scale = fp8_blocks(t.to(device))
+            out[name], out[f"{name}_scale_inv"] = values.cpu(), scale.cpu()
         else:
             out[name] = t
     return out

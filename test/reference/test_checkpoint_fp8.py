@@ -63,3 +63,19 @@ def test_sglang_s_dequantiser_reads_the_blocks_as_written():
     values, scale = fp8_blocks(w)
     ours = values.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
     assert torch.equal(fp8_utils.block_quant_dequant(values, scale, [128, 128], torch.float32), ours)
+
+
+def test_the_full_width_layer_mix_is_one_gpu_s_share_of_ep8(tmp_path):
+    """DeepSeek-V3.2's widths, its 3 dense layers then MoE layers of 256 / 8 routed experts, a token to 8 / 8 of them
+    (one local expert a token on average, as each GPU of EP8 sees), the MTP layer allowed; bad mixes refused before
+    anything is written."""
+    cfg = checkpoint.config(mtp=True, full=True, fp8=True, moe_layers=13)
+    assert (cfg["num_hidden_layers"], cfg["first_k_dense_replace"]) == (16, 3)
+    assert (cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["n_shared_experts"]) == (32, 1, 1)
+    assert cfg["moe_intermediate_size"] == 2048 and cfg["hidden_size"] == 7168 and cfg["num_nextn_predict_layers"] == 1
+    assert cfg["quantization_config"] == FP8_CONFIG
+    for kwargs, flag in (({"full": True, "moe_layers": 0}, "--moe-layers"), ({"moe_layers": 2}, "--full-width"),
+                         ({"full": True}, "--no-mtp")):
+        with pytest.raises(ValueError, match=flag):
+            checkpoint.write(str(tmp_path / "refused"), **kwargs)
+    assert not (tmp_path / "refused").exists()
