@@ -33,8 +33,7 @@ fi
 export TMPDIR="$PWD/.rehearsal/tmp"  # pip unpacks torch's CUDA libraries: on this disk, not in a small /tmp
 mkdir -p "$TMPDIR"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir)
-TORCH=(torch triton torchvision)
-TORCH_RE="^($(IFS='|'; echo "${TORCH[*]}"))=="
+TORCH_RE='^(torch|triton|torchvision)=='  # installed --no-deps beside the linked CUDA libraries
 if [ -n "$MAIN_NVIDIA" ]; then
   grep -vE "$TORCH_RE" scripts/gpu_image_requirements.txt > "$TMPDIR/rest.txt"
   "${PIP[@]}" --no-deps $(grep -E "$TORCH_RE" scripts/gpu_image_requirements.txt) 2>&1 | { grep -v "is ignored" || true; }

@@ -14,14 +14,19 @@ from ess.reference.checkpoint_weights import FP8_CONFIG, fp8_blocks, is_fp8_line
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
+def restored(values, scale):
+    """values x their block's scale_inv, float32 (the format's meaning)."""
+    rows, cols = values.shape
+    return values.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+
+
 def test_a_block_s_scale_is_the_power_of_two_that_maps_its_maximum_into_e4m3():
     w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 200)
     values, scale = fp8_blocks(w)
     assert values.dtype == torch.float8_e4m3fn and values.shape == w.shape
     assert scale.dtype == torch.float32 and scale.shape == (3, 2)  # ragged edge blocks count whole
     assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)  # ue8m0: powers of two
-    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
-    restored = values.float() * full
+    back = restored(values, scale)
     for r in range(3):
         for c in range(2):
             block = (slice(128 * r, 128 * (r + 1)), slice(128 * c, 128 * (c + 1)))
@@ -29,7 +34,7 @@ def test_a_block_s_scale_is_the_power_of_two_that_maps_its_maximum_into_e4m3():
             assert E4M3_MAX / 2 < amax / scale[r, c] <= E4M3_MAX  # the block's maximum uses e4m3's top binade
             # e4m3 keeps 3 mantissa bits: each value within half a step of its binade (2^-4 of it), or of the
             # smallest subnormal step below
-            err = (restored[block] - w[block]).abs()
+            err = (back[block] - w[block]).abs()
             assert (err <= torch.maximum(w[block].abs() / 16, 2.0 ** -10 * scale[r, c])).all()
 
 
@@ -61,8 +66,7 @@ def test_sglang_s_dequantiser_reads_the_blocks_as_written():
     fp8_utils = pytest.importorskip("sglang.srt.layers.quantization.fp8_utils")
     w = torch.randn(640, 256, generator=torch.Generator().manual_seed(1)) * 0.05
     values, scale = fp8_blocks(w)
-    ours = values.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    assert torch.equal(fp8_utils.block_quant_dequant(values, scale, [128, 128], torch.float32), ours)
+    assert torch.equal(fp8_utils.block_quant_dequant(values, scale, [128, 128], torch.float32), restored(values, scale))
 
 
 def test_the_full_width_layer_mix_is_one_gpu_s_share_of_ep8(tmp_path):

@@ -10,23 +10,19 @@ the product is in bf16. On a GPU, or a CPU with AMX, SGLang's own FP8 path runs 
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from sglang.srt.plugins.hook_registry import HookType
 from sglang_ess.hooks.table import Hook, expected_params
 
 FP8 = "sglang.srt.layers.quantization.fp8"
-logger = logging.getLogger(__name__)
-_said: set[str] = set()
 
 
 def _say_once(kind: str) -> None:
-    if kind not in _said:
-        _said.add(kind)
-        logger.info("ESS CPU path: %s FP8 block-scaled weights dequantized to bf16 at load (no AMX: W8A16 as "
-                    "SGLang's AMX kernels compute it)", kind)
+    from sglang.srt.utils.common import print_info_once  # SGLang's log-once (one line a message a process)
+
+    print_info_once(f"ESS CPU path: {kind} FP8 block-scaled weights dequantized to bf16 at load (no AMX: W8A16 as "
+                    "SGLang's AMX kernels compute it)")
 
 
 def _dequantized(layer, name: str, scale_name: str, block: list[int]) -> None:
