@@ -16,6 +16,11 @@
 #             on each (256 out) with CUDA graphs: server.json's resident_over_stock, the context length beside it
 #   server128k  the same at 128K in / 2K out: stock holds 2 requests, ESS (C = 0.1 x context) 6, 6 prompts; only
 #             with --steps (a second call: --steps server128k,decode47)
+#   moe       DeepSeek-V3.2's layer mix at one GPU's share of EP8 in its FP8 format with the MTP layer (issue 57:
+#             ESS_CHECKPOINT="--moe-layers 4 --fp8", the rig's MoE / FP8 / EAGLE stand-ins, ess_gpu_rig.rig_moe): stock
+#             and ESS with EAGLE of 1 then 3 draft steps, CUDA graphs, tokens compared, SGLang's serving benchmark on
+#             each (moe-mtp1/, moe-mtp3/ server.json: layer_mix, mtp_tokens_identical); only with --steps (it has
+#             not run: its kernels' first run on a GPU)
 #   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
 #             (benchmark/decode_gpu.py --rest modelled, one decode.json; about 150 s on the H200)
 #   indexer   the indexer's parts and its top-k paths (benchmark/indexer_kernels.py; what is left)
@@ -37,7 +42,7 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$OUT" ] || { echo "usage: bash benchmark/gpu/lease.sh OUT [--budget-min M] [--steps LIST] [--smoke]" >&2; exit 2; }
 for s in ${steps//,/ }; do
-  case "$s" in server|resident|server128k|decode47|indexer) ;; *) echo "lease.sh: --steps: unknown step $s (server, resident, server128k, decode47, indexer)" >&2; exit 2 ;; esac
+  case "$s" in server|resident|server128k|moe|decode47|indexer) ;; *) echo "lease.sh: --steps: unknown step $s (server, resident, server128k, moe, decode47, indexer)" >&2; exit 2 ;; esac
 done
 wanted() { [[ ",$steps," == *",$1,"* ]]; }
 [[ "$budget" =~ ^[0-9]+([.][0-9]+)?$ ]] && awk "BEGIN{exit !($budget > 0)}" \
@@ -92,7 +97,15 @@ decode47() {  # 32K MTP verify, then 128K decode appended: baseline and none, as
 # the server steps' checkpoint: a real model's top-k locality (the CPU fit, benchmark/results/locality/fit.json);
 # ESS_LOCALITY= (empty) for the random checkpoint
 LOCALITY=${ESS_LOCALITY-0.125}
-for name in server resident server128k; do
+moe() {  # the FP8 MoE checkpoint with MTP: EAGLE of 1 then 3 draft steps, stock against ESS (one checkpoint, written once)
+  local n
+  for n in 1 3; do
+    env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" ESS_CHECKPOINT="--moe-layers 4 --fp8" bash benchmark/gpu/server.sh \
+      "$RUN/moe-mtp$n" --servers stock,ess-none --bench stock,ess-none --mtp "$n" --bench-output 256 || return 1
+  done
+}
+
+for name in server resident server128k moe; do
   wanted "$name" || continue
   if [ -n "$smoke" ]; then
     echo "$name: not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)" | tee -a "$RUN/steps.log"
@@ -103,6 +116,10 @@ for name in server resident server128k; do
     step resident 240 env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" bash benchmark/gpu/server.sh "$RUN/resident" \
       --servers stock,ess-fit --bench stock,ess-fit --requests 8 --lengths 32768,32768 --context-length 33088 \
       --new-tokens 32 --bench-output 256
+  elif [ "$name" = moe ]; then
+    export -f moe
+    export PY LOCALITY RUN
+    step moe 540 bash -c moe
   else
     step server128k 540 env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" bash benchmark/gpu/server.sh "$RUN/server128k" \
       --gain --gain-modes none \

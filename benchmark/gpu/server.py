@@ -50,6 +50,7 @@ PAIRS = {"ess-none-eager": ("stock-eager", True), "ess-none": ("stock", True), "
          "hisparse": ("stock", True)}
 RIG_FLAGS = ["--attention-backend", "dsa", "--kv-cache-dtype", "fp8_e4m3", "--dsa-topk-backend", "torch",
              "--sampling-backend", "pytorch"]  # SGLang's torch paths (docs/gpu-server.md, the GPU rig)
+FP8_RIG_FLAGS = ["--fp8-gemm-backend", "triton", "--moe-runner-backend", "triton"]  # not DeepGEMM's, nor flashinfer's
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -91,6 +92,9 @@ def parse(argv=None) -> argparse.Namespace:
                    help="also the first mode's ESS server at stock's concurrency: ESS's own cost on the same work")
     p.add_argument("--gain-hisparse", action=argparse.BooleanOptionalAction, default=True,
                    help="also SGLang's HiSparse under the same budget (hisparse_plan)")
+    p.add_argument("--mtp", type=int, choices=(0, 1, 3), default=0,
+                   help="every server with EAGLE (MTP) of this many draft steps, top-1 (issue 57: 1 and 3); the "
+                        "checkpoint needs its MTP layer; 0: none")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.servers = [s for s in args.servers.split(",") if s]
@@ -106,6 +110,10 @@ def parse(argv=None) -> argparse.Namespace:
     if not 0 < lo <= hi:
         p.error(f"--lengths must satisfy 0 < shortest <= longest, got {args.lengths!r}")
     args.lengths = (lo, hi)
+    if args.mtp and args.gain:
+        p.error("--mtp: the gain plan (--gain) does not charge the draft model's cache yet; run --mtp without --gain")
+    if args.mtp and not model_config(args).get("num_nextn_predict_layers"):
+        p.error(f"--mtp {args.mtp}: the checkpoint {args.model} has no MTP layer (ess tiny-checkpoint without --no-mtp)")
     return args
 
 
@@ -125,11 +133,41 @@ def whole_pages(tokens: int) -> int:
 
 def device_flags(args, batch: int) -> list[str]:
     """The flags of the machine: the CPU path's, or the GPU rig's with decode graphs up to the batch and prefill's
-    breakable graphs off (dozens of token buckets to capture, and ESS's step runs in decode)."""
+    breakable graphs off (dozens of token buckets to capture, and ESS's step runs in decode); an FP8 checkpoint's
+    block GEMMs and MoE on SGLang's Triton runners (the rig's FP8 path, ess_gpu_rig.rig_moe); MTP's flags."""
+    spec = mtp_flags(args.mtp)
     if args.device == "cpu":
-        return S.CPU_FLAGS
-    return RIG_FLAGS + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode", str(batch),
-                        "--disable-prefill-cuda-graph"]
+        return S.CPU_FLAGS + spec
+    fp8 = FP8_RIG_FLAGS if layer_mix(model_config(args))["fp8"] else []
+    spec += ["--speculative-dsa-topk-backend", "torch"] if spec else []  # the draft's indexer top-k, as the target's
+    return RIG_FLAGS + fp8 + spec + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode",
+                                     str(batch), "--disable-prefill-cuda-graph"]
+
+
+def mtp_flags(steps: int) -> list[str]:
+    """EAGLE over the checkpoint's MTP layer: `steps` draft tokens a step, one path (top-1: ESS's and HiSparse's
+    limit), verified as steps + 1 query rows."""
+    if not steps:
+        return []
+    return ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(steps + 1)]
+
+
+def layer_mix(config: dict) -> dict:
+    """What the checkpoint holds (server.json's layer_mix): dense and MoE layers, routed experts and those a token
+    reaches, the shared experts, whether its projections are FP8, its MTP layers."""
+    layers = config["num_hidden_layers"]
+    dense = min(config.get("first_k_dense_replace", layers), layers) if config.get("n_routed_experts") else layers
+    return {"layers": layers, "dense": dense, "moe": layers - dense,
+            "routed_experts": config.get("n_routed_experts", 0) if dense < layers else 0,
+            "experts_per_token": config.get("num_experts_per_tok", 0) if dense < layers else 0,
+            "shared_experts": config.get("n_shared_experts", 0) if dense < layers else 0,
+            "fp8": "quantization_config" in config, "mtp_layers": config.get("num_nextn_predict_layers", 0)}
+
+
+def ess_buffer(args, tokens: int) -> int:
+    """--ess-buffer-tokens: at least what a step reads, each verify row's top-k set and its own token."""
+    return max(tokens, (args.mtp + 1) * (model_config(args)["index_topk"] + 1))
 
 
 def flags(name: str, args) -> list[str]:
@@ -137,7 +175,8 @@ def flags(name: str, args) -> list[str]:
               "--max-running-requests", str(args.requests), "--chunked-prefill-size", "8192"]
     extra = SERVERS[name]
     if "--enable-ess" in extra:
-        extra = extra + ["--ess-buffer-tokens", str(fit_tokens(args) if name == "ess-fit" else args.buffer_tokens)]
+        extra = extra + ["--ess-buffer-tokens",
+                         str(ess_buffer(args, fit_tokens(args) if name == "ess-fit" else args.buffer_tokens))]
     if "--enable-hisparse" in extra:
         extra = extra + hisparse_flags(model_config(args)["index_topk"], args.buffer_tokens)
     return common + ["--decode-log-interval", "8"] + device_flags(args, args.requests) + extra
@@ -173,7 +212,9 @@ def start(flags_: list[str], log: str, args) -> dict:
         # the GPU rig's indexer logits as this server's scheduler chose them (ESS's kernels, checked on the device, or
         # SGLang's torch logits); none on the CPU path
         rig = (srv.log_lines("ESS GPU rig: indexer logits") or [None])[-1]
-        return {"server": srv, "ready_s": round(time.monotonic() - t0, 1), "rig_logits": rig}
+        # and its MoE / FP8 stand-ins' check on the device (an MoE or FP8 checkpoint only)
+        moe = (srv.log_lines("ESS GPU rig: MoE stand-ins") or [None])[-1]
+        return {"server": srv, "ready_s": round(time.monotonic() - t0, 1), "rig_logits": rig, "rig_moe": moe}
     except S.ServerError as e:
         srv.stop()
         return {"server": None, "error": str(e)[-3000:], "ready_s": round(time.monotonic() - t0, 1)}
@@ -192,7 +233,7 @@ def servers_up(named_flags: dict[str, list[str]], prefix: str, args, entries: di
     try:
         for name, got in started.items():
             entry = entries[name] = {"flags": named_flags[name], "ready_s": got["ready_s"],
-                                     "rig_logits": got.get("rig_logits")}
+                                     "rig_logits": got.get("rig_logits"), "rig_moe": got.get("rig_moe")}
             if got["server"] is None:
                 entry["error"] = got["error"]
                 say(f"{prefix}{name}: did not start ({got['ready_s']} s): {got['error'][-800:]}")
@@ -458,7 +499,8 @@ def main(argv=None) -> int:
               "device": args.device, "model": args.model, "requests": args.requests, "lengths": list(args.lengths),
               "new_tokens": args.new_tokens, "buffer_tokens": args.buffer_tokens, "servers": {}, "pairs": {},
               # the checkpoint's top-k locality (ess.reference.locality's noise share; None: the random checkpoint)
-              "checkpoint_locality": checkpoint.locality_of(args.model)}
+              "checkpoint_locality": checkpoint.locality_of(args.model),
+              "layer_mix": layer_mix(model_config(args)), "mtp_draft_steps": args.mtp}
     if args.device == "cuda":
         import torch
 
@@ -523,6 +565,8 @@ def main(argv=None) -> int:
     report["tokens_identical"] = bool(exact_pairs) and all(v["tokens_identical"] for v in exact_pairs)
     report["cuda_graph"] = any(v["tokens_identical"] for k, v in report["pairs"].items()
                                if v["exact_required"] and "eager" not in k)
+    if args.mtp:  # issue 57's field: every server verified MTP's drafts
+        report["mtp_tokens_identical"] = report["tokens_identical"]
     with open(os.path.join(args.out, "server.json"), "w") as f:
         json.dump(report, f, indent=1)
     say(f"tokens_identical {report['tokens_identical']}, with CUDA graphs {report['cuda_graph']}: "

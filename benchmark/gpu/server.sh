@@ -5,14 +5,19 @@
 # Env: PYTHON (python3), ESS_SITE (where the packages are unpacked; /tmp/ess-site), ESS_MODEL (the checkpoint
 # directory, written if missing; /tmp/dsv32-full, or /tmp/dsv32-full-locality-X), ESS_DEVICE (cuda; cpu rehearses on
 # the CPU path with a tiny model), ESS_LOCALITY (a checkpoint with a real model's top-k locality at this noise share:
-# ess tiny-checkpoint --locality; the fitted 0.125, benchmark/results/locality/fit.json; unset: the random one).
+# ess tiny-checkpoint --locality; the fitted 0.125, benchmark/results/locality/fit.json; unset: the random one),
+# ESS_CHECKPOINT (tiny-checkpoint's flags beyond --full-width and the device's: on the GPU "--no-mtp" unless set, e.g.
+# "--moe-layers 4 --fp8" for DeepSeek-V3.2's layer mix in its FP8 format with the MTP layer; on the CPU none).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: bash benchmark/gpu/server.sh OUT [server.py arguments]}
 shift
 PY=${PYTHON:-python3}
 LOCALITY=${ESS_LOCALITY:-}
-MODEL=${ESS_MODEL:-/tmp/dsv32-full${LOCALITY:+-locality-$LOCALITY}}
+CKPT_TAG=$(echo "${ESS_CHECKPOINT-}" | sed 's/--//g; s/ \+/-/g')  # the checkpoint's flags in its directory's name
+MODEL=${ESS_MODEL:-/tmp/dsv32-full${CKPT_TAG:+-$CKPT_TAG}${LOCALITY:+-locality-$LOCALITY}}
+read -ra ckpt_gpu <<< "${ESS_CHECKPOINT---no-mtp}"
+read -ra ckpt_cpu <<< "${ESS_CHECKPOINT-}"
 locality=(${LOCALITY:+--locality "$LOCALITY"})
 DEVICE=${ESS_DEVICE:-cuda}
 t0=$(date +%s)
@@ -33,12 +38,13 @@ if [ "$DEVICE" = cuda ]; then
   "$PY" -c 'import sglang, torch, flash_mla; print(f"sglang {sglang.__version__}, torch {torch.__version__}")' 2>&1 | tail -1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   if [ ! -f "$MODEL/model.safetensors" ]; then
-    "$PY" -m ess.cli tiny-checkpoint "$MODEL" --full-width --no-mtp --device cuda "${locality[@]}" || exit 2
+    "$PY" -m ess.cli tiny-checkpoint "$MODEL" --full-width "${ckpt_gpu[@]}" --device cuda "${locality[@]}" || exit 2
     say "wrote the full-width checkpoint: $(du -sh "$MODEL" | cut -f1)"
   fi
 else
   "$PY" -c 'import sglang, torch; print(f"sglang {sglang.__version__}, torch {torch.__version__} (the CPU path)")' 2>&1 | tail -1
-  [ -f "$MODEL/model.safetensors" ] || "$PY" -m ess.cli tiny-checkpoint "$MODEL" "${locality[@]}" || exit 2
+  [ -f "$MODEL/model.safetensors" ] || "$PY" -m ess.cli tiny-checkpoint "$MODEL" "${ckpt_cpu[@]}" "${locality[@]}" \
+    || exit 2
 fi
 (nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > "$OUT/nvidia-smi.csv" 2>/dev/null &)
 "$PY" benchmark/gpu/server.py "$OUT" --model "$MODEL" --device "$DEVICE" "$@"

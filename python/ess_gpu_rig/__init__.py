@@ -15,6 +15,9 @@ DeepGEMM build loads under torch 2.11. What stands in, with SGLang's own switche
                              decode and prefill (DeepGEMM's stand-in), checked on the device before they serve
                              (logits_check.py; SGLang's torch versions where they fail, or with
                              ESS_GPU_RIG_LOGITS=torch); and one torch-path fix shared with the CPU path
+    rig_moe.py               the FP8 MoE and MTP path's (issue 57): sgl_kernel's MoE align, SGLang's JIT FP8
+                             activation quantiser, MoE activation, padding mask, MTP norms and EAGLE tree kernels,
+                             each by SGLang's own Triton kernel or the torch it computes
 Both servers of a comparison, stock and --enable-ess, run on the same rig, so they compute with the same kernels.
 """
 
@@ -51,6 +54,9 @@ SETTINGS = {
     "SGLANG_DSA_FUSE_TOPK": "0",  # the un-fused torch top-k (with --dsa-topk-backend torch), not sgl_kernel's
     # short prefills attend through FlashMLA's sparse kernel as long ones do, not sgl_kernel's FA3 varlen
     "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+    # FP8 checkpoints: the block GEMMs are SGLang's Triton ones (with --fp8-gemm-backend triton), not DeepGEMM's,
+    # which would compile at first call and does not load under torch 2.11
+    "SGLANG_ENABLE_JIT_DEEPGEMM": "0",
     ENV: "1",
 }
 
@@ -76,8 +82,8 @@ def register() -> None:
 
     if not active() or not torch.cuda.is_available():
         return
-    from ess_gpu_rig.rig_patches import PATCHES
+    from ess_gpu_rig import rig_moe, rig_patches
     from sglang_ess.hooks import table
 
     logits()  # a bad ESS_GPU_RIG_LOGITS is refused at start-up
-    table.register(PATCHES)
+    table.register(rig_patches.PATCHES + rig_moe.PATCHES)

@@ -97,11 +97,12 @@ def test_a_leases_first_call_rehearsed(tmp_path):
     assert {"lease/decode47/decode.json", "lease/indexer/indexer.json", "lease/steps.log"} <= set(names)
     decode = json.loads((tmp_path / "lease" / "decode47" / "decode.json").read_text())
     assert len(decode["commands"]) == 2 and {r["mode"] for r in decode["rows"]} == {"baseline", "none"}
-    second = tmp_path / "second"  # a second call's steps: the 128K server step (rehearsed as the first's is), decode47
-    subprocess.run([*lease, str(second), "--smoke", "--steps", "server128k,decode47"], check=True, env=env, timeout=600)
+    second = tmp_path / "second"  # a second call's steps: the 128K and MoE server steps (rehearsed as the first's is)
+    subprocess.run([*lease, str(second), "--smoke", "--steps", "server128k,moe,decode47"], check=True, env=env,
+                   timeout=600)
     steps = (second / "lease" / "steps.log").read_text().splitlines()
-    assert steps[0].startswith("server128k: not run with --smoke") and [s.split(":")[0] for s in steps] == [
-        "server128k", "decode47"]
+    assert steps[0].startswith("server128k: not run with --smoke") and steps[1].startswith("moe: not run with --smoke")
+    assert [s.split(":")[0] for s in steps] == ["server128k", "moe", "decode47"]
     for args, message in ((["--budget-min", "0"], "--budget-min must be a positive"), (["--fast"], "unknown flag"),
                           (["--steps", "server,bogus"], "--steps: unknown step bogus")):
         bad = subprocess.run([*lease, str(tmp_path / "b"), *args], capture_output=True, text=True, env=env, timeout=60)

@@ -157,3 +157,36 @@ def test_full_width_checkpoint_config_and_refusal(tmp_path):
     with pytest.raises(ValueError, match="--no-mtp"):
         checkpoint.write(str(tmp_path / "m"), full=True)
     assert not (tmp_path / "m").exists()
+
+
+def test_moe_fp8_mtp_checkpoint_flags_parse_and_report_its_layer_mix(tmp_path, capsys):
+    """The full-width MoE / FP8 checkpoint with its MTP layer (issue 57): SGLang's Triton FP8 and MoE runners on the
+    rig, EAGLE of 1 and 3 draft steps (top-1), ESS's buffer at least each verify row's top-k set and token; every line
+    parses in SGLang; server.json's layer_mix says what the checkpoint holds. --mtp is refused with --gain (its plan
+    does not charge the draft's cache) and on a checkpoint without an MTP layer, naming the flag."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(checkpoint.config(full=True, fp8=True, moe_layers=4)))
+    p = sglang_parser()
+    for steps in (1, 3):
+        args = server.parse(["/tmp/out", "--model", str(model), "--mtp", str(steps), "--buffer-tokens", "2560"])
+        line = server.flags("ess-none", args)
+        ns, unknown = p.parse_known_args(["--model-path", str(model), *line])
+        assert (ns.speculative_algorithm, ns.speculative_num_steps, ns.speculative_eagle_topk,
+                ns.speculative_num_draft_tokens) == ("EAGLE", steps, 1, steps + 1)
+        assert (ns.fp8_gemm_runner_backend, ns.moe_runner_backend) == ("triton", "triton")
+        assert ns.speculative_dsa_topk_backend == ns.dsa_topk_backend == "torch"  # the draft's on the rig too
+        buffer = int(line[line.index("--ess-buffer-tokens") + 1])
+        assert buffer == max(2560, (steps + 1) * 2049) and "--ess-buffer-tokens" in unknown
+    assert server.layer_mix(server.model_config(args)) == {
+        "layers": 7, "dense": 3, "moe": 4, "routed_experts": 32, "experts_per_token": 1, "shared_experts": 1,
+        "fp8": True, "mtp_layers": 1}
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(checkpoint.config(mtp=False, full=True)))
+    assert server.layer_mix(server.model_config(server.parse(["/tmp/out", "--model", str(dense)])))["moe"] == 0
+    assert "--fp8-gemm-backend" not in server.flags("stock", server.parse(["/tmp/out", "--model", str(dense)]))
+    for argv in (["--model", str(model), "--mtp", "1", "--gain"], ["--model", str(dense), "--mtp", "1"]):
+        with pytest.raises(SystemExit):
+            server.parse(["/tmp/out", *argv])
+        assert "--mtp" in capsys.readouterr().err
