@@ -2,8 +2,9 @@
 # A lease's first device call, prepared (docs/gpu.md, "The next GPU run"): what waits for a GPU, most valuable
 # first, in one command under the device tool's 10-minute cap, each step under what is left of the budget and OUT
 # packed into OUT/gpu.tgz after each (the device tool brings back 8 files at most).
-#   bash benchmark/gpu/lease.sh OUT [--budget-min M] [--steps server,decode47,indexer] [--smoke]
-# Steps, in order:
+#   bash benchmark/gpu/lease.sh OUT [--budget-min M] [--steps server,moe,resident,decode47,indexer] [--smoke]
+# Steps, in order (the developers' guide's: the honest workload, the real layer mix and MTP, the resident step, the
+# kernels):
 #   server    the real server's gain with residency on (benchmark/gpu/server.sh --gain --gain-modes none): 32K in /
 #             2K out, 24 prompts all at once to stock (8 at a time), ESS (as many as stock's bytes hold), ESS at
 #             stock's 8 and SGLang's HiSparse under the same bytes; each server's device bytes checked first,
@@ -11,16 +12,16 @@
 #             one has not run)
 #             Both server steps write the checkpoint with a real model's top-k locality (ESS_LOCALITY, default the
 #             fitted 0.125; empty: the random checkpoint, as every GPU figure before).
+#   moe       DeepSeek-V3.2's layer mix at one GPU's share of EP8 in its FP8 format with the MTP layer (issue 57:
+#             ESS_CHECKPOINT="--moe-layers 4 --fp8", the rig's MoE / FP8 / EAGLE stand-ins, ess_gpu_rig.rig_moe): stock
+#             and ESS with EAGLE of 1 then 3 draft steps, CUDA graphs, tokens compared, SGLang's serving benchmark on
+#             each (moe-mtp1/, moe-mtp3/ server.json: layer_mix, mtp_tokens_identical; not yet run: its kernels'
+#             first run on a GPU, each scheduler checking them first)
 #   resident  every request resident at the workload's context length (issue 58): stock and ESS with C = the request's
 #             reach (ess-fit), 8 prompts of 32K at --context-length 33088, tokens compared, SGLang's serving benchmark
 #             on each (256 out) with CUDA graphs: server.json's resident_over_stock, the context length beside it
 #   server128k  the same at 128K in / 2K out: stock holds 2 requests, ESS (C = 0.1 x context) 6, 6 prompts; only
-#             with --steps (a second call: --steps server128k,decode47)
-#   moe       DeepSeek-V3.2's layer mix at one GPU's share of EP8 in its FP8 format with the MTP layer (issue 57:
-#             ESS_CHECKPOINT="--moe-layers 4 --fp8", the rig's MoE / FP8 / EAGLE stand-ins, ess_gpu_rig.rig_moe): stock
-#             and ESS with EAGLE of 1 then 3 draft steps, CUDA graphs, tokens compared, SGLang's serving benchmark on
-#             each (moe-mtp1/, moe-mtp3/ server.json: layer_mix, mtp_tokens_identical); only with --steps (it has
-#             not run: its kernels' first run on a GPU)
+#             with --steps (a second call: --steps moe,resident,server128k)
 #   decode47  issue 47's decode reruns with the region map: 32K MTP verify, then 128K decode, baseline and none
 #             (benchmark/decode_gpu.py --rest modelled, one decode.json; about 150 s on the H200)
 #   indexer   the indexer's parts and its top-k paths (benchmark/indexer_kernels.py; what is left)
@@ -29,7 +30,7 @@
 # tiny sizes (the server step is rehearsed by scripts/gpu_rehearsal.sh), as CI checks this script.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="" budget=9.5 smoke="" steps="server,resident,decode47,indexer"
+OUT="" budget=9.5 smoke="" steps="server,moe,resident,decode47,indexer"
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget-min) budget=${2:?--budget-min needs minutes}; shift ;;
@@ -98,14 +99,15 @@ decode47() {  # 32K MTP verify, then 128K decode appended: baseline and none, as
 # ESS_LOCALITY= (empty) for the random checkpoint
 LOCALITY=${ESS_LOCALITY-0.125}
 moe() {  # the FP8 MoE checkpoint with MTP: EAGLE of 1 then 3 draft steps, stock against ESS (one checkpoint, written once)
-  local n
-  for n in 1 3; do
+  local n rc=0
+  for n in 1 3; do  # the second runs whatever the first found: each is its own result
     env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" ESS_CHECKPOINT="--moe-layers 4 --fp8" bash benchmark/gpu/server.sh \
-      "$RUN/moe-mtp$n" --servers stock,ess-none --bench stock,ess-none --mtp "$n" --bench-output 256 || return 1
+      "$RUN/moe-mtp$n" --servers stock,ess-none --bench stock,ess-none --mtp "$n" || rc=1
   done
+  return $rc
 }
 
-for name in server resident server128k moe; do
+for name in server moe resident server128k; do
   wanted "$name" || continue
   if [ -n "$smoke" ]; then
     echo "$name: not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)" | tee -a "$RUN/steps.log"

@@ -221,6 +221,8 @@ def run_tiny_checkpoint(args) -> int:
     except FileExistsError as e:
         raise ValueError(str(e)) from e
     width = ("full-width " if args.full_width else "") + ("FP8 " if args.fp8 else "")
-    say(f"ess tiny-checkpoint: a random {width}DeepSeek-V3.2 checkpoint (seed {args.seed}) in {args.out}: "
+    kind = "random" if args.locality is None else f"locality {args.locality}"  # the indexer's top-k (random or real)
+    mix = "" if args.moe_layers is None else f", {args.moe_layers} MoE layers"
+    say(f"ess tiny-checkpoint: a {kind} {width}DeepSeek-V3.2 checkpoint (seed {args.seed}{mix}) in {args.out}: "
         + ", ".join(os.path.basename(p) for p in paths))
     return 0

@@ -91,18 +91,18 @@ def test_a_leases_first_call_rehearsed(tmp_path):
     subprocess.run([*lease, str(tmp_path), "--smoke"], check=True, env=env, timeout=600)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.tgz", "lease"]
     steps = (tmp_path / "lease" / "steps.log").read_text().splitlines()
-    assert steps[0].startswith("server: not run with --smoke") and steps[1].startswith("resident: not run with --smoke")
-    assert [s.split(":")[0] for s in steps[2:]] == ["decode47", "indexer"] and all("exit 0" in s for s in steps[2:])
+    assert [s.split(":")[0] for s in steps] == ["server", "moe", "resident", "decode47", "indexer"]
+    assert all(s.endswith("not run with --smoke (scripts/gpu_rehearsal.sh rehearses it)") for s in steps[:3])
+    assert all("exit 0" in s for s in steps[3:])
     names = tarfile.open(tmp_path / "gpu.tgz").getnames()
     assert {"lease/decode47/decode.json", "lease/indexer/indexer.json", "lease/steps.log"} <= set(names)
     decode = json.loads((tmp_path / "lease" / "decode47" / "decode.json").read_text())
     assert len(decode["commands"]) == 2 and {r["mode"] for r in decode["rows"]} == {"baseline", "none"}
-    second = tmp_path / "second"  # a second call's steps: the 128K and MoE server steps (rehearsed as the first's is)
-    subprocess.run([*lease, str(second), "--smoke", "--steps", "server128k,moe,decode47"], check=True, env=env,
-                   timeout=600)
+    second = tmp_path / "second"  # a second call's steps: the 128K server step (rehearsed as the first's is), decode47
+    subprocess.run([*lease, str(second), "--smoke", "--steps", "server128k,decode47"], check=True, env=env, timeout=600)
     steps = (second / "lease" / "steps.log").read_text().splitlines()
-    assert steps[0].startswith("server128k: not run with --smoke") and steps[1].startswith("moe: not run with --smoke")
-    assert [s.split(":")[0] for s in steps] == ["server128k", "moe", "decode47"]
+    assert steps[0].startswith("server128k: not run with --smoke") and [s.split(":")[0] for s in steps] == [
+        "server128k", "decode47"]
     for args, message in ((["--budget-min", "0"], "--budget-min must be a positive"), (["--fast"], "unknown flag"),
                           (["--steps", "server,bogus"], "--steps: unknown step bogus")):
         bad = subprocess.run([*lease, str(tmp_path / "b"), *args], capture_output=True, text=True, env=env, timeout=60)
