@@ -82,7 +82,8 @@ def per_token_group_quant(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor,
 
 def quantise_torch(x: torch.Tensor, x_q: torch.Tensor, x_s: torch.Tensor, group_size: int, eps: float,
                    fp8_min: float, fp8_max: float) -> None:
-    """The same arithmetic in torch (the Triton kernel's: x times the reciprocal of its group's scale)."""
+    """The same formula in torch (as the Triton kernel writes it: x times the reciprocal of its group's scale, here
+    with IEEE division)."""
     groups = x.float().reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
     scale = groups.abs().amax(-1).clamp(min=eps) / fp8_max
     x_q.copy_((groups * (1.0 / scale).unsqueeze(-1)).clamp(fp8_min, fp8_max).reshape(x.shape))

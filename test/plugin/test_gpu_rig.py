@@ -390,6 +390,9 @@ def test_moe_stand_ins_pass_the_check_they_take_on_the_device(sglang_moe_side):
     assert sglang_moe_side["check"] == [None, None, None]
     torch_quantiser = lambda x, q, s, g, eps, lo, hi, **kw: moe.quantise_torch(x, q, s, g, eps, lo, hi)  # noqa: E731
     assert check.check_quantiser("cpu", torch_quantiser) is None
+    # CUDA's float32 division in Triton is within 2 ulp (div.full.f32): a scale a unit below its power of two passes
+    nudged = lambda x, q, s, *a, **kw: (torch_quantiser(x, q, s, *a), s.mul_(1 - 2**-24))  # noqa: E731
+    assert check.check_quantiser("cpu", nudged) is None
     assert check.check_combine("cpu", _standin_sgl_kernel().moe_sum_reduce) is None
 
 
