@@ -14,9 +14,9 @@
 #             fitted 0.125; empty: the random checkpoint, as every GPU figure before).
 #   moe       DeepSeek-V3.2's layer mix at one GPU's share of EP8 in its FP8 format with the MTP layer (issue 57:
 #             ESS_CHECKPOINT="--moe-layers 4 --fp8", the rig's MoE / FP8 / EAGLE stand-ins, ess_gpu_rig.rig_moe): stock
-#             and ESS with EAGLE of 1 then 3 draft steps, CUDA graphs, tokens compared, SGLang's serving benchmark on
-#             each (moe-mtp1/, moe-mtp3/ server.json: layer_mix, mtp_tokens_identical; not yet run: its kernels'
-#             first run on a GPU, each scheduler checking them first)
+#             and ESS with EAGLE of 1 (eager too) then 3 draft steps, CUDA graphs, tokens compared, SGLang's
+#             serving benchmark on each (moe-mtp1/, moe-mtp3/ server.json: layer_mix, mtp_tokens_identical; not yet
+#             run: its kernels' first run on a GPU, each scheduler checking them first)
 #   resident  every request resident at the workload's context length (issue 58): stock and ESS with C = the request's
 #             reach (ess-fit), 8 prompts of 32K at --context-length 33088, tokens compared, SGLang's serving benchmark
 #             on each (256 out) with CUDA graphs: server.json's resident_over_stock, the context length beside it
@@ -99,10 +99,12 @@ decode47() {  # 32K MTP verify, then 128K decode appended: baseline and none, as
 # ESS_LOCALITY= (empty) for the random checkpoint
 LOCALITY=${ESS_LOCALITY-0.125}
 moe() {  # the FP8 MoE checkpoint with MTP: EAGLE of 1 then 3 draft steps, stock against ESS (one checkpoint, written once)
-  local n rc=0
+  local n rc=0 servers
   for n in 1 3; do  # the second runs whatever the first found: each is its own result
+    servers=stock,ess-none
+    [ "$n" = 1 ] && servers=stock-eager,ess-none-eager,$servers  # eager beside: tells a graph-only difference
     env PYTHON="$PY" ESS_LOCALITY="$LOCALITY" ESS_CHECKPOINT="--moe-layers 4 --fp8" bash benchmark/gpu/server.sh \
-      "$RUN/moe-mtp$n" --servers stock,ess-none --bench stock,ess-none --mtp "$n" || rc=1
+      "$RUN/moe-mtp$n" --servers "$servers" --bench stock,ess-none --mtp "$n" || rc=1
   done
   return $rc
 }
