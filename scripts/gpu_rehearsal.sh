@@ -3,7 +3,7 @@
 # missing import: a Python 3.12 venv copying the GPU image (scripts/gpu_image_requirements.txt: its torch 2.11 and
 # the image's versions of what SGLang imports), the carry set (scripts/gpu_carry.sh), then benchmark/gpu/server.sh
 # on the CPU path: stock, --enable-ess and SGLang's HiSparse on the tiny checkpoint, the same batch, tokens equal, and
-# SGLang's serving benchmark; then the gain run (--gain) at the CPU's sizes; then MTP on the FP8 checkpoint (--mtp 1). Everything lands in .rehearsal/ (git-ignored; about 3 GB:
+# SGLang's serving benchmark; then the gain run (--gain) at the CPU's sizes; then MTP on the FP8 checkpoint (--mtp 1, 3). Everything lands in .rehearsal/ (git-ignored; about 3 GB:
 # torch 2.11's CUDA libraries are the project venv's, linked). Exit 0 when the tokens are equal and the gain
 # run benchmarked every server within the budget. CI runs it after the tests (.ci/run).
 set -euo pipefail
@@ -92,18 +92,22 @@ assert "whole_run_gain_ess-none" in ratios and "overhead_ess-none-at-stock" in r
 print("gpu_rehearsal: gain run", ratios, "ESS", ess)
 EOF
 # lease.sh's moe step at the CPU's sizes (issue 57): DeepSeek's FP8 format with the MTP layer, stock and ESS with EAGLE
-# (1 draft step, top-1), tokens compared; server.json's layer_mix and mtp_tokens_identical (the CPU's checkpoint is
-# the tiny one: its MoE layer routes as DeepSeek-V3.2's, at CPU widths)
-rm -rf .rehearsal/mtp
-PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model-fp8" ESS_DEVICE=cpu \
-  ESS_CHECKPOINT=--fp8 bash benchmark/gpu/server.sh .rehearsal/mtp --servers stock-eager,ess-none-eager --mtp 1 \
-  --lengths 200,420 --buffer-tokens 96 --requests 4 --bench ''
-"$VENV/bin/python" - <<'EOF'
+# (1 then 3 draft steps, top-1), tokens compared; server.json's layer_mix and mtp_tokens_identical (the CPU's checkpoint
+# is the tiny one: its MoE layer routes as DeepSeek-V3.2's, at CPU widths)
+for n in 1 3; do
+  rm -rf ".rehearsal/mtp$n"
+  PYTHON="$VENV/bin/python" ESS_SITE="$PWD/.rehearsal/site" ESS_MODEL="$PWD/.rehearsal/model-fp8" ESS_DEVICE=cpu \
+    ESS_CHECKPOINT=--fp8 bash benchmark/gpu/server.sh ".rehearsal/mtp$n" --servers stock-eager,ess-none-eager \
+    --mtp "$n" --lengths 200,420 --buffer-tokens 96 --requests 4 --bench ''
+  "$VENV/bin/python" - "$n" <<'EOF'
 import json
+import sys
 
-report = json.load(open(".rehearsal/mtp/server.json"))
-assert report["mtp_tokens_identical"] and report["mtp_draft_steps"] == 1, report["pairs"]
+n = int(sys.argv[1])
+report = json.load(open(f".rehearsal/mtp{n}/server.json"))
+assert report["mtp_tokens_identical"] and report["mtp_draft_steps"] == n, report["pairs"]
 assert report["layer_mix"]["fp8"] and report["layer_mix"]["mtp_layers"] == 1, report["layer_mix"]
 assert report["servers"]["ess-none-eager"]["ess"]["forwards"] > 0, report["servers"]["ess-none-eager"]
-print("gpu_rehearsal: MTP on the FP8 checkpoint", report["layer_mix"], report["pairs"])
+print(f"gpu_rehearsal: MTP {n} on the FP8 checkpoint", report["layer_mix"], report["pairs"])
 EOF
+done
