@@ -135,22 +135,13 @@ def device_flags(args, batch: int) -> list[str]:
     """The flags of the machine: the CPU path's, or the GPU rig's with decode graphs up to the batch and prefill's
     breakable graphs off (dozens of token buckets to capture, and ESS's step runs in decode); an FP8 checkpoint's
     block GEMMs and MoE on SGLang's Triton runners (the rig's FP8 path, ess_gpu_rig.rig_moe); MTP's flags."""
-    spec = mtp_flags(args.mtp)
+    spec = S.mtp_flags(args.mtp)
     if args.device == "cpu":
         return S.CPU_FLAGS + spec
     fp8 = FP8_RIG_FLAGS if layer_mix(model_config(args))["fp8"] else []
     spec += ["--speculative-dsa-topk-backend", "torch"] if spec else []  # the draft's indexer top-k, as the target's
     return RIG_FLAGS + fp8 + spec + ["--mem-fraction-static", str(args.mem_fraction), "--cuda-graph-max-bs-decode",
                                      str(batch), "--disable-prefill-cuda-graph"]
-
-
-def mtp_flags(steps: int) -> list[str]:
-    """EAGLE over the checkpoint's MTP layer: `steps` draft tokens a step, one path (top-1: ESS's and HiSparse's
-    limit), verified as steps + 1 query rows."""
-    if not steps:
-        return []
-    return ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(steps + 1)]
 
 
 def layer_mix(config: dict) -> dict:

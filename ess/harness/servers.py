@@ -28,8 +28,18 @@ CPU_FLAGS = ["--device", "cpu", "--kv-cache-dtype", "fp8_e4m3"]  # everything el
 ESS_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96", "--ess-residency", "off"]
 # residency first (the default): requests that fit the device keep every row there
 ESS_RESIDENT_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "96"]
-MTP_FLAGS = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-             "--speculative-num-draft-tokens", "2"]
+
+
+def mtp_flags(steps: int) -> list[str]:
+    """EAGLE over the checkpoint's MTP layer: `steps` draft tokens a step, one path (top-1: ESS's and HiSparse's
+    limit), verified as steps + 1 query rows; none for 0."""
+    if not steps:
+        return []
+    return ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(steps + 1)]
+
+
+MTP_FLAGS = mtp_flags(1)
 ESS_MTP_FLAGS = ["--enable-ess", "--ess-buffer-tokens", "160", "--ess-residency", "off"]  # >= 2 verify rows x (64 + 1)
 TOKENS = range(2, 258)  # prompt ids: the tiny checkpoint's <unk>, its characters and the first words
 START_TIMEOUT_S = 300

@@ -143,11 +143,15 @@ def test_a_request_aborted_mid_decode_is_let_go_and_the_server_serves_on(plain):
     assert state["released_requests"] >= 21, state
 
 
-def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path):
+@pytest.mark.parametrize("steps", [1, 3])
+def test_mtp_verify_through_ess_gives_stock_tokens(model, tmp_path, steps):
+    """EAGLE of 1 and 3 draft steps (top-1): each verify step's 2 or 4 query rows a request through ESS."""
     def workload(srv, is_ess):
         return srv.generate(S.prompts(8, (200, 420), seed=4), NEW_TOKENS)
 
-    results, state, _ = run_pair(tmp_path, model, S.MTP_FLAGS, S.ESS_MTP_FLAGS, workload)
+    ess = S.ESS_MTP_FLAGS if steps == 1 else \
+        ["--enable-ess", "--ess-buffer-tokens", str((steps + 1) * 65), "--ess-residency", "off"]  # rows x (64 + 1)
+    results, state, _ = run_pair(tmp_path, model, S.mtp_flags(steps), ess, workload)
     assert tokens(results["ess"]) == tokens(results["stock"])
     assert state["device"]["measured"] == state["device"]["charged"]["total"]  # the verify rows' scratch too
     assert state["forwards"] > 0 and state["missed_rows"] > 0, state  # the verify steps went through ESS
