@@ -3,8 +3,9 @@
 # missing import: a Python 3.12 venv copying the GPU image (scripts/gpu_image_requirements.txt: its torch 2.11 and
 # the image's versions of what SGLang imports), the carry set (scripts/gpu_carry.sh), then benchmark/gpu/server.sh
 # on the CPU path: stock, --enable-ess and SGLang's HiSparse on the tiny checkpoint, the same batch, tokens equal, and
-# SGLang's serving benchmark; then the gain run (--gain) at the CPU's sizes; then MTP on the FP8 checkpoint (--mtp 1, 3). Everything lands in .rehearsal/ (git-ignored; about 3 GB:
-# torch 2.11's CUDA libraries are the project venv's, linked). Exit 0 when the tokens are equal and the gain
+# SGLang's serving benchmark; then the gain run (--gain) at the CPU's sizes; then MTP on the FP8 checkpoint (--mtp 1,
+# 3). Everything lands in .rehearsal/ (git-ignored; about 3 GB: torch 2.11's CUDA libraries are the project venv's,
+# linked). Exit 0 when the tokens are equal and the gain
 # run benchmarked every server within the budget. CI runs it after the tests (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."

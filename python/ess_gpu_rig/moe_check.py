@@ -2,8 +2,8 @@
 of which every path computes exactly, so any difference is a fault: the FP8 activation quantiser (SGLang's Triton
 kernel; groups whose absmax is 448 times a power of two over values on the FP8 grid, so each scale is a power of two
 and each quotient an FP8 value; on CUDA, Triton divides in float32 to 2 ulp (div.full.f32), so a scale may be 2 ulp
-off its power of two, which rounds every quotient to the same FP8 value), row- and column-major scales; sgl_kernel's MoE combine (small integers, sums exact in
-bf16); the MoE align against SGLang's own Triton align (exact by contract). Each scheduler runs it before its weights
+off its power of two, which rounds every quotient to the same FP8 value), row- and column-major scales; sgl_kernel's
+MoE combine (small integers, sums exact in bf16); the MoE align against SGLang's own Triton align (exact by contract). Each scheduler runs it before its weights
 load (rig_moe.before_load_model): a quantiser that fails gives way to the torch one, and each result is printed to the
 server's log (docs/gpu-server.md); the tests run the same check on the CPU in Triton's interpreter, which computes
 these values exactly too."""
@@ -52,9 +52,9 @@ def check_quantiser(device, quantiser) -> str | None:
             off = (s.cpu() - want_s).abs() > want_s * 2**-21  # more than 2 ulp (float32: 2^-23 a unit at 1)
             if bool(off.any()):
                 return f"FP8 quantiser ({layout} scales): {int(off.sum())} of {s.numel()} scales differ"
-            if not torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8)):
-                return f"FP8 quantiser ({layout} scales): {int((q.cpu().view(torch.uint8) != want_q.view(torch.uint8)).sum())} " \
-                       f"of {q.numel()} values differ"
+            wrong = q.cpu().view(torch.uint8) != want_q.view(torch.uint8)
+            if bool(wrong.any()):
+                return f"FP8 quantiser ({layout} scales): {int(wrong.sum())} of {q.numel()} values differ"
         return None
     except Exception as e:  # a kernel that does not build or run here fails its check
         return f"FP8 quantiser: {type(e).__name__}: {str(e)[:300]}"

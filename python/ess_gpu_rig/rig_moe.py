@@ -4,7 +4,7 @@ replaced by SGLang's own Triton kernel where SGLang has one, else by the torch t
 (fused_moe_kernel), the FP8 block GEMM, the router's top-k (moe_fused_gate) and EAGLE's bookkeeping are SGLang's
 Triton kernels already and run as they are. Everything here runs inside the decode step's CUDA graphs except the
 tree build and verify (once a step, outside them), so it reads no value on the host and sizes nothing from data: each
-runs on meta tensors (test/plugin/test_gpu_rig_moe.py). The torch stand-ins are a few small kernels each where
+runs on meta tensors (test/plugin/test_gpu_rig.py). The torch stand-ins are a few small kernels each where
 sgl_kernel's is one; stock and ESS run the same ones (docs/gpu-server.md).
 sgl_kernel's moe_sum_reduce, which SGLang's MoE imports by name, is the stand-in package's own (sgl_kernel/__init__)."""
 

@@ -5,7 +5,7 @@ SGLang imports sgl_kernel by name in about a hundred modules (its CPU engine: `f
 build sglang==0.5.23 installs is the CUDA one, which cannot load without a driver, and the GPU machine cannot install
 it at all (torch 2.11). This package answers every name and submodule of sgl_kernel with a kernel that raises when
 called, naming itself: importing works, and a kernel nobody replaced fails loudly instead of computing anything. The
-one kernels it gives are weak_ref_tensor, which a dense DeepSeek-V3.2 server on SGLang's torch paths still calls at CUDA
+kernels it gives are weak_ref_tensor, which a dense DeepSeek-V3.2 server on SGLang's torch paths still calls at CUDA
 graph capture, and moe_sum_reduce, which SGLang's fused MoE imports by name on CUDA and calls above 32 tokens (the GPU
 rig's MoE layers; its other MoE stand-ins are in ess_gpu_rig.rig_moe). The DeepSeek-V3.2 path the CPU path serves
 calls no kernel of it (its torch replacements are in sglang_ess.cpu.kernels).
